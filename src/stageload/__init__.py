@@ -1,0 +1,57 @@
+"""stageload: load each model of a multi-stage PyTorch pipeline only while its stages run.
+
+``import stageload`` stays light (no torch, matplotlib or diffusers): the public names
+below are resolved on first access, so the CLI and the guard start fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# Public name -> submodule that defines it.
+_EXPORTS: dict[str, str] = {
+    "StagedModels": "staged",
+    "ReleaseUnlisted": "staged",
+    "ResidencyPolicy": "staged",
+    "ModelLoadError": "staged",
+    "release": "release",
+    "ReleasedModuleError": "release",
+    "return_memory_to_os": "release",
+    "preserved_rng": "rng",
+    "on_call": "hooks",
+    "share": "share",
+    "Event": "events",
+    "EventSink": "events",
+    "ListSink": "events",
+    "TeeSink": "events",
+    "parse_size": "units",
+    "format_size": "units",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stageload' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
+    from .events import Event, EventSink, ListSink, TeeSink
+    from .hooks import on_call
+    from .release import ReleasedModuleError, release, return_memory_to_os
+    from .rng import preserved_rng
+    from .share import share
+    from .staged import ModelLoadError, ReleaseUnlisted, ResidencyPolicy, StagedModels
+    from .units import format_size, parse_size

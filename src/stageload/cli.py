@@ -1,0 +1,54 @@
+"""The ``stageload`` command: argparse subcommands over the library, each returning an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+
+# Subcommand name -> module in stageload.commands. Order is the order in --help.
+COMMANDS: dict[str, str] = {}
+
+#: Exit code for bad command-line usage, as argparse uses.
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stageload",
+        description="Staged model loading for multi-stage PyTorch pipelines, with memory "
+        "traces and a guard that keeps heavy runs from swapping the machine down.",
+    )
+    parser.add_argument("--version", action="version", version=f"stageload {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(f"stageload.commands.{module_name}")
+        cmd = sub.add_parser(
+            name,
+            help=module.HELP,
+            description=getattr(module, "DESCRIPTION", module.HELP),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(cmd)
+        cmd.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv``, run the subcommand, and return its exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(args._run(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

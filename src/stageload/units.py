@@ -1,0 +1,88 @@
+"""Parse and format byte sizes and durations, shared by the library and the CLI flags."""
+
+from __future__ import annotations
+
+import re
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$", re.IGNORECASE)
+_DURATION_SCALE = {"ms": 0.001, "s": 1.0, "": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a size such as ``"12G"``, ``"512MiB"``, ``"1.5g"`` or ``"4096"`` into bytes.
+
+    Suffixes are binary (``G`` means GiB), as in ``free -h`` and ``sysctl vm.swapusage``.
+    """
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must not be negative, got {text!r}")
+        return text
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise ValueError(
+            f"invalid size {text!r}: use a number with an optional unit, e.g. '8G', '512M' or '1.5GiB'"
+        )
+    number, unit, _ = match.groups()
+    return int(float(number) * (1 << _SIZE_SHIFT[unit.lower()]))
+
+
+def parse_percent_or_size(text: str) -> tuple[str, float]:
+    """Parse ``"40%"``/``"40"`` as a percentage or ``"12G"`` as bytes.
+
+    Returns ``("percent", value)`` or ``("bytes", value)``. A bare number is a percentage,
+    because that is how ``--wait-free 40`` reads in the docs.
+    """
+    s = str(text).strip()
+    if s.endswith("%") or re.fullmatch(r"\d+(\.\d+)?", s):
+        value = float(s.rstrip("%"))
+        if not 0 <= value <= 100:
+            raise ValueError(f"invalid percentage {text!r}: must be between 0 and 100")
+        return "percent", value
+    try:
+        return "bytes", float(parse_size(s))
+    except ValueError:
+        raise ValueError(
+            f"invalid amount {text!r}: use a percentage like '40%' or a size like '12G'"
+        ) from None
+
+
+def parse_duration(text: str | float) -> float:
+    """Parse a duration such as ``"1m"``, ``"30s"``, ``"500ms"`` or ``"2.5"`` (seconds)."""
+    if isinstance(text, (int, float)):
+        if text < 0:
+            raise ValueError(f"duration must not be negative, got {text!r}")
+        return float(text)
+    match = _DURATION_RE.match(str(text))
+    if not match:
+        raise ValueError(f"invalid duration {text!r}: use e.g. '30s', '1m', '500ms' or '2.5'")
+    number, unit = match.groups()
+    return float(number) * _DURATION_SCALE[(unit or "").lower()]
+
+
+def format_size(n: int | float | None, *, precision: int = 1) -> str:
+    """Format bytes in binary units, e.g. ``1.5 GiB``; ``None`` gives ``"-"``."""
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ""
+    value = float(abs(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{sign}{int(value)} B"
+            return f"{sign}{value:.{precision}f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_duration(seconds: float | None) -> str:
+    """Format seconds as ``"850 ms"``, ``"12.3 s"`` or ``"4 min 05 s"``."""
+    if seconds is None:
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes} min {secs:02d} s"
