@@ -22,7 +22,8 @@ def parse_size(text: str | int) -> int:
     match = _SIZE_RE.match(str(text))
     if not match:
         raise ValueError(
-            f"invalid size {text!r}: use a number with an optional unit, e.g. '8G', '512M' or '1.5GiB'"
+            f"invalid size {text!r}: use a number with an optional unit, "
+            "e.g. '8G', '512M' or '1.5GiB'"
         )
     number, unit, _ = match.groups()
     return int(float(number) * (1 << _SIZE_SHIFT[unit.lower()]))

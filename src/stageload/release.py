@@ -1,0 +1,189 @@
+"""Free a module's weights in place and give the memory back to the operating system.
+
+Moving idle weights to the CPU frees nothing on unified memory (Apple Silicon, CPU-only
+machines): the copy lives in the same RAM. Releasing moves every parameter and buffer to
+the ``meta`` device instead, which has no storage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import gc
+import sys
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+_RELEASED_ATTR = "_stageload_released"
+
+
+class ReleasedModuleError(RuntimeError):
+    """A module was called after its weights were released."""
+
+    def __init__(self, name: str | None, stage: str | None) -> None:
+        self.name = name
+        self.stage = stage
+        what = f"model {name!r}" if name else "this module"
+        when = f" when the pipeline entered stage {stage!r}" if stage else ""
+        super().__init__(
+            f"{what} was released{when}: its weights are on the 'meta' device. "
+            "Get the model from the registry again (models[name]) instead of keeping a "
+            "reference to the released object, or list it in that stage's plan."
+        )
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    storage = t.untyped_storage()
+    return (str(t.device), storage.data_ptr())
+
+
+def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
+    for sub in module.modules():
+        for p in sub._parameters.values():
+            if p is not None:
+                yield p
+        for b in sub._buffers.values():
+            if b is not None:
+                yield b
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes held by a module's parameters and buffers, counting shared storage once."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in _tensors(module):
+        if t.is_meta:
+            continue
+        seen[_storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def is_released(module: nn.Module) -> bool:
+    """True when ``module`` was released by :func:`release`."""
+    return hasattr(module, _RELEASED_ATTR)
+
+
+def release(
+    module: nn.Module,
+    *,
+    name: str | None = None,
+    stage: str | None = None,
+    keep: Iterable[nn.Module] = (),
+) -> int:
+    """Free ``module``'s weights in place and return the number of bytes freed.
+
+    Every parameter and buffer moves to ``meta``; the old storage is emptied, so the
+    memory comes back even while other code holds a reference to the module or to one
+    of its tensors. Storage shared with a module in ``keep`` (and submodules that belong
+    to one) is left alone. Afterwards, calling the module or any released submodule
+    raises :class:`ReleasedModuleError` naming ``name`` and ``stage``.
+    """
+    import torch
+    from torch import nn
+
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"release() expects an nn.Module, got {type(module).__name__}")
+    kept_modules: set[int] = set()
+    kept_storage: set[tuple[str, int]] = set()
+    for other in keep:
+        for sub in other.modules():
+            kept_modules.add(id(sub))
+        for t in _tensors(other):
+            if not t.is_meta:
+                kept_storage.add(_storage_key(t))
+
+    freed: dict[tuple[str, int], int] = {}
+    replaced: dict[int, torch.Tensor] = {}  # old tensor id -> meta twin, keeps tied weights tied
+    devices: set[str] = set()
+    with torch.no_grad():
+        for sub in module.modules():
+            if id(sub) in kept_modules:
+                continue
+            for slots in (sub._parameters, sub._buffers):
+                for key, t in list(slots.items()):
+                    if t is None or t.is_meta:
+                        continue
+                    skey = _storage_key(t)
+                    if skey in kept_storage:
+                        continue
+                    twin = replaced.get(id(t))
+                    if twin is None:
+                        twin = _meta_twin(t)
+                        replaced[id(t)] = twin
+                    slots[key] = twin
+                    if skey not in freed:
+                        freed[skey] = t.untyped_storage().nbytes()
+                        devices.add(t.device.type)
+                        _empty_storage(t)
+            _mark_released(sub, name, stage)
+    replaced.clear()
+    return_memory_to_os(devices)
+    return sum(freed.values())
+
+
+def _meta_twin(t: torch.Tensor) -> torch.Tensor:
+    import torch
+    from torch import nn
+
+    meta = torch.empty_like(t, device="meta")
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(meta, requires_grad=t.requires_grad)
+    return meta
+
+
+def _empty_storage(t: torch.Tensor) -> None:
+    # Resizing the storage to 0 frees it for every tensor that views it, including
+    # references held outside the module. Storage that cannot be resized (numpy-backed,
+    # mmapped files) is freed when its last reference goes.
+    with contextlib.suppress(RuntimeError):
+        t.untyped_storage().resize_(0)
+
+
+def _mark_released(module: nn.Module, name: str | None, stage: str | None) -> None:
+    original = type(module).forward
+
+    @functools.wraps(original)
+    def released_forward(*args: Any, **kwargs: Any) -> Any:
+        raise ReleasedModuleError(name, stage)
+
+    # An instance attribute shadows the class's forward, so both module(x) and
+    # module.forward(x) raise our error instead of a meta-tensor error deep in torch.
+    object.__setattr__(module, "forward", released_forward)
+    object.__setattr__(module, _RELEASED_ATTR, (name, stage))
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    path = ctypes.util.find_library("c") or "libc.so.6"
+    try:
+        libc = ctypes.CDLL(path)
+        return libc.malloc_trim  # glibc only; musl has no malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def return_memory_to_os(devices: Iterable[str] = ("cpu",)) -> None:
+    """Collect garbage, trim malloc's heap on glibc, and empty the CUDA and MPS caches.
+
+    Freed tensors under glibc's mmap threshold (up to 32 MiB) stay in malloc's heap
+    until ``malloc_trim(0)``; the CUDA and MPS allocators keep freed blocks cached.
+    """
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    devices = set(devices)
+    if "cuda" in devices and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    if "mps" in devices and torch.backends.mps.is_available():
+        torch.mps.empty_cache()
