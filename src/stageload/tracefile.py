@@ -1,0 +1,265 @@
+"""Write a memory trace: the JSONL records of ``docs/trace-format.md``, one line each.
+
+``TraceWriter`` is shared by ``MemoryMeter``, its sampler process and ``stageload guard``::
+
+    with TraceWriter("run.jsonl") as trace:
+        trace.start(pid=os.getpid(), interval=0.5, sampler="thread", meta={"label": "x"})
+        trace.sample({"footprint": 123, "available": 456})
+        trace.event(Event("stage", stage="decode"))
+        trace.mark("warm-up done")
+        trace.error("swap_used", "cannot read /proc/meminfo")  # once, until...
+        trace.recovered("swap_used")                            # ...the read works again
+        trace.end(exit_code=0)
+
+Every record is one ``os.write`` of one whole line on a file opened with ``O_APPEND``:
+nothing is buffered in this process, so a run killed at any moment leaves every record it
+wrote readable (at worst a half last line if the kernel write itself was cut short), and
+several writers (threads, or a sampler process with its own ``TraceWriter(append=True)``)
+never interleave parts of lines: on Linux and macOS an ``O_APPEND`` write of a regular file
+moves to the end and writes under the inode lock. The writer does not ``fsync``: a trace
+survives the death of the process, not the loss of the machine's power.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .events import Event
+
+#: Version of the trace format written in the start record.
+FORMAT_VERSION = 1
+
+#: Record types of the trace format.
+START, SAMPLE, EVENT, MARK, ERROR, END = "start", "sample", "event", "mark", "error", "end"
+
+
+def _clean(value: Any) -> Any:
+    # JSON has no NaN or infinity; a value that is not a number is unreadable, so null.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def versions() -> dict[str, str]:
+    """stageload, Python and (when already imported, never importing it) torch versions."""
+    from . import __version__
+
+    found = {"stageload": __version__, "python": platform.python_version()}
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(getattr(torch, "__version__", None), str):
+        found["torch"] = torch.__version__
+    return found
+
+
+class TraceWriter:
+    """Writes trace records to ``path``, one flushed JSON line each; safe to share between threads.
+
+    ``append=False`` (the default) creates or truncates the file; ``append=True`` adds to a
+    trace another writer started (the sampler process does that). ``monotonic0`` is the
+    ``time.monotonic()`` that ``t = 0`` stands for; it defaults to now, and a second writer
+    of the same trace must pass the first one's so both write comparable ``t``.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, append: bool = False, monotonic0: float | None = None
+    ) -> None:
+        self.path = Path(path)
+        self.monotonic0 = time.monotonic() if monotonic0 is None else float(monotonic0)
+        self.samples = 0  # sample records written by this writer
+        self._failing: set[str] = set()  # fields with an error record and no recovery yet
+        self._lock = threading.Lock()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
+        try:
+            self._fd: int | None = os.open(self.path, flags, 0o644)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"cannot open trace file {str(self.path)!r} for writing: {exc.strerror}; "
+                "check that its folder exists and is writable",
+            ) from exc
+
+    # -- low level ---------------------------------------------------------------------
+
+    def t(self, monotonic: float | None = None) -> float:
+        """Seconds since the start for ``monotonic`` (default: now), rounded to microseconds."""
+        now = time.monotonic() if monotonic is None else monotonic
+        return round(now - self.monotonic0, 6)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Write one record as one line. Keys that are ``None`` are kept (as ``null``)."""
+        line = json.dumps(
+            {k: _clean(v) for k, v in record.items()},
+            separators=(",", ":"),
+            allow_nan=False,
+            default=str,
+        )
+        data = (line + "\n").encode()
+        with self._lock:
+            if self._fd is None:
+                raise ValueError(f"trace file {str(self.path)!r} is closed")
+            # One write call per line: with O_APPEND the kernel places it whole at the end.
+            # The loop only matters for a short write (disk full, huge line).
+            view = memoryview(data)
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def close(self) -> None:
+        """Close the file; writing afterwards raises ``ValueError``. Safe to call twice."""
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.samples} samples"
+        return f"TraceWriter({str(self.path)!r}, {state})"
+
+    # -- records -----------------------------------------------------------------------
+
+    def start(
+        self,
+        *,
+        pid: int,
+        interval: float | None = None,
+        sampler: str | None = None,
+        total: int | None = None,
+        sources: Mapping[str, str] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """Write the start record (the first line) and return it.
+
+        ``pid`` is the process whose tree is measured, ``total`` the memory it may use,
+        ``sources`` where each sampled value comes from, ``meta`` user metadata. ``extra``
+        keys are added as given (e.g. ``sampler_pid``, ``command``).
+        """
+        record: dict[str, Any] = {
+            "type": START,
+            "version": FORMAT_VERSION,
+            "wall_time": round(time.time() - (time.monotonic() - self.monotonic0), 6),
+            "monotonic": self.monotonic0,
+            "platform": sys.platform,
+            "machine": platform.machine(),
+            "pid": pid,
+            "total": total,
+            "interval": interval,
+            "sampler": sampler,
+            "versions": versions(),
+            "sources": dict(sources or {}),
+            "meta": dict(meta or {}),
+            **extra,
+        }
+        self.write(record)
+        return record
+
+    def sample(self, values: Mapping[str, Any], *, t: float | None = None) -> None:
+        """Write a sample; ``values`` maps sample keys (``footprint``, ...) to numbers."""
+        self.write({"type": SAMPLE, "t": self.t() if t is None else t, **values})
+        self.samples += 1
+
+    def event(self, event: Event | Mapping[str, Any]) -> None:
+        """Write an ``Event`` (or its dict); ``t`` comes from the event's own monotonic ``time``."""
+        data = event.to_dict() if isinstance(event, Event) else dict(event)
+        when = data.pop("time", None)
+        self.write({"type": EVENT, "t": self.t(when), **data})
+
+    def mark(self, label: str, *, t: float | None = None) -> None:
+        """Write a user mark, e.g. ``"warm-up done"``."""
+        self.write({"type": MARK, "t": self.t() if t is None else t, "label": str(label)})
+
+    def error(self, field: str, message: str, *, t: float | None = None) -> bool:
+        """Record that ``field`` could not be read; written only the first time it fails.
+
+        Returns True when a record was written. Further failures of the same field are
+        silent until ``recovered(field)``.
+        """
+        with self._lock:
+            if field in self._failing:
+                return False
+            self._failing.add(field)
+        when = self.t() if t is None else t
+        self.write({"type": ERROR, "t": when, "field": field, "message": str(message)})
+        return True
+
+    def recovered(self, field: str, *, t: float | None = None) -> bool:
+        """Record that ``field`` can be read again, if it was failing; returns True if written."""
+        with self._lock:
+            if field not in self._failing:
+                return False
+            self._failing.discard(field)
+        when = self.t() if t is None else t
+        self.write({"type": ERROR, "t": when, "field": field, "recovered": True})
+        return True
+
+    def track_errors(
+        self, fields: Iterable[str], errors: Mapping[str, str], *, t: float | None = None
+    ) -> None:
+        """Update error state after a reading of ``fields``: new failures from ``errors``
+        (field -> message) get an error record, fields that read again get a recovery."""
+        for field in fields:
+            if field in errors:
+                self.error(field, errors[field], t=t)
+            else:
+                self.recovered(field, t=t)
+
+    def failing(self) -> frozenset[str]:
+        """Fields with an error record and no recovery yet."""
+        with self._lock:
+            return frozenset(self._failing)
+
+    def end(
+        self, *, samples: int | None = None, exit_code: int | None = None, **extra: Any
+    ) -> None:
+        """Write the end record (the last line). ``samples`` defaults to this writer's count;
+        ``exit_code`` is written only when given (a command was run)."""
+        record: dict[str, Any] = {
+            "type": END,
+            "t": self.t(),
+            "samples": self.samples if samples is None else samples,
+        }
+        if exit_code is not None:
+            record["exit_code"] = exit_code
+        record.update(extra)
+        self.write(record)
+
+
+def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read a trace's records, skipping a half-written last line (a run killed mid-write).
+
+    A line that does not parse anywhere else is corruption and raises ``ValueError``.
+    The ``stageload.trace`` module has the full reader and summary; this one is for tests
+    and tools that only need the raw records.
+    """
+    text = Path(path).read_text()
+    lines = text.split("\n")
+    records: list[dict[str, Any]] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if i == len(lines) - 1:  # no newline after it: cut short by a kill
+                break
+            raise ValueError(f"{str(path)!r} line {i + 1} is not JSON: {exc}") from None
+    return records
