@@ -10,7 +10,11 @@ from collections.abc import Sequence
 from . import __version__
 
 # Subcommand name -> module in stageload.commands. Order is the order in --help.
-COMMANDS: dict[str, str] = {}
+COMMANDS: dict[str, str] = {
+    "report": "report",
+    "plot": "plot",
+    "guard": "guard",
+}
 
 #: Exit code for bad command-line usage, as argparse uses.
 EXIT_USAGE = 2

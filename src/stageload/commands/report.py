@@ -1,0 +1,46 @@
+"""``stageload report``: per-stage tables that compare traces, or their JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+HELP = "compare traces per stage: peak footprint, time, swap, loads and releases"
+DESCRIPTION = """\
+Summarise one or more traces as a table: one row per stage, one column per trace
+(headed by the trace's meta label, or its file name), then rows about each whole run:
+peak footprint, swap at start/peak/end and its growth, lowest available memory, and the
+loads, reloads and releases with their bytes and seconds.
+
+A stage's window starts once the releases that entering it triggered have finished, so
+memory still being freed counts toward the stage before. A stage a trace never reached
+shows '-'.
+
+examples:
+  stageload report eager.jsonl staged.jsonl
+  stageload report run.jsonl --json | jq '.traces[0].stages'
+
+exit codes: 0 ok, 2 a file is missing or is not a trace.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("traces", nargs="+", metavar="TRACE", help="JSONL trace files")
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..report import format_report, report_dict
+    from ..trace import TraceError, load_summary
+
+    try:
+        summaries = [load_summary(path) for path in args.traces]
+    except TraceError as exc:
+        print(f"stageload report: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report_dict(summaries), indent=2))
+    else:
+        print(format_report(summaries))
+    return 0

@@ -1,0 +1,198 @@
+"""Plot traces: memory over time with stage bands, one panel per trace, and peaks per stage.
+
+matplotlib is an optional extra (``stageload[plot]``) and is imported only inside these
+functions, so ``import stageload`` stays light. Drawing goes through a bare ``Figure`` and
+the Agg canvas, never pyplot, so the caller's matplotlib backend is left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .report import column_labels, stage_order
+from .trace import SETUP, Summary, Trace, read_trace, summarize
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+_GIB = 1 << 30
+_MIB = 1 << 20
+# Light fills that alternate between neighbouring stages; setup stays white.
+_BAND_COLORS = ("#dbe9f6", "#fde9d5", "#e2f1de", "#ece3f3", "#f9e0e6", "#e6eef0")
+
+
+class PlotUnavailableError(RuntimeError):
+    """matplotlib is not installed."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "plots need matplotlib, which is not installed: pip install 'stageload[plot]'"
+        )
+
+
+def _unit(traces: Sequence[Trace]) -> tuple[float, str]:
+    # GiB for real pipelines, MiB when everything stays under 1 GiB (the small demo).
+    peak = max(
+        (s.footprint or 0 for t in traces for s in t.samples),
+        default=0,
+    )
+    return (_GIB, "GiB") if peak >= _GIB else (_MIB, "MiB")
+
+
+def _draw_trace(
+    ax: Axes,
+    trace: Trace,
+    summary: Summary,
+    scale: float,
+    unit: str,
+    *,
+    colors: dict[str, str],
+    avail_max: float,
+    legend: bool,
+) -> None:
+    samples = trace.samples
+    fp = [(s.t, s.footprint / scale) for s in samples if s.footprint is not None]
+    swap = [
+        (s.t, (s.swap_used - summary.swap_start) / scale)
+        for s in samples
+        if s.swap_used is not None and summary.swap_start is not None
+    ]
+    avail = [(s.t, s.available / _GIB) for s in samples if s.available is not None]
+
+    for window in summary.windows:
+        if window.stage in colors:
+            ax.axvspan(window.start, window.end, color=colors[window.stage], lw=0, zorder=0)
+        # Labels sit just inside the top of the band, in axes coordinates for y.
+        ax.text(
+            window.start,
+            0.98,
+            f" {window.stage}",
+            transform=ax.get_xaxis_transform(),
+            va="top",
+            ha="left",
+            fontsize=8,
+            rotation=90 if len(summary.windows) > 8 else 0,
+            clip_on=True,
+            zorder=3,
+        )
+    for mark in trace.marks:
+        ax.axvline(mark.t, color="0.4", lw=0.8, ls=":", zorder=2)
+        ax.text(
+            mark.t,
+            0.02,
+            f" {mark.label}",
+            transform=ax.get_xaxis_transform(),
+            fontsize=7,
+            color="0.3",
+            rotation=90,
+            va="bottom",
+            clip_on=True,
+        )
+
+    handles: list[Any] = []
+    if fp:
+        handles += ax.plot(*zip(*fp, strict=True), color="C0", lw=1.6, label="footprint", zorder=4)
+    if swap:
+        handles += ax.plot(
+            *zip(*swap, strict=True), color="C3", lw=1.2, label="swap growth", zorder=4
+        )
+    ax.set_ylabel(unit)
+    ax.margins(x=0)
+    if avail:
+        right = ax.twinx()
+        handles += right.plot(
+            *zip(*avail, strict=True), color="C2", lw=1.0, ls="--", label="available (right, GiB)"
+        )
+        # One scale for every panel, so the traces compare at a glance.
+        right.set_ylim(0, avail_max * 1.05)
+        right.set_ylabel("available, GiB", color="C2")
+        right.tick_params(axis="y", colors="C2")
+    if not samples:
+        ax.text(0.5, 0.5, "no samples", transform=ax.transAxes, ha="center", va="center")
+
+    title = f"{summary.label}: peak {_fmt(summary.peak_footprint, scale, unit)}"
+    if summary.swap_growth is not None:
+        title += f", swap growth {_fmt(summary.swap_growth, scale, unit)}"
+    if summary.lowest_available_pct is not None:
+        title += f", lowest available {summary.lowest_available_pct:.0f} %"
+    if not summary.complete:
+        title += " (no end record)"
+    ax.set_title(title, fontsize=10, loc="left")
+    if legend and handles:
+        ax.legend(handles=handles, loc="upper right", fontsize=8, framealpha=0.9)
+
+
+def _fmt(value: int | None, scale: float, unit: str) -> str:
+    return "-" if value is None else f"{value / scale:.2f} {unit}"
+
+
+def _draw_peaks(ax: Axes, summaries: Sequence[Summary], scale: float, unit: str) -> None:
+    stages = stage_order(summaries)
+    labels = column_labels(summaries)
+    width = 0.8 / max(len(summaries), 1)
+    for k, (label, summary) in enumerate(zip(labels, summaries, strict=True)):
+        xs, heights = [], []
+        for i, name in enumerate(stages):
+            stage = summary.stage(name)
+            if stage is not None and stage.peak_footprint is not None:
+                xs.append(i - 0.4 + width * (k + 0.5))
+                heights.append(stage.peak_footprint / scale)
+        bars = ax.bar(xs, heights, width=width * 0.95, label=label, color=f"C{k}")
+        ax.bar_label(bars, fmt="%.2f" if unit == "GiB" else "%.0f", fontsize=7, padding=1)
+    ax.set_xticks(range(len(stages)), stages, fontsize=8, rotation=30 if len(stages) > 6 else 0)
+    ax.set_ylabel(f"peak footprint, {unit}")
+    ax.set_title("Peak footprint per stage", fontsize=10, loc="left")
+    ax.margins(y=0.15)
+    ax.legend(fontsize=8)
+
+
+def plot_traces(traces: Sequence[str | Path | Trace], out: str | Path, *, dpi: int = 110) -> Path:
+    """Draw ``traces`` into one PNG at ``out`` and return its path.
+
+    The figure has one panel per trace (footprint and swap growth on the left axis,
+    available memory on the right, stage windows as bands with their names, marks as
+    dotted lines) on a shared time axis, and below them a bar chart of the peak footprint
+    per stage, one bar per trace. Raises ``PlotUnavailableError`` without matplotlib.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise PlotUnavailableError() from None
+    if not traces:
+        raise ValueError("plot_traces needs at least one trace")
+
+    loaded = [t if isinstance(t, Trace) else read_trace(t) for t in traces]
+    summaries = [summarize(t) for t in loaded]
+    scale, unit = _unit(loaded)
+
+    # The same stage gets the same band colour in every panel; setup stays white.
+    stages = [name for name in stage_order(summaries) if name != SETUP]
+    colors = {name: _BAND_COLORS[i % len(_BAND_COLORS)] for i, name in enumerate(stages)}
+    fp_max = max((s.footprint or 0 for t in loaded for s in t.samples), default=0) / scale
+    avail_max = max((s.available or 0 for t in loaded for s in t.samples), default=0) / _GIB
+
+    n = len(loaded)
+    fig = Figure(figsize=(10, 2.6 * n + 3.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.add_gridspec(n + 1, 1, height_ratios=[3] * n + [2.6])
+    first: Axes | None = None
+    for k, (trace, summary) in enumerate(zip(loaded, summaries, strict=True)):
+        ax = fig.add_subplot(grid[k], sharex=first, sharey=first)
+        first = first or ax
+        _draw_trace(
+            ax, trace, summary, scale, unit, colors=colors, avail_max=avail_max, legend=k == 0
+        )
+        ax.set_ylim(0, max(fp_max, 1e-9) * 1.12)
+        if k == n - 1:
+            ax.set_xlabel("seconds")
+        else:
+            ax.tick_params(labelbottom=False)
+    _draw_peaks(fig.add_subplot(grid[n]), summaries, scale, unit)
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi, format="png")
+    return out

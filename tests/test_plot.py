@@ -1,0 +1,76 @@
+"""Plots: a real PNG from traces, through the library and the CLI; matplotlib stays optional."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fixtures.traces import eager_records, staged_records, write_trace
+
+from stageload.cli import main
+from stageload.plot import plot_traces
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk, after checking the signature."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> tuple[Path, Path]:
+    eager = write_trace(tmp_path / "eager.jsonl", eager_records())
+    staged = write_trace(tmp_path / "staged.jsonl", staged_records())
+    return eager, staged
+
+
+def test_plot_writes_a_png(pair, tmp_path: Path) -> None:
+    out = plot_traces(pair, tmp_path / "sub" / "out.png")
+    width, height = png_size(out)
+    assert width > 500 and height > 500
+    assert out.stat().st_size > 10_000  # a drawn figure, not an empty canvas
+
+
+def test_more_traces_make_a_taller_figure(pair, tmp_path: Path) -> None:
+    one = png_size(plot_traces(pair[:1], tmp_path / "one.png"))
+    two = png_size(plot_traces(pair, tmp_path / "two.png"))
+    assert two[0] == one[0] and two[1] > one[1]
+
+
+def test_cli_plot(pair, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "cli.png"
+    assert main(["plot", *map(str, pair), "-o", str(out)]) == 0
+    assert png_size(out)[0] > 0
+    assert str(out) in capsys.readouterr().out
+
+
+def test_cli_plot_bad_trace_is_one_line(tmp_path: Path, capsys) -> None:
+    assert main(["plot", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "no such file" in err and err.count("\n") == 1
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_without_matplotlib_the_error_says_what_to_install(pair, tmp_path, monkeypatch, capsys):
+    # This machine has matplotlib; hiding it from the import system fakes a bare install.
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert main(["plot", str(pair[0]), "-o", str(tmp_path / "x.png")]) == 1
+    assert "pip install 'stageload[plot]'" in capsys.readouterr().err
+
+
+def test_importing_report_and_plot_stays_light() -> None:
+    code = (
+        "import sys, stageload.trace, stageload.report, stageload.plot, "
+        "stageload.commands.report, stageload.commands.plot\n"
+        "heavy = [m for m in ('matplotlib', 'torch', 'numpy') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,97 @@
+"""The per-stage report: table layout, JSON output and CLI errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fixtures.traces import MIB, eager_records, staged_records, write_trace
+
+from stageload.cli import main
+from stageload.report import format_report, report_dict, stage_order
+from stageload.trace import load_summary
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> tuple[Path, Path]:
+    eager = write_trace(tmp_path / "eager.jsonl", eager_records())
+    staged = write_trace(tmp_path / "staged.jsonl", staged_records())
+    return eager, staged
+
+
+def _row(text: str, first_cell: str) -> list[str]:
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] == first_cell:
+            return cells
+    raise AssertionError(f"no row {first_cell!r} in:\n{text}")
+
+
+def test_table_has_a_column_per_trace_and_dash_for_unreached_stages(pair) -> None:
+    text = format_report([load_summary(p) for p in pair])
+    assert _row(text, "stage") == ["stage", "eager", "staged"]
+    assert _row(text, "encode") == ["encode", "700.0 MiB, 600 ms", "460.0 MiB, 700 ms"]
+    assert _row(text, "denoise") == ["denoise", "720.0 MiB, 300 ms", "380.0 MiB, 800 ms"]
+    assert _row(text, "decode") == ["decode", "-", "300.0 MiB, 900 ms"]
+    assert _row(text, "swap growth") == ["swap growth", "0 B", "50.0 MiB"]
+    assert _row(text, "lowest available") == [
+        "lowest available",
+        "280.0 MiB (28.0 %)",
+        "500.0 MiB (50.0 %)",
+    ]
+    assert _row(text, "releases") == ["releases", "0", "2: 500.0 MiB in 200 ms"]
+    assert _row(text, "duration")[1] == "1.5 s (no end record)"
+    assert "'half way' at 1.6 s" in text
+
+
+def test_stages_appear_in_first_seen_order_across_traces(tmp_path: Path) -> None:
+    def trace(name: str, stages: list[str]) -> Path:
+        records = [{"type": "start", "meta": {"label": name}}]
+        for i, stage in enumerate(stages):
+            records.append({"type": "event", "t": i + 1.0, "kind": "stage", "stage": stage})
+            records.append({"type": "sample", "t": i + 1.5, "footprint": MIB})
+        return write_trace(tmp_path / f"{name}.jsonl", records)
+
+    summaries = [load_summary(trace("a", ["x", "z"])), load_summary(trace("b", ["x", "y", "z"]))]
+    assert stage_order(summaries) == ["setup", "x", "z", "y"]
+    assert _row(format_report(summaries), "y") == ["y", "-", "1.0 MiB, 1.0 s"]
+
+
+def test_duplicate_labels_get_numbered_columns(tmp_path: Path) -> None:
+    a = write_trace(tmp_path / "a.jsonl", staged_records())
+    b = write_trace(tmp_path / "b.jsonl", staged_records())
+    text = format_report([load_summary(a), load_summary(b)])
+    assert _row(text, "stage") == ["stage", "staged #1", "staged #2"]
+
+
+def test_cli_prints_the_table(pair, capsys) -> None:
+    assert main(["report", *map(str, pair)]) == 0
+    out = capsys.readouterr().out
+    assert _row(out, "decode") == ["decode", "-", "300.0 MiB, 900 ms"]
+
+
+def test_cli_json(pair, capsys) -> None:
+    assert main(["report", *map(str, pair), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["stages"] == ["setup", "encode", "denoise", "decode"]
+    eager, staged = data["traces"]
+    assert (eager["column"], staged["column"]) == ("eager", "staged")
+    assert [s["stage"] for s in eager["stages"]] == ["setup", "encode", "denoise"]
+    assert staged["swap"] == {"start": 0, "peak": 50 * MIB, "end": 20 * MIB, "growth": 50 * MIB}
+    assert staged["releases"]["count"] == 2
+    assert data == report_dict([load_summary(p) for p in pair])
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(None, "no such file"), ("", "is empty"), ("not json\nat all\n", "is not JSON")],
+)
+def test_cli_errors_are_one_line(tmp_path: Path, capsys, content: str | None, message: str) -> None:
+    path = tmp_path / "x.jsonl"
+    if content is not None:
+        path.write_text(content)
+    assert main(["report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+    assert err.startswith("stageload report: error: ")
