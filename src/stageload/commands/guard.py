@@ -1,0 +1,215 @@
+"""``stageload guard``: run a command when there is room, stop it before it swaps the machine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..units import parse_duration, parse_percent_or_size, parse_size
+
+HELP = "run a command only when memory is free, and stop it before it swaps the machine down"
+
+DESCRIPTION = """\
+Start CMD only when there is room for it, watch it, and stop it before it takes the
+machine down.
+
+Admission: CMD starts once available memory is at least --wait-free, swap used plus
+--swap-budget is under --swap-limit (if given), and no process matching a --busy
+pattern has been seen for --quiet-for. The quiet period counts from the guard's start,
+because it cannot see what ran before. While waiting, the guard says why on stderr.
+
+Watching: the guard stops CMD when swap grows more than --swap-budget over its value
+at start, or when available memory stays under --kill-free for two samples in a row.
+It samples every --poll seconds, by default adaptively: every 0.5 s, faster (down to
+0.1 s) as the margin shrinks.
+
+Stopping: CMD runs in its own process group. The guard sends SIGTERM to that group,
+then SIGKILL to whatever is left after --grace. It never signals anything outside the
+group. SIGINT, SIGTERM or SIGHUP to the guard stop CMD the same way; a second signal
+sends SIGKILL at once. Signals ignored when the guard started (nohup) stay ignored.
+
+Exit codes:
+  CMD's own       CMD ended by itself (128+N if it died from signal N)
+  128+N           the guard got signal N (130 SIGINT, 143 SIGTERM) and stopped CMD
+  3               the guard stopped CMD (swap budget or memory floor)
+  4               no room before --start-timeout; CMD never started
+  127             CMD could not be started
+  2               bad command line
+
+Examples:
+  stageload guard --wait-free 40% --swap-budget 8G -- python generate.py
+  stageload guard --busy 'ffmpeg' --quiet-for 2m --start-timeout 1h -- ./render.sh
+  stageload guard --kill-free 4G --trace run.jsonl -- python train.py
+"""
+
+
+def _amount(text: str) -> str:
+    # Parse with the library's own parser so the CLI and run_guard accept the same values.
+    try:
+        parse_percent_or_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _poll(text: str) -> float | None:
+    if text.strip().lower() == "adaptive":
+        return None
+    seconds = _duration(text)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(
+            f"poll interval must be above 0, got {text!r}: e.g. '0.5s' or 'adaptive'"
+        )
+    return seconds
+
+
+def _regex(text: str) -> str:
+    from ..guard import compile_busy
+
+    try:
+        compile_busy(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    admit = parser.add_argument_group("admission")
+    admit.add_argument(
+        "--wait-free",
+        type=_amount,
+        default="40%",
+        metavar="AMOUNT",
+        help="start only when available memory is at least this: a percent or a size "
+        "such as 12G (default: 40%%)",
+    )
+    admit.add_argument(
+        "--swap-limit",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="start only when swap used plus --swap-budget stays under this size",
+    )
+    admit.add_argument(
+        "--busy",
+        type=_regex,
+        action="append",
+        default=[],
+        metavar="REGEX",
+        help="wait while a process whose full command line matches REGEX runs "
+        "(repeatable; the guard and its ancestors are left out)",
+    )
+    admit.add_argument(
+        "--quiet-for",
+        type=_duration,
+        default=60.0,
+        metavar="DURATION",
+        help="how long no --busy process must be seen before starting (default: 1m)",
+    )
+    admit.add_argument(
+        "--start-timeout",
+        type=_duration,
+        default=None,
+        metavar="DURATION",
+        help="give up after waiting this long, with exit code 4 (default: wait forever)",
+    )
+    watch = parser.add_argument_group("watching and stopping")
+    watch.add_argument(
+        "--swap-budget",
+        type=_size,
+        default=parse_size("8G"),
+        metavar="SIZE",
+        help="stop the command when swap grows more than this over its value at start "
+        "(default: 8G)",
+    )
+    watch.add_argument(
+        "--kill-free",
+        type=_amount,
+        default="10%",
+        metavar="AMOUNT",
+        help="stop the command when available memory stays under this (percent or size) "
+        "for two samples in a row (default: 10%%)",
+    )
+    watch.add_argument(
+        "--poll",
+        type=_poll,
+        default=None,
+        metavar="DURATION",
+        help="seconds between samples (default: adaptive, 0.5 s down to 0.1 s as the "
+        "margin shrinks)",
+    )
+    watch.add_argument(
+        "--grace",
+        type=_duration,
+        default=5.0,
+        metavar="DURATION",
+        help="time between SIGTERM and SIGKILL when stopping (default: 5s)",
+    )
+    watch.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="write a meter trace (JSONL) of the command's process tree, with the "
+        "guard's decisions as events",
+    )
+    parser.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD ...",
+        help="the command to run, after '--'",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import EXIT_USAGE
+    from ..guard import GuardConfig, run_guard
+
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print(
+            "stageload guard: error: no command given; put it after '--', "
+            "e.g. stageload guard -- python run.py",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    config = GuardConfig(
+        command,
+        wait_free=args.wait_free,
+        swap_limit=args.swap_limit,
+        swap_budget=args.swap_budget,
+        busy=args.busy,
+        quiet_for=args.quiet_for,
+        start_timeout=args.start_timeout,
+        kill_free=args.kill_free,
+        poll=args.poll,
+        grace=args.grace,
+        trace=args.trace,
+    )
+    if args.trace is not None:
+        from pathlib import Path
+
+        folder = Path(args.trace).parent
+        if not folder.is_dir():
+            print(
+                f"stageload guard: error: cannot write --trace {args.trace!r}: "
+                f"folder {str(folder)!r} does not exist",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+    return run_guard(config, stderr=sys.stderr).exit_code
