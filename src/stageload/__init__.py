@@ -17,12 +17,8 @@ _EXPORTS: dict[str, str] = {
     "ReleaseUnlisted": "staged",
     "ResidencyPolicy": "staged",
     "ModelLoadError": "staged",
-    "release": "release",
-    "ReleasedModuleError": "release",
-    "return_memory_to_os": "release",
     "preserved_rng": "rng",
     "on_call": "hooks",
-    "share": "share",
     "Event": "events",
     "EventSink": "events",
     "ListSink": "events",
@@ -31,7 +27,15 @@ _EXPORTS: dict[str, str] = {
     "format_size": "units",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+# These two share their module's name, so they are imported eagerly: otherwise importing
+# the submodule (e.g. by StagedModels) would bind ``stageload.release`` to the module.
+# Both modules import torch only inside their functions.
+from .release import ReleasedModuleError, release, return_memory_to_os  # noqa: E402
+from .share import share  # noqa: E402
+
+__all__ = sorted(
+    [*_EXPORTS, "ReleasedModuleError", "release", "return_memory_to_os", "share", "__version__"]
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -50,8 +54,6 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
     from .events import Event, EventSink, ListSink, TeeSink
     from .hooks import on_call
-    from .release import ReleasedModuleError, release, return_memory_to_os
     from .rng import preserved_rng
-    from .share import share
     from .staged import ModelLoadError, ReleaseUnlisted, ResidencyPolicy, StagedModels
     from .units import format_size, parse_size

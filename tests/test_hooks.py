@@ -1,0 +1,69 @@
+"""on_call(): wraps one instance's method, keeps its name and signature, removes cleanly."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from stageload import on_call
+
+
+class Pipeline:
+    def encode_prompt(self, prompt: str, *, scale: float = 1.0) -> str:
+        """Encode a prompt."""
+        return prompt.upper()
+
+
+def test_before_and_after_run_around_the_call_with_its_arguments():
+    pipe = Pipeline()
+    calls: list[tuple] = []
+    on_call(
+        pipe,
+        "encode_prompt",
+        before=lambda *a, **k: calls.append(("before", a, k)),
+        after=lambda result, *a, **k: calls.append(("after", result, a)),
+    )
+    assert pipe.encode_prompt("cat", scale=2.0) == "CAT"
+    assert calls == [("before", ("cat",), {"scale": 2.0}), ("after", "CAT", ("cat",))]
+
+
+def test_wrapper_keeps_name_doc_and_signature():
+    pipe = Pipeline()
+    original = inspect.signature(pipe.encode_prompt)
+    on_call(pipe, "encode_prompt", before=lambda *a, **k: None)
+    assert pipe.encode_prompt.__name__ == "encode_prompt"
+    assert pipe.encode_prompt.__doc__ == "Encode a prompt."
+    assert inspect.signature(pipe.encode_prompt) == original
+
+
+def test_only_this_instance_is_wrapped_and_remove_restores_it():
+    pipe, other = Pipeline(), Pipeline()
+    seen: list[str] = []
+    remove = on_call(pipe, "encode_prompt", before=lambda p, **k: seen.append(p))
+    other.encode_prompt("x")
+    pipe.encode_prompt("y")
+    remove()
+    pipe.encode_prompt("z")
+    assert seen == ["y"]
+    assert "encode_prompt" not in vars(pipe)
+
+
+def test_removing_out_of_order_leaves_the_other_wrapper_working():
+    pipe = Pipeline()
+    seen: list[str] = []
+    remove_a = on_call(pipe, "encode_prompt", before=lambda *a, **k: seen.append("a"))
+    remove_b = on_call(pipe, "encode_prompt", before=lambda *a, **k: seen.append("b"))
+    remove_a()  # a is under b: it becomes a pass-through
+    pipe.encode_prompt("x")
+    assert seen == ["b"]
+    remove_b()
+    pipe.encode_prompt("x")
+    assert seen == ["b"]
+
+
+def test_clear_errors_for_missing_method_and_missing_callbacks():
+    with pytest.raises(AttributeError, match="no method 'decode'"):
+        on_call(Pipeline(), "decode", before=print)
+    with pytest.raises(ValueError, match="before=, after="):
+        on_call(Pipeline(), "encode_prompt")

@@ -1,0 +1,224 @@
+"""StagedModels: lazy loads, stage releases, events, errors, and bit-identical seeded runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fixtures.tiny import Block, load_block, save_block
+from stageload import ListSink, ModelLoadError, ReleasedModuleError, StagedModels
+
+STAGES = {"encode": ["encoder"], "denoise": ["denoiser"], "decode": ["decoder"]}
+
+
+@pytest.fixture
+def checkpoints(tmp_path):
+    return {
+        name: save_block(tmp_path / f"{name}.safetensors", seed=i)
+        for i, name in enumerate(STAGES_MODELS)
+    }
+
+
+STAGES_MODELS = ["encoder", "denoiser", "decoder"]
+
+
+def loaders_for(paths, counts=None):
+    def make(name):
+        def load():
+            if counts is not None:
+                counts[name] = counts.get(name, 0) + 1
+            return load_block(paths[name])
+
+        return load
+
+    return {name: make(name) for name in paths}
+
+
+def run_pipeline(get, enter=lambda stage: None) -> torch.Tensor:
+    """A stub 3-stage pipeline: seed once, fetch each model right before its stage's noise."""
+    torch.manual_seed(7)
+    x = torch.zeros(2, 32)
+    for stage, name in zip(STAGES, STAGES_MODELS, strict=True):
+        enter(stage)
+        model = get(name)  # fetched before the draw, as real pipelines do
+        noise = torch.randn(2, 32)
+        x = model(x + noise)
+    return x
+
+
+def test_staged_output_is_bit_identical_to_eager(checkpoints):
+    eager_models = {name: load() for name, load in loaders_for(checkpoints).items()}
+    eager = run_pipeline(eager_models.__getitem__)
+    models = StagedModels(loaders_for(checkpoints), stages=STAGES)
+    staged = run_pipeline(models.__getitem__, models.enter)
+    assert torch.equal(staged, eager)
+
+
+def test_without_rng_preservation_the_output_differs(checkpoints):
+    """Control: proves the bit-identical test can fail."""
+    eager_models = {name: load() for name, load in loaders_for(checkpoints).items()}
+    eager = run_pipeline(eager_models.__getitem__)
+    models = StagedModels(loaders_for(checkpoints), stages=STAGES, preserve_rng=False)
+    staged = run_pipeline(models.__getitem__, models.enter)
+    assert not torch.equal(staged, eager)
+
+
+def test_each_stage_holds_only_its_models_and_events_tell_the_story(checkpoints):
+    sink = ListSink()
+    counts: dict[str, int] = {}
+    models = StagedModels(loaders_for(checkpoints, counts), stages=STAGES, events=sink)
+    held = []
+    run_pipeline(models.__getitem__, lambda s: (models.enter(s), held.append(models.loaded())))
+    assert held == [[], [], []]  # entering releases the previous stage's model
+    assert models.loaded() == ["decoder"]
+    assert counts == {"encoder": 1, "denoiser": 1, "decoder": 1}
+    kinds = [(e.kind, e.model, e.stage) for e in sink.events]
+    assert kinds == [
+        ("stage", None, "encode"),
+        ("load", "encoder", "encode"),
+        ("stage", None, "denoise"),
+        ("release", "encoder", "denoise"),
+        ("load", "denoiser", "denoise"),
+        ("stage", None, "decode"),
+        ("release", "denoiser", "decode"),
+        ("load", "decoder", "decode"),
+    ]
+    size = sum(t.numel() * 4 for t in Block().state_dict().values())
+    assert all(e.bytes == size for e in sink.events if e.kind in ("load", "release"))
+    assert all(e.seconds is not None and e.seconds >= 0 for e in sink.events if e.bytes)
+
+
+def test_access_after_release_reloads_and_old_reference_fails_clearly(checkpoints):
+    sink = ListSink()
+    models = StagedModels(loaders_for(checkpoints), stages=STAGES, events=sink)
+    models.enter("encode")
+    old = models["encoder"]
+    models.enter("denoise")
+    with pytest.raises(ReleasedModuleError, match="'encoder'.*'denoise'"):
+        old(torch.zeros(1, 32))
+    models.enter("encode")
+    new = models["encoder"]
+    assert new is not old
+    assert new(torch.zeros(1, 32)).shape == (1, 32)
+    assert [e.kind for e in sink.events if e.model == "encoder"] == ["load", "release", "reload"]
+
+
+def test_pinned_models_stay_and_close_releases_everything(checkpoints):
+    sink = ListSink()
+    with StagedModels(
+        loaders_for(checkpoints), stages=STAGES, pinned=["decoder"], events=sink
+    ) as models:
+        models.enter("encode")
+        models["decoder"]
+        models["encoder"]
+        models.enter("denoise")
+        assert models.loaded() == ["decoder"]
+    assert models.loaded() == []
+    assert [e.model for e in sink.kinds("release")] == ["encoder", "decoder"]
+
+
+def test_unplanned_access_works_and_is_recorded_once_per_stage(checkpoints):
+    sink = ListSink()
+    models = StagedModels(loaders_for(checkpoints), stages=STAGES, events=sink)
+    models.enter("encode")
+    models["decoder"]
+    models["decoder"]
+    notes = sink.kinds("note")
+    assert len(notes) == 1
+    assert notes[0].model == "decoder" and notes[0].stage == "encode"
+    assert "does not list it" in notes[0].note
+
+
+def test_membership_length_and_iteration_never_load(checkpoints):
+    counts: dict[str, int] = {}
+    models = StagedModels(loaders_for(checkpoints, counts), stages=STAGES)
+    assert "encoder" in models and "nope" not in models
+    assert len(models) == 3
+    assert list(models) == STAGES_MODELS
+    assert counts == {} and models.loaded() == []
+
+
+def test_failing_loader_leaves_registry_as_it_was_and_names_model_and_stage(checkpoints):
+    sink = ListSink()
+    loaders = loaders_for(checkpoints)
+
+    def broken():
+        torch.randn(5)  # consumes RNG before failing: must be undone too
+        raise FileNotFoundError("denoiser.safetensors")
+
+    loaders["denoiser"] = broken
+    models = StagedModels(loaders, stages=STAGES, events=sink)
+    models.enter("encode")
+    models["encoder"]
+    models.enter("denoise")
+    before = (models.loaded(), len(sink.events))
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    with pytest.raises(ModelLoadError, match="'denoiser' for stage 'denoise'") as info:
+        models["denoiser"]
+    assert isinstance(info.value.__cause__, FileNotFoundError)
+    assert (models.loaded(), len(sink.events)) == before
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_loader_returning_a_non_module_is_a_type_error():
+    models = StagedModels({"m": lambda: {"weight": torch.zeros(1)}}, stages={"s": ["m"]})
+    with pytest.raises(TypeError, match="'m' returned builtins.dict, not a torch.nn.Module"):
+        models["m"]
+    assert models.loaded() == []
+
+
+def test_plan_errors_are_caught_at_construction_and_entry():
+    load = {"a": lambda: nn.Linear(1, 1)}
+    with pytest.raises(ValueError, match="lists model 'b', which has no loader; .*: a"):
+        StagedModels(load, stages={"s": ["a", "b"]})
+    with pytest.raises(ValueError, match="pinned model 'c'"):
+        StagedModels(load, stages={"s": ["a"]}, pinned=["c"])
+    with pytest.raises(TypeError, match="use a list"):
+        StagedModels(load, stages={"s": "a"})
+    models = StagedModels(load, stages={"s": ["a"], "t": []})
+    with pytest.raises(KeyError, match="unknown stage 'x'; known stages: s, t"):
+        models.enter("x")
+    with pytest.raises(KeyError, match="no model named 'z'"):
+        models["z"]
+
+
+def test_reentering_the_current_stage_is_a_no_op(checkpoints):
+    sink = ListSink()
+    models = StagedModels(loaders_for(checkpoints), stages=STAGES, events=sink)
+    models.enter("encode")
+    models["encoder"]
+    models.enter("encode")
+    assert [e.kind for e in sink.events] == ["stage", "load"]
+
+
+def test_shared_storage_between_loaded_models_survives_a_release():
+    backbone = nn.Linear(8, 8)
+    loaders = {
+        "a": lambda: nn.Sequential(backbone, nn.Linear(8, 2)),
+        "b": lambda: nn.Sequential(backbone, nn.Linear(8, 3)),
+    }
+    models = StagedModels(loaders, stages={"both": ["a", "b"], "only_b": ["b"]})
+    models.enter("both")
+    models["a"]
+    b = models["b"]
+    x = torch.randn(4, 8)
+    expected = b(x)
+    models.enter("only_b")
+    assert torch.equal(b(x), expected)
+
+
+def test_a_custom_residency_policy_decides_what_goes(checkpoints):
+    class KeepEverything:
+        def to_release(self, stage, loaded, plan):
+            return []
+
+        def to_prefetch(self, stage, loaded, plan):
+            return [n for n in plan.stages[stage] if n not in loaded]
+
+    models = StagedModels(loaders_for(checkpoints), stages=STAGES, policy=KeepEverything())
+    models.enter("encode")
+    assert models.loaded() == ["encoder"]  # prefetched on entry
+    models.enter("denoise")
+    assert models.loaded() == ["encoder", "denoiser"]
