@@ -15,6 +15,7 @@ The sample helpers turn readings into the keys of a trace ``sample`` record
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 from ._device import read_device
 from ._types import DeviceMemory, ProcessMemory, SystemMemory
@@ -69,7 +70,8 @@ def read_system(pid: int | None = None) -> SystemMemory:
     return _backend.read_system(pid)
 
 
-def _pairs(readings: tuple[Reading, ...]):
+def _pairs(readings: tuple[Reading, ...]) -> Iterator[tuple[str, str, Reading]]:
+    """(sample key, field, reading) for each field a reading provides or failed to read."""
     for reading in readings:
         for key, name in SAMPLE_KEYS.items():
             if hasattr(reading, name) and (name in reading.sources or name in reading.errors):

@@ -10,6 +10,7 @@ None and a reason. psutil does give us the process tree.
 from __future__ import annotations
 
 import os
+import re
 from typing import NamedTuple
 
 import psutil
@@ -71,9 +72,7 @@ def _status_footprint(pid: int, procfs: str) -> int:
     missing = [name for name in FOOTPRINT_FIELDS if name not in fields]
     if missing:
         # A zombie has released its memory and the kernel omits its Vm*/Rss* lines.
-        if any(
-            line.startswith("State:") and "Z" in line.split()[1:2] for line in text.splitlines()
-        ):
+        if re.search(r"^State:\s+Z", text, re.MULTILINE):
             return 0
         raise ValueError(f"{path} has no {'/'.join(missing)} (needs Linux >= 4.5)")
     return sum(fields[name] for name in FOOTPRINT_FIELDS)
