@@ -1,0 +1,674 @@
+"""Tests for ``stageload guard`` with real processes, process groups and signals.
+
+Every process a test starts is registered for cleanup the moment it exists. The CLI runs
+in-process through ``stageload.cli.main`` where no signal is sent to the guard, and as a
+real ``python -m stageload guard`` subprocess where one is.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from stageload.cli import main
+from stageload.guard import (
+    EXIT_CANNOT_START,
+    EXIT_NO_ROOM,
+    EXIT_STOPPED,
+    Amount,
+    GuardConfig,
+    Probes,
+    StopRule,
+    _Status,
+    list_processes,
+    run_guard,
+)
+from stageload.memory import SystemMemory, read_process
+from stageload.memory._linux import read_system as read_linux_system
+from stageload.tracefile import read_records
+
+PY = sys.executable
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+GiB = 1 << 30
+MiB = 1 << 20
+
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads recorded Linux /proc files"
+)
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _kill_if_ours(pid: int, create_time: float) -> None:
+    """SIGKILL ``pid`` if it is still the process we started (not a reused pid)."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.create_time() == create_time:
+            proc.kill()
+    except psutil.Error:
+        pass
+
+
+@pytest.fixture
+def track(request: pytest.FixtureRequest) -> Callable[[int], None]:
+    """Register a pid for a SIGKILL at teardown, remembered by create time."""
+
+    def add(pid: int) -> None:
+        try:
+            created = psutil.Process(pid).create_time()
+        except psutil.Error:
+            return
+        request.addfinalizer(lambda: _kill_if_ours(pid, created))
+
+    return add
+
+
+@pytest.fixture
+def spawn(request: pytest.FixtureRequest) -> Callable[..., subprocess.Popen[bytes]]:
+    """Start a real process, registering its kill (and reap) as it starts."""
+
+    def start(argv: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(argv, **kwargs)  # type: ignore[call-overload]
+
+        def cleanup() -> None:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+        request.addfinalizer(cleanup)
+        return proc
+
+    return start
+
+
+def guard_cli(*args: str) -> list[str]:
+    """argv for ``python -m stageload guard ARGS`` with this checkout importable."""
+    return [PY, "-m", "stageload", "guard", *args]
+
+
+def guard_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def wait_for(path: Path, timeout: float = 15.0) -> str:
+    """Wait until ``path`` holds a whole line; return its text."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            text = path.read_text()
+            if text.endswith("\n"):
+                return text
+        time.sleep(0.02)
+    raise AssertionError(f"{path} was not written within {timeout} s")
+
+
+def gone(pid: int) -> bool:
+    """True when ``pid`` no longer runs (exited, or a zombie waiting for its reaper)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if gone(pid):
+            return True
+        time.sleep(0.02)
+    return gone(pid)
+
+
+def no_traceback(text: str) -> None:
+    assert "Traceback" not in text, text
+
+
+def available_bytes() -> int:
+    reading = read_linux_system() if sys.platform.startswith("linux") else None
+    if reading is None or reading.available is None:
+        return psutil.virtual_memory().available
+    return reading.available
+
+
+# A command that starts a grandchild, writes "child grandchild" pids, then grows by 16 MiB
+# every 50 ms up to a cap, touching every page so the memory is really taken.
+ALLOCATOR = """
+import os, subprocess, sys, time
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(f"{os.getpid()} {grandchild.pid}\\n")
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+chunks = []
+for _ in range(int(sys.argv[2]) // 16):
+    chunks.append(b"x" * (16 << 20))
+    time.sleep(0.05)
+time.sleep(10)
+"""
+
+# Writes its pid, then sleeps; optional "ignore-term" makes it ignore SIGTERM, "note-term"
+# writes a marker file when SIGTERM arrives and exits from it.
+SLEEPER = """
+import os, signal, sys, time
+pidfile, mode = sys.argv[1], sys.argv[2]
+if mode == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+elif mode == "note-term":
+    def on_term(signum, frame):
+        open(pidfile + ".term", "w").write("TERM\\n")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    signal.signal(signal.SIGTERM, on_term)
+with open(pidfile + ".tmp", "w") as f:
+    f.write(f"{os.getpid()}\\n")
+os.rename(pidfile + ".tmp", pidfile)
+time.sleep(60)
+"""
+
+
+# -- stopping --------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="floor from /proc/meminfo")
+def test_stop_and_reach_stops_the_whole_group_at_the_floor(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], track: Callable[[int], None]
+) -> None:
+    """A child that allocates step by step, with a grandchild, is stopped (both of them) when
+    available memory crosses a floor set 300 MiB under what the machine has now."""
+    pids, trace = tmp_path / "pids", tmp_path / "trace.jsonl"
+    floor = available_bytes() - 300 * MiB
+    started: list[int] = []
+
+    # The command's pids are tracked for cleanup as soon as it writes them.
+    def track_when_written() -> None:
+        for pid in wait_for(pids).split():
+            track(int(pid))
+            started.append(int(pid))
+
+    watcher = threading.Thread(target=track_when_written, daemon=True)
+    watcher.start()
+    code = main(
+        [
+            "guard",
+            "--wait-free", "0",
+            "--kill-free", f"{floor}B",
+            "--grace", "5s",
+            "--trace", str(trace),
+            "--", PY, "-c", ALLOCATOR, str(pids), "1500",
+        ]
+    )  # fmt: skip
+    watcher.join(15)
+    err = capfd.readouterr().err
+    no_traceback(err)
+    assert code == EXIT_STOPPED, err
+    child, grandchild = started
+    assert wait_gone(child) and wait_gone(grandchild), "the command's group outlived the stop"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stageload guard: waited ") and "stopped by the guard" in last
+    assert "available" in last and "2 samples in a row" in last
+
+    records = read_records(trace)
+    assert records[0]["type"] == "start" and records[0]["pid"] == child
+    notes = [r["note"] for r in records if r["type"] == "event" and r["kind"] == "guard"]
+    assert notes[0].startswith("start:") and any(n.startswith("stop:") for n in notes)
+    assert records[-1] == {**records[-1], "type": "end", "exit_code": EXIT_STOPPED}
+    samples = [r for r in records if r["type"] == "sample"]
+    # The two samples that decided it are under the floor, and the tree grew on the way.
+    under = [s for s in samples if s["available"] is not None and s["available"] < floor]
+    assert len(under) >= 2
+    assert max(s["footprint"] or 0 for s in samples) > 100 * MiB
+    assert main(["report", str(trace)]) == 0  # the report reads the guard's trace
+
+
+def test_no_collateral_sibling_and_escaped_process_survive(
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    track: Callable[[int], None],
+) -> None:
+    """Only the command's process group is signalled: a sibling the test started, and a
+    grandchild that left the group with setsid(), are left running."""
+    sibling = spawn([PY, "-c", "import time; time.sleep(60)"])
+    pids = tmp_path / "pids"
+    escaper = f"""
+import os, subprocess, sys, time
+out = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                       start_new_session=True)
+open({str(pids)!r} + ".tmp", "w").write(f"{{os.getpid()}} {{out.pid}}\\n")
+os.rename({str(pids)!r} + ".tmp", {str(pids)!r})
+time.sleep(60)
+"""
+
+    def on_start(group: object) -> None:
+        for pid in wait_for(pids).split():
+            track(int(pid))
+
+    from stageload.guard import Guard
+
+    # --kill-free 100%: available is always under it, so the guard stops after two samples.
+    config = GuardConfig([PY, "-c", escaper], wait_free="0", kill_free="100%", grace="3s")
+    result = Guard(config, stderr=sys.stderr, on_start=on_start).run()
+    err = capfd.readouterr().err
+    no_traceback(err)
+    assert result.exit_code == EXIT_STOPPED
+    child, escaped = (int(p) for p in pids.read_text().split())
+    assert wait_gone(child)
+    assert not gone(escaped), "a process outside the group was signalled"
+    assert sibling.poll() is None, "the sibling was signalled"
+
+
+def test_sigkill_after_grace_when_sigterm_is_ignored(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], track: Callable[[int], None]
+) -> None:
+    pidfile = tmp_path / "pid"
+    threading.Thread(target=lambda: track(int(wait_for(pidfile))), daemon=True).start()
+    code = main(
+        ["guard", "--wait-free", "0", "--kill-free", "100%", "--grace", "0.5s",
+         "--", PY, "-c", SLEEPER, str(pidfile), "ignore-term"]
+    )  # fmt: skip
+    err = capfd.readouterr().err
+    no_traceback(err)
+    assert code == EXIT_STOPPED
+    assert wait_gone(int(pidfile.read_text()))
+    assert "SIGKILL after 500 ms grace" in err.strip().splitlines()[-1]
+
+
+# -- admission -------------------------------------------------------------------------
+
+
+def test_busy_pattern_waits_for_the_process_then_for_quiet(
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    spawn: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    """The guard waits while a real process whose command line matches --busy runs, and
+    starts the command only once that process has been gone for --quiet-for."""
+    marker = f"stageload-busy-{uuid.uuid4().hex[:8]}"
+    busy = spawn([PY, "-c", "import time; time.sleep(60)", marker])
+    gone_at: list[float] = []
+
+    def end_busy() -> None:
+        time.sleep(1.0)
+        busy.terminate()
+        busy.wait(10)
+        gone_at.append(time.monotonic())
+
+    ender = threading.Thread(target=end_busy, daemon=True)
+    ender.start()
+    started = tmp_path / "started"
+    code = main(
+        ["guard", "--wait-free", "0", "--busy", marker, "--quiet-for", "1s", "--poll", "0.1s",
+         "--start-timeout", "30s", "--", PY, "-c",
+         f"import time; open({str(started)!r}, 'w').write(repr(time.monotonic()))"]
+    )  # fmt: skip
+    ender.join(10)
+    err = capfd.readouterr().err
+    no_traceback(err)
+    assert code == 0, err
+    start_time = float(started.read_text())
+    # Last seen at most one poll (0.1 s) before it was gone, then 1 s of quiet.
+    assert start_time >= gone_at[0] + 1.0 - 0.1 - 0.02
+    running = [line for line in err.splitlines() if f"busy {marker!r} running" in line]
+    # Not a terminal: one line per change of state, not one per poll.
+    assert len(running) == 1, err
+    assert any(f"busy {marker!r} seen" in line for line in err.splitlines()), err
+
+
+def test_busy_pattern_ignores_the_guard_and_its_ancestors(
+    spawn: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    """The pattern is in the guard's own command line and in its parent shell's: neither
+    counts, so the guard starts at once instead of timing out."""
+    marker = f"stageload-self-{uuid.uuid4().hex[:8]}"
+    script = (
+        f"{' '.join(guard_cli('--wait-free', '0', '--busy', marker, '--quiet-for', '0'))} "
+        f"--start-timeout 5s -- {PY} -c 'print(123)'; echo {marker} >/dev/null"
+    )
+    proc = spawn(["sh", "-c", script], env=guard_env(), stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE)  # fmt: skip
+    out, err = proc.communicate(timeout=30)
+    no_traceback(err.decode())
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().strip() == "123"
+
+
+def test_start_timeout_gives_exit_4_and_never_starts(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    ran = tmp_path / "ran"
+    code = main(
+        ["guard", "--wait-free", "100%", "--start-timeout", "0.5s", "--",
+         PY, "-c", f"open({str(ran)!r}, 'w')"]
+    )  # fmt: skip
+    err = capfd.readouterr().err
+    no_traceback(err)
+    assert code == EXIT_NO_ROOM == 4
+    assert not ran.exists()
+    assert "waiting: available" in err and "< 100%" in err
+    assert "no room after" in err.strip().splitlines()[-1]
+
+
+def test_swap_limit_blocks_admission(capfd: pytest.CaptureFixture[str]) -> None:
+    """Swap used (0 or more) plus the 8G budget is never under a 1-byte limit."""
+    code = main(
+        ["guard", "--wait-free", "0", "--swap-limit", "1", "--start-timeout", "0.3s",
+         "--", PY, "-c", "pass"]
+    )  # fmt: skip
+    err = capfd.readouterr().err
+    assert code == EXIT_NO_ROOM
+    assert "+ budget 8.0 GiB >= limit 1 B" in err
+
+
+# -- exit codes, bad input -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("snippet", "expected"),
+    [
+        ("import sys; sys.exit(0)", 0),
+        ("import sys; sys.exit(7)", 7),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGUSR1)", 128 + signal.SIGUSR1),
+    ],
+)
+def test_command_exit_code_passes_through(
+    snippet: str, expected: int, capfd: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["guard", "--wait-free", "0", "--", PY, "-c", snippet])
+    err = capfd.readouterr().err
+    no_traceback(err)
+    assert code == expected
+    assert err.strip().splitlines()[-1].endswith(f"(exit {expected})")
+
+
+def test_missing_command_exits_127(capfd: pytest.CaptureFixture[str]) -> None:
+    missing = f"/nonexistent/stageload-{uuid.uuid4().hex[:6]}"
+    code = main(["guard", "--wait-free", "0", "--", missing, "--flag"])
+    err = capfd.readouterr().err
+    no_traceback(err)
+    assert code == EXIT_CANNOT_START == 127
+    assert f"cannot start {missing!r}: No such file or directory" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--wait-free", "lots"], "invalid amount 'lots'"),
+        (["--kill-free", "120%"], "invalid percentage '120%'"),
+        (["--swap-budget", "8X"], "invalid size '8X'"),
+        (["--swap-limit=-1G"], "invalid size '-1G'"),
+        (["--quiet-for", "soon"], "invalid duration 'soon'"),
+        (["--grace", "-1"], "invalid duration '-1'"),
+        (["--poll", "0"], "poll interval must be above 0, got '0'"),
+        (["--busy", "(ffmpeg"], "invalid --busy pattern '(ffmpeg'"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_clear_message(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["guard", *args, "--", PY, "-c", "pass"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert message in err
+    no_traceback(err)
+
+
+def test_no_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["guard", "--wait-free", "0"]) == 2
+    assert "no command given; put it after '--'" in capsys.readouterr().err
+
+
+def test_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["guard", "--help"])
+    out = capsys.readouterr().out
+    for line in ("3  ", "4  ", "127  ", "128+N"):
+        assert line in out
+
+
+def test_config_rejects_bad_values_like_the_flags() -> None:
+    with pytest.raises(ValueError, match="invalid amount 'lots'"):
+        GuardConfig(["true"], wait_free="lots")
+    with pytest.raises(ValueError, match="no command given"):
+        GuardConfig([])
+    with pytest.raises(ValueError, match="poll interval must be above 0"):
+        GuardConfig(["true"], poll=0)
+
+
+# -- signals (the guard as a real subprocess) -------------------------------------------
+
+
+def _start_guard(
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    track: Callable[[int], None],
+    pidfile: Path,
+    mode: str,
+    *flags: str,
+    **kwargs: object,
+) -> tuple[subprocess.Popen[bytes], int]:
+    guard = spawn(
+        guard_cli("--wait-free", "0", *flags, "--", PY, "-c", SLEEPER, str(pidfile), mode),
+        env=guard_env(),
+        stderr=subprocess.PIPE,
+        **kwargs,
+    )
+    child = int(wait_for(pidfile))
+    track(child)
+    return guard, child
+
+
+def test_sigterm_to_the_guard_stops_the_command_and_exits_143(
+    tmp_path: Path,
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    track: Callable[[int], None],
+) -> None:
+    pidfile = tmp_path / "pid"
+    guard, child = _start_guard(spawn, track, pidfile, "note-term")
+    guard.send_signal(signal.SIGTERM)
+    _, err = guard.communicate(timeout=30)
+    no_traceback(err.decode())
+    assert guard.returncode == 128 + signal.SIGTERM == 143
+    assert (tmp_path / "pid.term").read_text() == "TERM\n", "SIGTERM did not reach the command"
+    assert wait_gone(child)
+    assert "guard got SIGTERM" in err.decode().strip().splitlines()[-1]
+
+
+def test_second_signal_sends_sigkill_at_once(
+    tmp_path: Path,
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    track: Callable[[int], None],
+) -> None:
+    """The command ignores SIGTERM and the grace is 60 s: a second SIGINT kills it now."""
+    pidfile = tmp_path / "pid"
+    guard, child = _start_guard(spawn, track, pidfile, "ignore-term", "--grace", "60s")
+    guard.send_signal(signal.SIGINT)
+    time.sleep(0.3)  # the guard has sent SIGTERM and waits out the grace
+    assert not gone(child)
+    guard.send_signal(signal.SIGINT)
+    _, err = guard.communicate(timeout=20)  # far less than the 60 s grace
+    no_traceback(err.decode())
+    assert guard.returncode == 128 + signal.SIGINT == 130
+    assert wait_gone(child)
+    assert "SIGKILL at once on a second signal" in err.decode()
+
+
+def test_signal_ignored_at_start_stays_ignored(
+    tmp_path: Path,
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    track: Callable[[int], None],
+) -> None:
+    """Under nohup (SIGHUP ignored) a SIGHUP neither stops the command nor the guard."""
+    pidfile = tmp_path / "pid"
+    script = (
+        "import os, sys, time\n"
+        f"open({str(pidfile)!r}, 'w').write(f'{{os.getpid()}}\\n')\n"
+        f"while not os.path.exists({str(pidfile)!r} + '.go'): time.sleep(0.02)\n"
+        "sys.exit(5)\n"
+    )
+    guard = spawn(
+        ["nohup", *guard_cli("--wait-free", "0", "--", PY, "-c", script)],
+        env=guard_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    track(int(wait_for(pidfile)))
+    time.sleep(0.2)  # nohup has exec'd the guard, which is watching
+    guard.send_signal(signal.SIGHUP)
+    time.sleep(0.3)
+    assert guard.poll() is None, "the guard died from an ignored SIGHUP"
+    (tmp_path / "pid.go").touch()
+    _, err = guard.communicate(timeout=20)
+    no_traceback(err.decode())
+    assert guard.returncode == 5
+
+
+# -- swap growth -----------------------------------------------------------------------
+
+
+def _meminfo(folder: Path, swap_used: int, *, swap_total: int = 16 * GiB) -> Path:
+    """A recorded /proc/meminfo with plenty of memory available and ``swap_used`` in swap."""
+    folder.mkdir(parents=True)
+    kib = 1024
+    (folder / "meminfo").write_text(
+        f"MemTotal:       {32 * GiB // kib} kB\n"
+        f"MemFree:        {20 * GiB // kib} kB\n"
+        f"MemAvailable:   {24 * GiB // kib} kB\n"
+        f"SwapTotal:      {swap_total // kib} kB\n"
+        f"SwapFree:       {(swap_total - swap_used) // kib} kB\n"
+    )
+    return folder
+
+
+def _replay(folders: list[Path]) -> Callable[[], SystemMemory]:
+    """read_system over recorded procfs folders, one per call, then the last one again."""
+    it: Iterator[Path] = iter(folders)
+    last: list[Path] = []
+
+    def read() -> SystemMemory:
+        folder = next(it, None)
+        if folder is not None:
+            last[:] = [folder]
+        return read_linux_system(procfs=str(last[0]))
+
+    return read
+
+
+def _recorded_probes(system: Callable[[], SystemMemory]) -> Probes:
+    return Probes(
+        system=system, process=lambda pid: read_process(pid, tree=True), processes=list_processes
+    )
+
+
+@linux_only
+def test_swap_growth_rule_through_the_readers_on_a_recorded_series(tmp_path: Path) -> None:
+    """This machine has no swap, so swap growth is replayed from recorded /proc/meminfo
+    files through the real Linux reader; the command, its group and the stop are real."""
+    series = [2048, 2048, 2355, 2662, 2970, 3124, 3277]  # MiB used; budget 1 GiB over 2048
+    folders = [_meminfo(tmp_path / f"p{i}", mib * MiB) for i, mib in enumerate(series)]
+    config = GuardConfig(
+        [PY, "-c", "import time; time.sleep(60)"],
+        wait_free="10%",
+        swap_budget="1G",
+        kill_free="0",
+        poll="0.05s",
+        grace="2s",
+        trace=tmp_path / "trace.jsonl",
+    )
+    result = run_guard(config, probes=_recorded_probes(_replay(folders)), stderr=None)
+    assert result.exit_code == EXIT_STOPPED
+    assert result.swap_growth == (3124 - 2048) * MiB
+    assert "swap grew 1.1 GiB since start, over the budget of 1.0 GiB" in result.reason
+    assert wait_gone(result.pid or 0)
+    records = read_records(tmp_path / "trace.jsonl")
+    swap = [r["swap_used"] for r in records if r["type"] == "sample"]
+    # Stopped at the first sample over the budget (3124 MiB), not before.
+    assert swap == [mib * MiB for mib in series[1:6]]
+
+
+@linux_only
+def test_swap_growth_within_budget_lets_the_command_finish(tmp_path: Path) -> None:
+    """Recorded swap (no swap on this machine) that grows 0.9 GiB of a 1 GiB budget."""
+    folders = [_meminfo(tmp_path / f"p{i}", mib * MiB) for i, mib in enumerate([2048, 2970])]
+    config = GuardConfig(
+        [PY, "-c", "import time, sys; time.sleep(0.5); sys.exit(9)"],
+        wait_free="10%",
+        swap_budget="1G",
+        kill_free="0",
+        poll="0.05s",
+    )
+    result = run_guard(config, probes=_recorded_probes(_replay(folders)), stderr=None)
+    assert (result.exit_code, result.outcome) == (9, "exited")
+    assert result.swap_growth is not None and 0.89 * GiB < result.swap_growth < GiB
+
+
+def test_stop_rule_swap_budget_and_two_samples_under_the_floor() -> None:
+    """The rule alone, on readings recorded as values (no machine has to produce them)."""
+
+    def reading(available_gib: float, swap_gib: float) -> SystemMemory:
+        return SystemMemory(
+            total=32 * GiB,
+            available=int(available_gib * GiB),
+            available_percent=100 * available_gib / 32,
+            swap_used=int(swap_gib * GiB),
+            swap_total=16 * GiB,
+            pressure=None,
+        )
+
+    rule = StopRule(Amount.parse("4G"), swap_budget=GiB, swap_at_start=2 * GiB)
+    assert rule.observe(reading(10, 3.0)) is None  # growth == budget: not over it
+    assert rule.observe(reading(3, 2.0)) is None  # first sample under the floor
+    assert rule.observe(reading(5, 2.0)) is None  # back over it: the count restarts
+    assert rule.observe(reading(3, 2.0)) is None
+    assert "for 2 samples in a row" in (rule.observe(reading(3, 2.0)) or "")
+    assert "swap grew" in (rule.observe(reading(10, 3.01)) or "")
+    # Adaptive poll: 0.5 s with a wide margin, faster as it shrinks, 0.1 s at the floor.
+    wide, near = StopRule(Amount.parse("4G"), GiB, 0), StopRule(Amount.parse("4G"), GiB, 0)
+    assert wide.next_poll(reading(20, 0), None) == 0.5
+    assert 0.1 < near.next_poll(reading(4 + 1.5, 0), None) < 0.5
+    assert near.next_poll(reading(4.1, 0), None) == 0.1
+    assert near.next_poll(reading(20, 0), 2.0) == 2.0
+
+
+@pytest.mark.skipif(psutil.swap_memory().total == 0, reason="this machine has no swap")
+def test_real_swap_is_read_and_within_budget(tmp_path: Path) -> None:
+    """Where the machine has swap: the guard's samples match psutil's swap figure, and a
+    short quiet command does not trip the budget."""
+    trace = tmp_path / "trace.jsonl"
+    config = GuardConfig(
+        [PY, "-c", "import time; time.sleep(0.5)"], wait_free="0", kill_free="0", trace=trace
+    )
+    result = run_guard(config, stderr=None)
+    assert result.exit_code == 0
+    used = [r["swap_used"] for r in read_records(trace) if r["type"] == "sample"]
+    assert abs(used[-1] - psutil.swap_memory().used) < 256 * MiB
+
+
+# -- status line -----------------------------------------------------------------------
+
+
+def test_status_updates_in_place_on_a_terminal() -> None:
+    master, slave = os.openpty()
+    try:
+        with open(slave, "w", closefd=False) as stream:
+            status = _Status(stream)
+            assert status.tty
+            status.show(("free",), "waiting: available 31% < 40%")
+            status.show(("free",), "waiting: available 32% < 40%")
+            status.line("done")
+        text = os.read(master, 4096).decode()
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert text.count("\r\x1b[K") == 2 and text.endswith("done\r\n")
