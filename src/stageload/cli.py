@@ -11,9 +11,11 @@ from . import __version__
 
 # Subcommand name -> module in stageload.commands. Order is the order in --help.
 COMMANDS: dict[str, str] = {
+    "demo": "demo",
     "report": "report",
     "plot": "plot",
     "guard": "guard",
+    "meter": "meter",
 }
 
 #: Exit code for bad command-line usage, as argparse uses.

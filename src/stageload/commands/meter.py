@@ -1,0 +1,231 @@
+"""``stageload meter``: run a command and record its process tree's memory in a trace."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..units import format_duration, format_size, parse_duration
+
+HELP = "run a command and record its memory (footprint, swap, available) in a trace"
+
+DESCRIPTION = """\
+Run CMD and record the memory of its whole process tree in a JSONL trace, like
+'mprof run': every --interval seconds the footprint of CMD and all its children
+(Linux: RssAnon+RssShmem+VmSwap, macOS: phys_footprint), memory available, swap used
+and memory pressure. 'stageload report' and 'stageload plot' read the trace; its
+format is in docs/trace-format.md.
+
+Samples come from a separate sampler process by default, so they keep coming while
+CMD is busy; --sampler thread samples from a thread in this process instead. CMD runs
+in the foreground as usual; SIGINT and SIGTERM sent to stageload are passed on to it.
+At the end a one-line summary goes to stderr.
+
+Exit codes:
+  CMD's own       (128+N if CMD died from signal N)
+  127             CMD could not be started
+  2               bad command line
+
+Examples:
+  stageload meter -o eager.jsonl --label eager -- python run.py --eager
+  stageload meter -o staged.jsonl --label staged -- python run.py
+  stageload report eager.jsonl staged.jsonl
+"""
+
+#: Exit code when the command could not be started, as shells use.
+EXIT_CANNOT_START = 127
+
+
+def _interval(text: str) -> float:
+    try:
+        seconds = parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(
+            f"interval must be more than 0 seconds, got {text!r}; e.g. '0.5' or '100ms'"
+        )
+    return seconds
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-o",
+        "--output",
+        metavar="TRACE",
+        default=None,
+        help="trace file to write (default: meter-YYYYmmdd-HHMMSS.jsonl here)",
+    )
+    parser.add_argument(
+        "--interval",
+        type=_interval,
+        default=0.5,
+        metavar="S",
+        help="time between samples: seconds or e.g. '100ms' (default: 0.5)",
+    )
+    parser.add_argument(
+        "--sampler",
+        choices=("process", "thread"),
+        default="process",
+        help="sample from a separate process (default) or a thread of this one",
+    )
+    parser.add_argument(
+        "--label",
+        default=None,
+        help="name of this run in the trace, shown by 'stageload report' (e.g. 'staged')",
+    )
+    parser.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD ...",
+        help="the command to run, after '--'",
+    )
+
+
+def exit_status(returncode: int) -> int:
+    """A Popen return code as a shell reports it: 128+N for death by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _in_terminal_foreground() -> bool:
+    # Ctrl-C in a terminal signals the whole foreground process group, the command too.
+    for fd in (0, 1, 2):
+        try:
+            if os.isatty(fd):
+                return os.tcgetpgrp(fd) == os.getpgrp()
+        except OSError:
+            continue
+    return False
+
+
+class _Forwarder:
+    """Passes SIGINT and SIGTERM on to the command while it runs; restores handlers after."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self.previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        # A terminal's Ctrl-C already reached the command (same process group); sending it
+        # again could interrupt the command's own clean-up. Anything else is passed on.
+        if signum == signal.SIGINT and _in_terminal_foreground():
+            return
+        with contextlib.suppress(OSError):
+            self.proc.send_signal(signum)
+
+    def __enter__(self) -> _Forwarder:
+        for sig in self.SIGNALS:
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                break
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def summary_line(records: Sequence[dict[str, Any]]) -> str:
+    """Peak footprint, swap growth and lowest available memory of a trace's samples."""
+    samples = [r for r in records if r.get("type") == "sample"]
+
+    def values(key: str) -> list[Any]:
+        return [s[key] for s in samples if isinstance(s.get(key), (int, float))]
+
+    footprint, swap, available = values("footprint"), values("swap_used"), values("available")
+    parts = [f"peak footprint {format_size(max(footprint)) if footprint else '-'}"]
+    if swap:
+        growth = max(swap) - swap[0]
+        parts.append(f"swap {'+' if growth >= 0 else ''}{format_size(growth)}")
+    else:
+        parts.append("swap -")
+    if available:
+        lowest = min(
+            (s for s in samples if isinstance(s.get("available"), (int, float))),
+            key=lambda s: s["available"],
+        )
+        pct = lowest.get("available_pct")
+        extra = f" ({pct:.0f}%)" if isinstance(pct, (int, float)) else ""
+        parts.append(f"lowest available {format_size(lowest['available'])}{extra}")
+    else:
+        parts.append("lowest available -")
+    return ", ".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import EXIT_USAGE
+    from ..meter import MemoryMeter
+    from ..tracefile import read_records
+
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print(
+            "stageload meter: error: no command given; put it after '--', "
+            "e.g. stageload meter -o run.jsonl -- python run.py",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    output = Path(args.output or time.strftime("meter-%Y%m%d-%H%M%S.jsonl"))
+    if not output.parent.is_dir():
+        print(
+            f"stageload meter: error: cannot write -o {str(output)!r}: "
+            f"folder {str(output.parent)!r} does not exist",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+
+    meta: dict[str, Any] = {"command": command}
+    if args.label is not None:
+        meta["label"] = args.label
+    meter = MemoryMeter(output, args.interval, sampler=args.sampler, meta=meta)
+    # Start the sampler process first: it takes ~0.1 s, and a short command could be
+    # over before its first sample.
+    meter.prepare()
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen(command)
+    except OSError as exc:
+        meter.cancel()
+        print(f"stageload meter: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
+        return EXIT_CANNOT_START
+    meter.pid = proc.pid
+    with _Forwarder(proc):
+        try:
+            meter.start()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        try:
+            code = exit_status(proc.wait())
+        finally:
+            if proc.returncode is None:  # interrupted in here: don't leave it behind
+                proc.kill()
+                proc.wait()
+            end: dict[str, Any] = {"exit_code": exit_status(proc.returncode)}
+            if proc.returncode < 0:
+                try:
+                    end["signal"] = signal.Signals(-proc.returncode).name
+                except ValueError:  # a real-time signal has no name
+                    end["signal"] = f"SIG{-proc.returncode}"
+            meter.stop(**end)
+    elapsed = time.monotonic() - started
+    print(
+        f"stageload meter: exit {code} after {format_duration(elapsed)}; "
+        f"{summary_line(read_records(output))}; {meter.samples} samples in {str(output)}",
+        file=sys.stderr,
+    )
+    return code

@@ -1,0 +1,198 @@
+"""MemoryMeter's sampling loop, and the sampler process that runs it outside the metered program.
+
+A Python thread takes no sample while native code holds the GIL, so a peak that lives only
+inside one long C call is invisible to it. The sampler process (``python -m
+stageload.meter_sampler``) has its own interpreter and samples regardless. It imports only
+``stageload.memory`` and ``stageload.tracefile`` (psutil, never torch) and starts in about a
+tenth of a second.
+
+Protocol with the parent (``MemoryMeter``), over the sampler's stdin and stdout, one JSON
+object per line:
+
+- sampler -> parent ``{"hello": PID}`` once it is running (detached, see below);
+- parent -> sampler ``{"go": MONOTONIC0, "pid": PID}`` once the start record is written:
+  the ``time.monotonic()`` that ``t = 0`` stands for and the process to measure (not known
+  at spawn time: ``stageload meter`` starts the sampler before the command, so that the
+  first sample comes right after the command starts);
+- sampler -> parent ``{"ready": true}`` after its first sample;
+- parent -> sampler ``{"device": {...}}`` device memory read in the parent (only the
+  process that uses torch can read it); merged into later samples;
+- parent -> sampler ``{"stop": true, "final": bool}``; sampler -> parent ``{"samples": N}``.
+
+End of file on stdin means the parent is gone: the sampler exits at once, writing nothing
+more. It also checks every tick that the parent (``--watch``) is still alive, because a
+child the parent forked keeps the pipe open.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .memory import read_device, read_process, read_system, sample_errors, to_sample
+from .tracefile import TraceWriter
+
+#: Sample keys read in the process that uses torch.
+DEVICE_KEYS = ("cuda_allocated", "cuda_reserved", "mps_current", "mps_driver")
+
+
+class Sampler:
+    """Writes one sample of ``pid``'s memory (its tree with ``tree``) to ``writer`` per call."""
+
+    def __init__(
+        self, writer: TraceWriter, pid: int, *, tree: bool = True, device: bool = False
+    ) -> None:
+        self.writer = writer
+        self.pid = pid
+        self.tree = tree
+        self.device = device  # read device memory here (only in the process that uses torch)
+
+    def sample(self, extra: Mapping[str, Any] | None = None) -> bool:
+        """Take and write one sample; ``extra`` adds keys (device memory read elsewhere).
+
+        Returns False, writing nothing, when the measured process is gone: a command that
+        just exited is not a read error.
+        """
+        t = self.writer.t()
+        try:
+            process = read_process(self.pid, tree=self.tree)
+            if process.pids == 0:
+                return False
+            readings: list[Any] = [process, read_system(self.pid)]
+            if self.device:
+                readings.append(read_device())
+        except Exception as exc:  # a reader bug must not end the metering: record it once
+            self.writer.error("sample", f"reading memory failed: {exc!r}", t=t)
+            return False
+        self.writer.recovered("sample", t=t)
+        values = to_sample(*readings)
+        if extra:
+            values.update(extra)
+        self.writer.track_errors(values, sample_errors(*readings), t=t)
+        self.writer.sample(values, t=t)
+        return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _say(message: Mapping[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+class _Control:
+    """Reads the parent's JSON lines from stdin without blocking past a deadline."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buffer = b""
+        self.eof = False
+
+    def wait(self, timeout: float) -> list[dict[str, Any]]:
+        """Messages that arrive within ``timeout`` seconds (returns early when one does)."""
+        readable, _, _ = select.select([self.fd], [], [], max(timeout, 0.0))
+        if not readable:
+            return []
+        data = os.read(self.fd, 1 << 16)
+        if not data:
+            self.eof = True
+            return []
+        self.buffer += data
+        *lines, self.buffer = self.buffer.split(b"\n")
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def _detach() -> None:
+    """Leave the metered process's tree and session.
+
+    The parent measures its own process tree, so the sampler must not be in it: fork once
+    more and let the intermediate exit (the parent reaps it), which re-parents the sampler
+    to init. A new session keeps a terminal's Ctrl-C (sent to the foreground process group)
+    from killing the sampler before the parent has written its end record.
+    """
+    if os.fork() != 0:
+        os._exit(0)
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The sampler process's main loop; see the module docstring for the protocol."""
+    control = _Control(sys.stdin.fileno())
+    _say({"hello": os.getpid()})
+    # Wait for "go": the parent writes the start record first, so it stays the first line.
+    while True:
+        messages = control.wait(60.0)
+        if control.eof or not messages and not _alive(args.watch):
+            return 0
+        go = [m for m in messages if "go" in m]
+        if go:
+            break
+    writer = TraceWriter(args.path, append=True, monotonic0=float(go[0]["go"]))
+    sampler = Sampler(writer, int(go[0]["pid"]), tree=args.tree)
+    device: dict[str, Any] = {}
+    next_tick = time.monotonic()
+    first = True
+    while True:
+        sampler.sample(device)
+        if first:
+            _say({"ready": True})
+            first = False
+        next_tick += args.interval
+        now = time.monotonic()
+        if next_tick <= now:  # fell behind (machine busy): skip the missed ticks
+            next_tick = now + args.interval
+        while (timeout := next_tick - time.monotonic()) > 0:
+            for message in control.wait(timeout):
+                if "device" in message:
+                    device = {k: v for k, v in message["device"].items() if k in DEVICE_KEYS}
+                if message.get("stop"):
+                    if message.get("final"):
+                        sampler.sample(device)
+                    writer.close()
+                    _say({"samples": writer.samples})
+                    return 0
+            if control.eof:  # the parent is gone (or closed the pipe): stop writing now
+                return 0
+        if not _alive(args.watch):
+            return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m stageload.meter_sampler",
+        description="MemoryMeter's sampler process; started by MemoryMeter, not by hand.",
+    )
+    parser.add_argument("--path", required=True, help="trace file to append samples to")
+    parser.add_argument("--watch", type=int, required=True, help="stop when this pid is gone")
+    parser.add_argument("--interval", type=float, required=True, help="seconds between samples")
+    parser.add_argument(
+        "--no-tree", dest="tree", action="store_false", help="measure the process, not its tree"
+    )
+    parser.add_argument("--no-detach", dest="detach", action="store_false", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.detach:
+        _detach()
+    try:
+        return run(args)
+    except BrokenPipeError:  # the parent is gone while we spoke to it
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
