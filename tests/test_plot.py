@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from fixtures.traces import eager_records, staged_records, write_trace
 
+from fixtures.traces import eager_records, staged_records, write_real_trace, write_trace
 from stageload.cli import main
 from stageload.plot import plot_traces
 
@@ -74,3 +74,13 @@ def test_importing_report_and_plot_stays_light() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plot_real_meter_traces(tmp_path: Path) -> None:
+    plan = [("a", 32), ("b", 32)]
+    eager = write_real_trace(tmp_path / "eager.jsonl", "eager", plan, hold=True)
+    staged = write_real_trace(tmp_path / "staged.jsonl", "staged", plan, hold=False)
+    out = tmp_path / "real.png"
+    assert main(["plot", str(eager), str(staged), "-o", str(out)]) == 0
+    width, height = png_size(out)
+    assert width > 500 and height > 500 and out.stat().st_size > 10_000

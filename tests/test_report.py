@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from fixtures.traces import MIB, eager_records, staged_records, write_trace
 
+from fixtures.traces import MIB, eager_records, staged_records, write_real_trace, write_trace
 from stageload.cli import main
 from stageload.report import format_report, report_dict, stage_order
 from stageload.trace import load_summary
@@ -95,3 +95,20 @@ def test_cli_errors_are_one_line(tmp_path: Path, capsys, content: str | None, me
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "Traceback" not in err
     assert err.startswith("stageload report: error: ")
+
+
+def test_report_on_real_meter_traces(tmp_path: Path, capsys) -> None:
+    plan = [("a", 64), ("b", 64), ("c", 64)]
+    eager = write_real_trace(tmp_path / "eager.jsonl", "eager", plan, hold=True)
+    staged = write_real_trace(tmp_path / "staged.jsonl", "staged", plan, hold=False)
+    assert main(["report", str(eager), str(staged), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["stages"] == ["setup", "a", "b", "c"]
+    e, s = ({st["stage"]: st for st in t["stages"]} for t in data["traces"])
+    # Eager holds 192 MiB in stage c, staged 64 MiB: real counters, generous margins.
+    assert e["c"]["peak_footprint"] - s["c"]["peak_footprint"] > 100 * MIB
+    assert e["c"]["peak_footprint"] - e["a"]["peak_footprint"] > 100 * MIB
+    assert data["traces"][1]["releases"]["count"] == 2
+    assert all(st["samples"] > 0 for st in s.values() if st["stage"] != "setup")
+    assert main(["report", str(eager), str(staged)]) == 0
+    assert _row(capsys.readouterr().out, "c")[1:] != ["-", "-"]

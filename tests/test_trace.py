@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from fixtures.traces import MIB, eager_records, staged_records, write_trace
 
+from fixtures.traces import MIB, eager_records, staged_records, write_trace
 from stageload.trace import SETUP, TraceError, Window, read_trace, stage_windows, summarize
 
 

@@ -12,10 +12,10 @@ from . import __version__
 # Subcommand name -> module in stageload.commands. Order is the order in --help.
 COMMANDS: dict[str, str] = {
     "demo": "demo",
+    "meter": "meter",
     "report": "report",
     "plot": "plot",
     "guard": "guard",
-    "meter": "meter",
 }
 
 #: Exit code for bad command-line usage, as argparse uses.

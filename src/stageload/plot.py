@@ -50,6 +50,7 @@ def _draw_trace(
     *,
     colors: dict[str, str],
     avail_max: float,
+    span: float,
     legend: bool,
 ) -> None:
     samples = trace.samples
@@ -61,19 +62,26 @@ def _draw_trace(
     ]
     avail = [(s.t, s.available / _GIB) for s in samples if s.available is not None]
 
+    # Labels sit just inside the top of their band. A label that would run into the one
+    # before it (a short window) drops a row, so neighbours never overprint.
+    label_ends: list[float] = []  # per row: where the last label there ends, in seconds
+    char = span * 0.0075  # roughly one 8-pt character of a 10-inch-wide axis, in seconds
     for window in summary.windows:
         if window.stage in colors:
             ax.axvspan(window.start, window.end, color=colors[window.stage], lw=0, zorder=0)
-        # Labels sit just inside the top of the band, in axes coordinates for y.
+        row = next((i for i, end in enumerate(label_ends) if window.start >= end), None)
+        if row is None:
+            row = len(label_ends)
+            label_ends.append(0.0)
+        label_ends[row] = window.start + char * (len(window.stage) + 2)
         ax.text(
             window.start,
-            0.98,
+            0.98 - 0.09 * (row % 4),
             f" {window.stage}",
             transform=ax.get_xaxis_transform(),
             va="top",
             ha="left",
             fontsize=8,
-            rotation=90 if len(summary.windows) > 8 else 0,
             clip_on=True,
             zorder=3,
         )
@@ -174,6 +182,7 @@ def plot_traces(traces: Sequence[str | Path | Trace], out: str | Path, *, dpi: i
     fp_max = max((s.footprint or 0 for t in loaded for s in t.samples), default=0) / scale
     avail_max = max((s.available or 0 for t in loaded for s in t.samples), default=0) / _GIB
 
+    span = max((t.last_t for t in loaded), default=0.0) or 1.0  # the shared time axis
     n = len(loaded)
     fig = Figure(figsize=(10, 2.6 * n + 3.0), layout="constrained")
     FigureCanvasAgg(fig)
@@ -183,7 +192,15 @@ def plot_traces(traces: Sequence[str | Path | Trace], out: str | Path, *, dpi: i
         ax = fig.add_subplot(grid[k], sharex=first, sharey=first)
         first = first or ax
         _draw_trace(
-            ax, trace, summary, scale, unit, colors=colors, avail_max=avail_max, legend=k == 0
+            ax,
+            trace,
+            summary,
+            scale,
+            unit,
+            colors=colors,
+            avail_max=avail_max,
+            span=span,
+            legend=k == 0,
         )
         ax.set_ylim(0, max(fp_max, 1e-9) * 1.12)
         if k == n - 1:
