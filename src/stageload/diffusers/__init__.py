@@ -1,0 +1,286 @@
+"""Staged loading for any diffusers pipeline: each large model is in memory only for its stages.
+
+    from stageload.diffusers import staged_pipeline
+
+    pipe = staged_pipeline(QwenImage21Pipeline, "Qwen/Qwen-Image-2.1", torch_dtype=torch.bfloat16)
+    image = pipe(prompt, num_inference_steps=20).images[0]
+
+The pipeline's own ``__call__`` runs unchanged. Its text encoder, denoiser and VAE are
+placeholders (see ``_placeholder``) that load on their first use and are released when the
+pipeline moves to a stage that does not list them. Installed as ``stageload[diffusers]``;
+the core of stageload never imports this package.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..events import NOTE, Event, EventSink
+from ..release import ReleasedModuleError, release
+from ..staged import StagedModels
+from . import _placeholder
+from ._plan import (
+    check_plan,
+    default_keep,
+    default_plan,
+    model_components,
+    weight_bytes,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["StagedPipeline", "default_plan", "staged_pipeline"]
+
+# from_pretrained arguments that also apply to each component's own from_pretrained.
+_MODEL_KWARGS = ("variant", "use_safetensors", "low_cpu_mem_usage", "device_map", "revision")
+
+
+class StagedPipeline:
+    """The staging state of one pipeline, at ``pipe.stageload``.
+
+    ``models`` is the :class:`~stageload.StagedModels` registry (``models[name]`` loads a
+    component and returns the pipeline's own object for it); ``plan`` the stages;
+    ``close()`` releases everything for good.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        classes: Mapping[str, type],
+        skeletons: Mapping[str, nn.Module],
+        plan: Mapping[str, list[str]],
+        keep: Iterable[str],
+        *,
+        device: torch.device,
+        torch_dtype: torch.dtype | None,
+        model_kwargs: Mapping[str, Any],
+        events: EventSink | None,
+    ) -> None:
+        self.path = path
+        self.device = device
+        self.torch_dtype = torch_dtype
+        self.plan = {stage: tuple(names) for stage, names in plan.items()}
+        self._classes = dict(classes)
+        self._skeletons = dict(skeletons)
+        self._model_kwargs = dict(model_kwargs)
+        self._order = list(self.plan)
+        self._lock = threading.RLock()
+        self._closed_at: tuple[str | None] | None = None
+        self.models = StagedModels(
+            {name: self._loader(name) for name in self._skeletons},
+            stages=self.plan,
+            pinned=keep,
+            events=events,
+        )
+
+    @property
+    def keep(self) -> frozenset[str]:
+        return self.models.pinned
+
+    @property
+    def stage(self) -> str | None:
+        return self.models.stage
+
+    def _loader(self, name: str) -> Any:
+        def load() -> nn.Module:
+            loaded = _load_component(
+                self._classes[name],
+                self.path / name,
+                self.torch_dtype,
+                self._model_kwargs,
+            )
+            if self.device.type != "cpu":
+                loaded = loaded.to(self.device)
+            return _placeholder.fill(self._skeletons[name], loaded)
+
+        load.__qualname__ = f"load_{name}"
+        return load
+
+    def use(self, name: str) -> None:
+        """Make ``name`` ready for a use: enter the stage that runs it next, then load it.
+
+        The stage is the current one if it lists ``name``; otherwise the next stage in plan
+        order that does, wrapping around, so a second call of the pipeline starts again at
+        ``encode`` and a negative-prompt pass re-enters the stage it needs.
+        """
+        with self._lock:
+            if self._closed_at is not None:
+                raise ReleasedModuleError(name, self._closed_at[0])
+            target = self._next_stage(name)
+            if target is not None and target != self.models.stage:
+                self.models.enter(target)
+            self.models[name]
+
+    def _next_stage(self, name: str) -> str | None:
+        current = self.models.stage
+        if current is not None and name in self.plan[current]:
+            return current
+        start = self._order.index(current) + 1 if current is not None else 0
+        for i in range(len(self._order)):
+            stage = self._order[(start + i) % len(self._order)]
+            if name in self.plan[stage]:
+                return stage
+        return None
+
+    def close(self) -> None:
+        """Release every component; using one afterwards raises ReleasedModuleError."""
+        with self._lock:
+            if self._closed_at is None:
+                self._closed_at = (self.models.stage,)
+                self.models.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"StagedPipeline(stage={self.stage!r}, loaded={self.models.loaded()!r}, "
+            f"plan={self.plan!r}, keep={sorted(self.keep)!r})"
+        )
+
+
+def _load_component(
+    cls: type, folder: Path, torch_dtype: torch.dtype | None, kwargs: Mapping[str, Any]
+) -> nn.Module:
+    """``cls.from_pretrained`` the way DiffusionPipeline.from_pretrained calls it."""
+    kwargs = dict(kwargs)
+    if _placeholder._is_transformers_model(cls):
+        kwargs["dtype"] = torch_dtype if torch_dtype is not None else "auto"
+    else:
+        kwargs["torch_dtype"] = torch_dtype
+    return cls.from_pretrained(str(folder), **kwargs)
+
+
+def staged_pipeline(
+    pipeline_cls: type,
+    path: str | os.PathLike[str],
+    *,
+    device: str | torch.device | None = None,
+    torch_dtype: torch.dtype | None = None,
+    stages: Mapping[str, Iterable[str]] | None = None,
+    keep: Iterable[str] | None = None,
+    events: EventSink | None = None,
+    **from_pretrained_kwargs: Any,
+) -> Any:
+    """Build ``pipeline_cls`` from ``path`` with its large models loaded per stage.
+
+    Args:
+        pipeline_cls: a diffusers pipeline class, e.g. ``QwenImage21Pipeline``.
+        path: a folder in the ``save_pretrained`` layout, or a hub id (resolved through
+            ``pipeline_cls.download``, so the hub cache and ``HF_HUB_OFFLINE`` apply).
+        device: where the models run (default CPU). Loaded models are moved there.
+        torch_dtype: passed to every component's ``from_pretrained``.
+        stages: ``{stage: [component, ...]}`` in pipeline order. Default: ``encode`` (text
+            and image encoders), ``denoise`` (transformer or unet; ``denoise_2`` for
+            ``transformer_2``), ``decode`` (VAE), from ``pipeline_cls.model_cpu_offload_seq``.
+            Models listed in no stage load with the pipeline and stay.
+        keep: staged components never released once loaded. Default: those whose weights
+            on disk are under a tenth of the largest staged component's.
+        events: a sink (``ListSink``, ``MemoryMeter``) for load, release and stage events.
+        **from_pretrained_kwargs: passed to ``pipeline_cls.from_pretrained``; ``variant``,
+            ``use_safetensors``, ``revision`` and ``low_cpu_mem_usage`` also reach each
+            staged component. A component passed here (``vae=my_vae``) is used as given and
+            not staged.
+
+    Returns:
+        The pipeline, an instance of ``pipeline_cls``; ``pipe.stageload`` is its
+        :class:`StagedPipeline` (``.models``, ``.plan``, ``.close()``).
+
+    Example::
+
+        pipe = staged_pipeline(QwenImage21Pipeline, path, torch_dtype=torch.bfloat16,
+                               events=ListSink())
+        image = pipe("a lighthouse at night", num_inference_steps=20).images[0]
+    """
+    import torch
+
+    from ..rng import preserved_rng
+
+    if not isinstance(pipeline_cls, type) or not hasattr(pipeline_cls, "from_pretrained"):
+        raise TypeError(
+            f"pipeline_cls must be a diffusers pipeline class such as QwenImage21Pipeline, "
+            f"got {pipeline_cls!r}"
+        )
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    folder = Path(os.fspath(path))
+    if not folder.is_dir():
+        download = {k: v for k, v in from_pretrained_kwargs.items() if k in ("variant", "revision")}
+        folder = Path(pipeline_cls.download(os.fspath(path), **download))
+
+    models = model_components(folder)
+    given = {name for name in from_pretrained_kwargs if name in models}
+    candidates = {name: cls for name, cls in models.items() if name not in given}
+    if stages is None:
+        plan = default_plan(getattr(pipeline_cls, "model_cpu_offload_seq", None), candidates)
+    else:
+        plan = check_plan(stages, models)
+        clash = given & {n for names in plan.values() for n in names}
+        if clash:
+            raise ValueError(
+                f"{sorted(clash)!r} passed as objects and listed in stages=; a component given "
+                f"to from_pretrained is used as is, so leave it out of the plan"
+            )
+    staged = list(dict.fromkeys(n for names in plan.values() for n in names))
+    if keep is None:
+        keep = default_keep(weight_bytes(folder, staged))
+    elif isinstance(keep, str):
+        raise TypeError(f"keep must list component names, e.g. [{keep!r}]; got {keep!r}")
+    else:
+        keep = list(keep)
+        for name in keep:
+            if name not in staged:
+                raise ValueError(
+                    f"keep lists {name!r}, which the plan does not stage; staged components: "
+                    f"{', '.join(staged) or '(none)'}"
+                )
+
+    with preserved_rng():  # building a skeleton may run initialisers that draw numbers
+        skeletons = {
+            name: _placeholder.build_skeleton(
+                models[name],
+                folder / name,
+                _placeholder.skeleton_dtype(models[name], folder / name, torch_dtype),
+            )
+            for name in staged
+        }
+    for name, skeleton in skeletons.items():
+        # The skeleton starts out "released": a call that bypasses the stager (a submodule
+        # called directly) says so, instead of failing on a meta tensor.
+        release(skeleton, name=name, stage=None)
+
+    pipe = pipeline_cls.from_pretrained(
+        os.fspath(folder), torch_dtype=torch_dtype, **skeletons, **from_pretrained_kwargs
+    )
+    if device.type != "cpu":
+        for name, component in pipe.components.items():
+            if name not in skeletons and isinstance(component, torch.nn.Module):
+                component.to(device)
+
+    state = StagedPipeline(
+        folder,
+        {name: models[name] for name in staged},
+        skeletons,
+        plan,
+        keep,
+        device=device,
+        torch_dtype=torch_dtype,
+        model_kwargs={k: v for k, v in from_pretrained_kwargs.items() if k in _MODEL_KWARGS},
+        events=events,
+    )
+    for name, skeleton in skeletons.items():
+        _placeholder.attach(skeleton, _user(state, name), device)
+    pipe.stageload = state
+    if events is not None:
+        summary = "; ".join(f"{s}: {', '.join(n)}" for s, n in state.plan.items())
+        events.emit(Event(NOTE, note=f"staged {pipeline_cls.__name__}: {summary}"))
+    return pipe
+
+
+def _user(state: StagedPipeline, name: str) -> Any:
+    def use() -> None:
+        state.use(name)
+
+    return use

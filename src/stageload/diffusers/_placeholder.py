@@ -1,0 +1,286 @@
+"""One module object per staged component, for the pipeline's whole life.
+
+The pipeline's attribute (``pipe.transformer``) is an instance of the component's real
+class, built from the checkpoint's config with its parameters on ``meta``: a skeleton that
+answers ``.config``, ``.dtype``, ``.device`` and every structural attribute without
+loading. Loading fills that same object in place from a freshly loaded model
+(:func:`fill`); releasing empties it again (``stageload.release`` moves its tensors to
+``meta``). Because the object never changes, whatever the pipeline attached to it before
+the load survives: Qwen-Image registers a forward hook on a text-encoder submodule and
+then calls the encoder, and that hook must fire on the real weights.
+
+The skeleton's class is a subclass of the real one, with the same name and module, that
+changes two things: calling the module first tells the stager it is about to be used
+(which enters its stage and loads it), and ``.device`` answers the execution device while
+the weights are on ``meta``. Methods that diffusers models run outside ``forward`` (the
+VAE's ``encode`` and ``decode``) already call ``self._hf_hook.pre_forward(self)``, the
+hook protocol of accelerate's offloading; :class:`StageHook` answers it the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+#: Instance attribute holding the callable that makes a component ready before a use.
+USE_ATTR = "_stageload_use"
+#: Instance attribute holding the device a component runs on, answered while on meta.
+DEVICE_ATTR = "_stageload_device"
+# Per submodule: the plain attributes as they were after the last fill, to tell which ones
+# the pipeline or the user changed since (``vae.enable_tiling()``) and must keep.
+_SNAPSHOT_ATTR = "_stageload_snapshot"
+
+# nn.Module's hook registries. The skeleton's dict objects are kept (RemovableHandles point
+# at them by weakref) and the loaded model's hooks, if any, are added to them.
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+_SLOTS = ("_parameters", "_buffers")
+# Set on the skeleton by us or by stageload.release; never taken from a loaded model.
+_OWN = frozenset({USE_ATTR, DEVICE_ATTR, _SNAPSHOT_ATTR, "_hf_hook", "_stageload_released"})
+_NOT_PLAIN = frozenset({*_HOOK_DICTS, *_SLOTS, "_modules", "forward", *_OWN})
+
+
+class StageHook:
+    """The part of accelerate's ``ModelHook`` protocol that diffusers reads.
+
+    ``pre_forward`` runs before ``encode``/``decode`` (diffusers' ``apply_forward_hook``);
+    ``execution_device`` is where ``pipe._execution_device`` puts latents and embeddings.
+    """
+
+    no_grad = False
+
+    def __init__(self, use: Callable[[], None], execution_device: torch.device) -> None:
+        self.use = use
+        self.execution_device = execution_device
+
+    def init_hook(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        self.use()
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        return output
+
+    def detach_hook(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def __repr__(self) -> str:
+        return f"StageHook(execution_device={self.execution_device!r})"
+
+
+@functools.cache
+def staged_class(base: type) -> type:
+    """A subclass of ``base`` under the same name whose calls go through the stager first."""
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        use = self.__dict__.get(USE_ATTR)
+        if use is not None:
+            use()
+        return super(cls, self).__call__(*args, **kwargs)
+
+    base_device = getattr(base, "device", None)
+
+    def device(self: Any) -> torch.device:
+        first = next(self.parameters(), None)
+        if (first is None or first.is_meta) and DEVICE_ATTR in self.__dict__:
+            return self.__dict__[DEVICE_ATTR]
+        if isinstance(base_device, property) and base_device.fget is not None:
+            return base_device.fget(self)
+        import torch
+
+        return first.device if first is not None else torch.device("cpu")
+
+    namespace = {
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "__doc__": base.__doc__,
+        "__call__": __call__,
+        "device": property(device, doc="Where the model runs, also while it is not loaded."),
+        "_stageload_base": base,
+    }
+    cls = type(base.__name__, (base,), namespace)
+    return cls
+
+
+def skeleton_dtype(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``cls.from_pretrained(folder, torch_dtype=...)`` gives the weights.
+
+    diffusers models load as ``torch_dtype`` or else float32; transformers models (v5's
+    ``dtype="auto"``) as ``torch_dtype`` or else the checkpoint's own dtype.
+    """
+    import torch
+
+    if torch_dtype is not None:
+        return torch_dtype
+    if _is_transformers_model(cls):
+        return _checkpoint_dtype(folder) or torch.get_default_dtype()
+    return torch.get_default_dtype()
+
+
+def _is_transformers_model(cls: type) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return issubclass(cls, PreTrainedModel)
+
+
+def _checkpoint_dtype(folder: Path) -> torch.dtype | None:
+    """The dtype of the first floating tensor in the folder's safetensors files (header only)."""
+    import json
+
+    import torch
+
+    names = {
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "F64": torch.float64,
+    }
+    for file in sorted(folder.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        for key, info in header.items():
+            if key != "__metadata__" and info.get("dtype") in names:
+                return names[info["dtype"]]
+    return None
+
+
+def build_skeleton(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
+    """An instance of ``staged_class(cls)`` built from the config in ``folder``, with every
+    parameter on ``meta`` in ``dtype`` (float32 where the class keeps modules in float32)."""
+    import torch
+    from accelerate import init_empty_weights
+
+    if _is_transformers_model(cls):
+        config = cls.config_class.from_pretrained(str(folder))
+        with init_empty_weights():
+            model = cls._from_config(config)
+    elif hasattr(cls, "load_config") and hasattr(cls, "from_config"):
+        config = cls.load_config(str(folder))
+        with init_empty_weights():
+            model = cls.from_config(config)
+    else:
+        raise TypeError(
+            f"cannot stage a {cls.__module__}.{cls.__qualname__}: it is neither a diffusers "
+            f"ModelMixin nor a transformers PreTrainedModel; keep it loaded (leave it out of "
+            f"stages=)"
+        )
+    keep_fp32 = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    with torch.no_grad():
+        for module_name, sub in model.named_modules():
+            in_fp32 = any(k in module_name.split(".") for k in keep_fp32)
+            for key, param in list(sub._parameters.items()):
+                if param is None or not param.is_floating_point():
+                    continue
+                want = (
+                    torch.float32 if in_fp32 and dtype in (torch.float16, torch.bfloat16) else dtype
+                )
+                meta = torch.empty_like(param, device="meta", dtype=want)
+                sub._parameters[key] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
+    model.eval()
+    model.__class__ = staged_class(cls)
+    _snapshot_all(model)
+    return model
+
+
+def fill(skeleton: nn.Module, loaded: nn.Module) -> nn.Module:
+    """Move everything ``loaded`` holds into ``skeleton``, keeping every module object of the
+    skeleton (and the hooks on them). Returns ``skeleton``; ``loaded`` is spent."""
+    base = getattr(type(skeleton), "_stageload_base", type(skeleton))
+    if not isinstance(loaded, base):
+        raise TypeError(
+            f"loaded a {type(loaded).__qualname__} for a {base.__qualname__} placeholder; the "
+            f"checkpoint's class changed since the pipeline was built"
+        )
+    _fill_module(skeleton, loaded, {})
+    return skeleton
+
+
+def _fill_module(dst: nn.Module, src: nn.Module, memo: dict[int, nn.Module]) -> None:
+    memo[id(src)] = dst
+    dst_children = dst.__dict__["_modules"]
+    for key, child in src.__dict__["_modules"].items():
+        if child is None:
+            dst_children[key] = None
+        elif id(child) in memo:  # shared submodule: keep it shared
+            dst_children[key] = memo[id(child)]
+        elif type(dst_children.get(key)) is type(child):
+            _fill_module(dst_children[key], child, memo)
+        else:  # the structure differs here: take the loaded module as it is
+            dst_children[key] = child
+            memo[id(child)] = child
+    for key in [k for k in dst_children if k not in src.__dict__["_modules"]]:
+        del dst_children[key]
+
+    d, s = dst.__dict__, src.__dict__
+    # stageload.release left these; the module is live again.
+    d.pop("forward", None)
+    d.pop("_stageload_released", None)
+    for slot in _SLOTS:
+        d[slot].clear()
+        d[slot].update(s[slot])
+    for name in _HOOK_DICTS:
+        if name in s and s[name]:
+            d.setdefault(name, type(s[name])()).update(s[name])
+    snapshot = d.get(_SNAPSHOT_ATTR, {})
+    for key, value in s.items():
+        if key in _NOT_PLAIN:
+            if key == "forward":  # the loaded model had its own instance forward
+                d[key] = value
+            continue
+        if key in d and key in snapshot and d[key] is not snapshot[key]:
+            continue  # changed on the placeholder since the last fill: keep that change
+        if isinstance(value, _module_type()) and id(value) in memo:
+            value = memo[id(value)]
+        d[key] = value
+    d[_SNAPSHOT_ATTR] = _plain(d)
+
+
+@functools.cache
+def _module_type() -> type:
+    from torch import nn
+
+    return nn.Module
+
+
+def _plain(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if k not in _NOT_PLAIN}
+
+
+def _snapshot_all(model: nn.Module) -> None:
+    for sub in model.modules():
+        sub.__dict__[_SNAPSHOT_ATTR] = _plain(sub.__dict__)
+
+
+def attach(skeleton: nn.Module, use: Callable[[], None], device: torch.device) -> None:
+    """Route the skeleton's uses through ``use`` and make it answer ``device``."""
+    d = skeleton.__dict__
+    d[USE_ATTR] = use
+    d[DEVICE_ATTR] = device
+    d["_hf_hook"] = StageHook(use, device)
+
+
+def detach(skeleton: nn.Module) -> None:
+    for key in (USE_ATTR, "_hf_hook"):
+        skeleton.__dict__.pop(key, None)

@@ -1,0 +1,386 @@
+"""Real diffusers pipelines built locally, with random weights, for tests and benchmarks.
+
+No hub access is needed: every component is created from a small config with weights
+drawn from a fixed seed, tokenizers are trained in code on a few sentences, and the whole
+pipeline is written with ``save_pretrained``. ``Size`` scales the two large models (text
+encoder and denoiser); the same code builds a 1 MB test fixture and a 6 GB benchmark one.
+
+    from stageload.diffusers.fixtures import build, Size
+    path = build("qwen-image-2.1", tmp_path / "qwen", size=Size.tiny())
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+# The Qwen fixtures save this processor; loading them back needs its module imported.
+from ._qwen_processor import Qwen3VLTextImageProcessor
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+#: Text the tokenizers are trained on; prompts in tests come from the same words.
+SENTENCES = [
+    "a photo of a cat sitting on a red chair",
+    "an oil painting of a lighthouse by the sea at night",
+    "a capybara wearing a wizard hat, reading a book by candlelight",
+    "a small robot watering plants in a green house",
+    "blurry, low quality, distorted, watermark, text",
+    "Comprehend and analyze the provided prompt.",
+    "the quick brown fox jumps over the lazy dog",
+]
+
+
+@dataclass(frozen=True)
+class Size:
+    """How big the large models are: ``hidden`` width and ``layers`` of the text encoder
+    and the denoiser. Attention heads are ``hidden // head_dim``."""
+
+    hidden: int = 32
+    layers: int = 2
+    head_dim: int = 16
+    image: int = 64  # default image side the fixture is meant to run at, pixels
+
+    @classmethod
+    def tiny(cls) -> Size:
+        """About a megabyte per model: for unit tests."""
+        return cls()
+
+    @classmethod
+    def for_bytes(cls, model_bytes: int, *, bytes_per_param: int = 2, head_dim: int = 128) -> Size:
+        """A size whose text encoder and denoiser each hold about ``model_bytes``.
+
+        Both are stacks of ~13 hidden**2 parameters per layer (attention plus a 3x MLP),
+        so the hidden width is chosen for a layer count near 16-28.
+        """
+        params = model_bytes / bytes_per_param
+        for hidden in (256, 512, 768, 1024, 1536, 2048, 3072, 4096):
+            layers = round(params / (13 * hidden * hidden))
+            if layers <= 28:
+                return cls(hidden=hidden, layers=max(1, layers), head_dim=min(head_dim, hidden))
+        return cls(
+            hidden=4096, layers=max(1, round(params / (13 * 4096 * 4096))), head_dim=head_dim
+        )
+
+    @property
+    def heads(self) -> int:
+        return max(1, self.hidden // self.head_dim)
+
+
+# --- weights -------------------------------------------------------------------------------
+
+
+def fill_random(module: nn.Module, seed: int, *, std: float = 0.02) -> nn.Module:
+    """Overwrite every parameter with seeded values: weights ~ N(0, std), biases 0, and
+    1-D norm scales 1, so activations stay finite in any depth (random init of real
+    models is slow and some leave parameters unset). Buffers keep their computed values."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "bias":
+                param.zero_()
+            elif param.ndim == 1 and "norm" in name:
+                # Zero-centred norms (weight + 1) take 0; ordinary ones take 1.
+                param.fill_(0.0 if "ZeroCenter" in _owner_class(module, name) else 1.0)
+            else:
+                # Draw in float32 chunk by chunk: one draw per parameter would need a float32
+                # copy of the largest matrix, and the result must not depend on the dtype.
+                flat = param.view(-1)
+                step = 1 << 24
+                for start in range(0, flat.numel(), step):
+                    chunk = torch.randn(min(step, flat.numel() - start), generator=gen) * std
+                    flat[start : start + chunk.numel()] = chunk.to(param.dtype)
+    return module
+
+
+def _owner_class(module: nn.Module, param_name: str) -> str:
+    owner = module.get_submodule(param_name.rsplit(".", 1)[0]) if "." in param_name else module
+    return type(owner).__name__
+
+
+def _empty(factory: Callable[[], nn.Module], dtype: torch.dtype) -> nn.Module:
+    """Build a model without running its (slow, RNG-consuming) initialisation."""
+    import torch
+
+    with torch.device("meta"):
+        model = factory()
+    return model.to_empty(device="cpu").to(dtype)
+
+
+def _made(factory: Callable[[], nn.Module], dtype: torch.dtype, seed: int) -> nn.Module:
+    model = _empty(factory, dtype)
+    # Buffers computed in __init__ (rotary frequencies) were lost on meta: recompute them.
+    fresh_buffers = _cpu_buffers(factory)
+    for name, buf in model.named_buffers():
+        if name in fresh_buffers:
+            buf.copy_(fresh_buffers[name].to(buf.dtype))
+    return fill_random(model, seed).eval()
+
+
+def _cpu_buffers(factory: Callable[[], nn.Module]) -> dict[str, torch.Tensor]:
+    """Buffers of a freshly built model, built with parameters on meta (cheap)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = factory()
+    return dict(model.named_buffers())
+
+
+# --- tokenizers ----------------------------------------------------------------------------
+
+
+def _train_bpe(
+    specials: list[str], *, vocab_size: int = 400, end_of_word_suffix: str | None = None
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Train a byte-level BPE on SENTENCES; returns (vocab, merges) for a transformers tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    model = (
+        models.BPE(end_of_word_suffix=end_of_word_suffix) if end_of_word_suffix else models.BPE()
+    )
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    extra = {}
+    if end_of_word_suffix:
+        extra["end_of_word_suffix"] = end_of_word_suffix
+        alphabet = alphabet + [c + end_of_word_suffix for c in alphabet]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=alphabet,
+        show_progress=False,
+        **extra,
+    )
+    tok.train_from_iterator(SENTENCES * 4, trainer)
+    spec = json.loads(tok.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in spec["merges"]]
+    return spec["vocab"], merges
+
+
+def _train_unigram(specials: list[str], *, vocab_size: int = 200) -> list[tuple[str, float]]:
+    """Train a sentencepiece-style Unigram on SENTENCES; returns [(piece, score)] for T5."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.UnigramTrainer(
+        vocab_size=vocab_size, special_tokens=specials, unk_token="<unk>", show_progress=False
+    )
+    tok.train_from_iterator(SENTENCES * 4, trainer)
+    return [(piece, float(score)) for piece, score in json.loads(tok.to_str())["model"]["vocab"]]
+
+
+def clip_tokenizer(max_length: int = 77) -> Any:
+    from transformers import CLIPTokenizer
+
+    specials = ["<|startoftext|>", "<|endoftext|>"]
+    vocab, merges = _train_bpe(specials, end_of_word_suffix="</w>")
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
+
+
+def t5_tokenizer(max_length: int = 512) -> Any:
+    from transformers import T5TokenizerFast
+
+    vocab = _train_unigram(["<pad>", "</s>", "<unk>"])
+    return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=max_length)
+
+
+#: Qwen chat markers the Qwen-Image pipelines format prompts with.
+QWEN_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# The Qwen2-VL chat template, reduced to what text prompts with typed content need.
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen_tokenizer() -> Any:
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = _train_bpe(QWEN_SPECIALS)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=1024)
+    # Registered as special, so each marker is one token and never split into bytes.
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS})
+    return tokenizer
+
+
+# --- pipelines -----------------------------------------------------------------------------
+
+
+def build(family: str, path: str | Path, *, size: Size | None = None, **kwargs: Any) -> Path:
+    """Build the pipeline ``family`` (one of :data:`FAMILIES`) into ``path``; returns it."""
+    try:
+        builder = FAMILIES[family]
+    except KeyError:
+        raise ValueError(
+            f"unknown fixture family {family!r}; choose one of {', '.join(FAMILIES)}"
+        ) from None
+    return builder(Path(path), size=size or Size.tiny(), **kwargs)
+
+
+def _save(pipe: Any, path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def build_qwen_image_21(
+    path: Path, *, size: Size, seed: int = 0, dtype: torch.dtype | None = None, vae_dim: int = 8
+) -> Path:
+    """A QwenImage21Pipeline: Qwen3-VL text encoder, QwenImage21 transformer and VAE."""
+    import torch
+    from diffusers import (
+        AutoencoderKLQwenImage21,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImage21Pipeline,
+        QwenImage21Transformer2DModel,
+    )
+    from transformers import (
+        Qwen2VLImageProcessorPil,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+    )
+
+    dtype = dtype or torch.float32
+    tokenizer = qwen_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    h = size.hidden
+    text_config = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": h,
+        "intermediate_size": 3 * h,
+        "num_hidden_layers": size.layers,
+        "num_attention_heads": size.heads,
+        "num_key_value_heads": size.heads,
+        "head_dim": size.head_dim,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "mrope_section": _mrope_section(size.head_dim),
+            "mrope_interleaved": True,
+        },
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+    vision_config = {
+        "depth": 1,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": h,
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0],
+    }
+    config = Qwen3VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    text_encoder = _made(lambda: Qwen3VLForConditionalGeneration(config), dtype, seed)
+
+    z_dim = 8
+    vae = _made(
+        lambda: AutoencoderKLQwenImage21(
+            base_dim=vae_dim,
+            decoder_base_dim=vae_dim,
+            z_dim=z_dim,
+            dim_mult=[1, 1, 1, 1, 1],
+            num_res_blocks=1,
+            latents_mean=[0.0] * z_dim,
+            latents_std=[1.0] * z_dim,
+        ),
+        dtype,
+        seed + 1,
+    )
+    rope = _rope_axes(size.head_dim)
+    transformer = _made(
+        lambda: QwenImage21Transformer2DModel(
+            in_channels=z_dim,
+            out_channels=z_dim,
+            num_layers=size.layers,
+            attention_head_dim=size.head_dim,
+            num_attention_heads=size.heads,
+            context_in_dim=h,
+            axes_dims_rope=rope,
+        ),
+        dtype,
+        seed + 2,
+    )
+    processor = Qwen3VLTextImageProcessor(
+        image_processor=Qwen2VLImageProcessorPil(
+            patch_size=16, merge_size=2, temporal_patch_size=2
+        ),
+        tokenizer=tokenizer,
+        chat_template=QWEN_CHAT_TEMPLATE,
+    )
+    pipe = QwenImage21Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
+        vae=vae,
+        text_encoder=text_encoder,
+        processor=processor,
+        transformer=transformer,
+    )
+    return _save(pipe, path)
+
+
+def _rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """Split ``head_dim`` over (frame, height, width) rotary axes, each even."""
+    frame = max(2, (head_dim // 8) // 2 * 2)
+    rest = head_dim - frame
+    height = rest // 2 // 2 * 2
+    return (frame, height, rest - height)
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    """Qwen3-VL's multimodal rotary split of head_dim // 2 over (t, h, w)."""
+    half = head_dim // 2
+    t = half - 2 * (3 * half // 8)
+    return [t, 3 * half // 8, 3 * half // 8]
+
+
+FAMILIES: dict[str, Callable[..., Path]] = {
+    "qwen-image-2.1": build_qwen_image_21,
+}
+
+
+def model_bytes(path: str | Path, names: Iterable[str] | None = None) -> dict[str, int]:
+    """Bytes of weights on disk per component folder of a saved pipeline."""
+    root = Path(path)
+    index = json.loads((root / "model_index.json").read_text())
+    out: dict[str, int] = {}
+    for name in index:
+        if name.startswith("_") or (names is not None and name not in names):
+            continue
+        folder = root / name
+        files = list(folder.glob("*.safetensors")) + list(folder.glob("*.bin"))
+        if files:
+            out[name] = sum(f.stat().st_size for f in files)
+    return out
