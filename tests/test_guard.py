@@ -8,6 +8,7 @@ real ``python -m stageload guard`` subprocess where one is.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -667,7 +668,9 @@ def test_status_updates_in_place_on_a_terminal() -> None:
             status.show(("free",), "waiting: available 31% < 40%")
             status.show(("free",), "waiting: available 32% < 40%")
             status.line("done")
-        text = os.read(master, 4096).decode()
+        text = ""
+        while not text.endswith("done\r\n") and select.select([master], [], [], 5)[0]:
+            text += os.read(master, 4096).decode()  # a pty hands over writes piecemeal
     finally:
         os.close(master)
         os.close(slave)

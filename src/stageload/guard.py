@@ -119,13 +119,53 @@ class Probes:
     @classmethod
     def real(cls) -> Probes:
         """The machine's own counters, through the ``stageload.memory`` readers."""
-        from .memory import read_process, read_system
+        from .memory import read_system
 
-        return cls(
-            system=read_system,
-            process=lambda pid: read_process(pid, tree=True),
-            processes=list_processes,
-        )
+        return cls(system=read_system, process=TreeFootprint(), processes=list_processes)
+
+
+class TreeFootprint:
+    """Footprint of a process tree, listing the tree at most every ``relist`` seconds.
+
+    ``read_process(pid, tree=True)`` lists descendants with psutil, which reads every
+    process's stat file: about 4 ms per call with 90 processes on this machine, 1% of a core
+    at two samples a second, and more on a busy machine. The guard samples often, so it
+    keeps the list of pids and reads only their own footprints (0.1 ms each) between
+    relistings; a child started since the last listing counts from the next one. A pid that
+    vanished triggers a relisting at once.
+    """
+
+    def __init__(self, relist: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.relist = relist
+        self.clock = clock
+        self._root: int | None = None
+        self._pids: list[int] = []
+        self._listed_at = float("-inf")
+
+    def _list(self, pid: int) -> None:
+        import psutil
+
+        try:
+            children = [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            children = []
+        self._root, self._pids, self._listed_at = pid, [pid, *children], self.clock()
+
+    def __call__(self, pid: int) -> ProcessMemory:
+        from .memory import read_process
+
+        if pid != self._root or self.clock() - self._listed_at >= self.relist:
+            self._list(pid)
+        readings = [read_process(p) for p in self._pids]
+        if any(r.footprint is None for r in readings[1:]):
+            self._list(pid)  # a child exited (or its pid was reused): list the tree again
+            readings = [read_process(p) for p in self._pids]
+        root = readings[0]
+        sources = {k: f"{v} summed over the process tree" for k, v in root.sources.items()}
+        if root.footprint is None:
+            return ProcessMemory(None, 0, sources, dict(root.errors))
+        found = [r.footprint for r in readings if r.footprint is not None]
+        return ProcessMemory(sum(found), len(found), sources, {})
 
 
 def list_processes() -> Iterator[tuple[int, str]]:
