@@ -345,7 +345,8 @@ def test_meter_command_passes_the_exit_code_through(
 ) -> None:
     assert main(_meter(tmp_path, code, extra=("--label", "x"))) == expected
     records = read_records(tmp_path / "t.jsonl")
-    assert records[0]["meta"] == {"command": [sys.executable, "-c", code], "label": "x"}
+    assert records[0]["meta"] == {"label": "x"}
+    assert records[0]["command"] == [sys.executable, "-c", code]
     assert records[-1]["type"] == "end" and records[-1]["exit_code"] == expected
     if expected > 128:
         assert records[-1]["signal"] == signal.Signals(expected - 128).name
@@ -445,3 +446,19 @@ def test_meter_command_forwards_signals_to_the_command(tmp_path: Path, sig: int)
     assert "Traceback" not in err
     end = read_records(path)[-1]
     assert end["type"] == "end" and end["exit_code"] == 128 + sig
+
+
+def test_readme_example_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Python example of docs/readme/meter.md, as written, then `stageload report` on it."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "readme" / "meter.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/readme/meter.md", "exec"), {"__name__": "__readme__"})
+    records = read_records(tmp_path / "staged.jsonl")
+    kinds = [r["kind"] for r in records if r["type"] == "event"]
+    assert kinds == ["stage", "load", "stage", "release", "load"]
+    assert [r["label"] for r in records if r["type"] == "mark"] == ["done"]
+    assert main(["report", str(tmp_path / "staged.jsonl")]) == 0
+    assert "decode" in capsys.readouterr().out

@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "EventSink": "events",
     "ListSink": "events",
     "TeeSink": "events",
+    "MemoryMeter": "meter",
     "parse_size": "units",
     "format_size": "units",
 }
@@ -54,6 +55,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
     from .events import Event, EventSink, ListSink, TeeSink
     from .hooks import on_call
+    from .meter import MemoryMeter
     from .rng import preserved_rng
     from .staged import ModelLoadError, ReleaseUnlisted, ResidencyPolicy, StagedModels
     from .units import format_size, parse_size

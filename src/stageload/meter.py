@@ -169,8 +169,11 @@ class MemoryMeter:
             self._channel.close()  # end of file on its stdin: the sampler exits
             self._channel = None
 
-    def start(self) -> MemoryMeter:
-        """Write the start record and begin sampling; returns the meter."""
+    def start(self, **extra: Any) -> MemoryMeter:
+        """Write the start record and begin sampling; returns the meter.
+
+        ``extra`` adds keys to the start record, e.g. ``command=[...]`` for a metered command.
+        """
         if self._writer is not None:
             raise RuntimeError(f"{self!r} was already started; use a new MemoryMeter per trace")
         if not _pid_exists(self.pid):
@@ -192,6 +195,7 @@ class MemoryMeter:
             meta=self.meta,
             tree=self.tree,
             **({"sampler_pid": self._sampler_pid} if self.sampler == "process" else {}),
+            **extra,
         )
         if why_not is not None:
             writer.error("sampler", f"sampling from a thread: {why_not}")

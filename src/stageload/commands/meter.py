@@ -187,9 +187,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
 
-    meta: dict[str, Any] = {"command": command}
-    if args.label is not None:
-        meta["label"] = args.label
+    meta = {} if args.label is None else {"label": args.label}
     meter = MemoryMeter(output, args.interval, sampler=args.sampler, meta=meta)
     # Start the sampler process first: it takes ~0.1 s, and a short command could be
     # over before its first sample.
@@ -204,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     meter.pid = proc.pid
     with _Forwarder(proc):
         try:
-            meter.start()
+            meter.start(command=command)
         except BaseException:
             proc.kill()
             proc.wait()
