@@ -1,0 +1,164 @@
+"""``stageload-pixal3d IMAGE -o OUT.glb``: run the Pixal3D-mac port with staged loading.
+
+Options this command does not know are passed to the port's own ``parse_args``
+(``--device``, ``--pipeline-type``, ``--steps``, ``--texture-size``, ...). Light to import:
+torch and the port load only once the arguments are parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .plan import STAGES
+
+EXIT_OK = 0
+#: The run failed: a model could not load, or the port raised.
+EXIT_FAILED = 1
+#: Bad usage: arguments, a missing or mismatched port, an unsupported pipeline.
+EXIT_USAGE = 2
+
+PROG = "stageload-pixal3d"
+
+DESCRIPTION = """\
+Run the Pixal3D-mac image-to-3D port with staged loading: each model is loaded when its
+stage first needs it and released when the next stage doesn't, the four feature
+extractors share one DINOv3 backbone, and the port's low-VRAM mode is off. The port's
+run() executes unchanged, with the same seed and noise as its own loading.
+
+The port is imported from your checkout: --port DIR or $STAGELOAD_PIXAL3D_PORT. Any
+option not listed here goes to the port (e.g. --device, --pipeline-type, --steps,
+--texture-size, --fov). Only --pipeline-type 1024_cascade has a stage plan.
+
+stages: setup, preprocess, camera, structure, shape_512, shape_1024, texture, decode, export
+
+examples:
+  stageload-pixal3d photo.png -o photo.glb --port ~/src/Pixal3D-mac
+  stageload-pixal3d photo.png -o photo.glb --trace staged.jsonl --fingerprints fp-staged
+  stageload-pixal3d photo.png -o photo.glb --load eager --trace eager.jsonl --stop-after texture
+  stageload report staged.jsonl eager.jsonl
+
+exit codes: 0 done (or stopped by --stop-after), 1 the run failed, 2 usage or port error
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # an abbreviation must not swallow one of the port's options
+    )
+    p.add_argument("image", help="input image")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.glb", help="GLB file to write")
+    p.add_argument(
+        "--port", metavar="DIR", help="Pixal3D-mac checkout (default: $STAGELOAD_PIXAL3D_PORT)"
+    )
+    p.add_argument(
+        "--load",
+        choices=("staged", "eager"),
+        default="staged",
+        help="staged (default) or the port's own eager loading, for comparison",
+    )
+    p.add_argument("--trace", metavar="FILE", help="write a memory trace (JSONL) of the run")
+    p.add_argument(
+        "--interval", default="0.5", metavar="SECONDS", help="trace sample interval (default 0.5)"
+    )
+    p.add_argument(
+        "--stop-after", choices=STAGES, metavar="STAGE", help="stop the run after this stage"
+    )
+    p.add_argument(
+        "--fingerprints",
+        metavar="DIR",
+        help="write a sha256 and a copy of each sampler's latent to DIR, to compare runs",
+    )
+    p.add_argument("--seed", type=int, help="seed, passed to the port (its default: 42)")
+    p.add_argument(
+        "--no-preserve-rng",
+        action="store_true",
+        help="control experiment: don't restore the RNG around lazy loads (changes the noise)",
+    )
+    return p
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv``, run the port, and return the exit code."""
+    parser = build_parser()
+    opts, passthrough = parser.parse_known_args(argv)
+    image = Path(opts.image)
+    if not image.is_file():
+        return _fail(f"image {opts.image!r} is not a file")
+    out_dir = Path(opts.output).expanduser().resolve().parent
+    if not out_dir.is_dir():
+        return _fail(f"--output {opts.output!r}: folder {str(out_dir)!r} does not exist")
+    if opts.trace is not None and not Path(opts.trace).expanduser().resolve().parent.is_dir():
+        return _fail(f"--trace {opts.trace!r}: its folder does not exist")
+
+    from ..staged import ModelLoadError
+    from .adapter import check_device, run
+    from .plan import UnsupportedPipelineError, plan_for
+    from .port import PortError, find_port, import_port
+
+    try:
+        port = import_port(find_port(opts.port))
+    except PortError as exc:
+        return _fail(str(exc))
+    port_argv = [opts.image, "--output", opts.output, *passthrough]
+    if opts.seed is not None:
+        port_argv += ["--seed", str(opts.seed)]
+    try:
+        args = port.parse_args(port_argv)
+    except SystemExit as exc:  # the port's argparse already said what was wrong
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        plan_for(args.pipeline_type)
+        check_device(args.device)
+    except (UnsupportedPipelineError, PortError) as exc:
+        return _fail(str(exc))
+
+    options: dict[str, Any] = {
+        "load": opts.load,
+        "preserve_rng": not opts.no_preserve_rng,
+        "stop_after": opts.stop_after,
+        "fingerprints": opts.fingerprints,
+    }
+    try:
+        if opts.trace is None:
+            result = run(port, args, **options)
+        else:
+            from ..meter import MemoryMeter  # imported here: it is only needed with --trace
+
+            meta = {
+                "label": opts.load,
+                "command": PROG,
+                "load": opts.load,
+                "pipeline_type": args.pipeline_type,
+                "seed": getattr(args, "seed", None),
+                "port": str(port.path),
+            }
+            with MemoryMeter(opts.trace, opts.interval, meta=meta) as meter:
+                result = run(port, args, events=meter, **options)
+    except (ModelLoadError, PortError) as exc:
+        return _fail(str(exc), EXIT_FAILED)
+
+    if result.stopped_after is not None:
+        print(f"stopped after stage {result.stopped_after!r} (--stop-after); no GLB written")
+    else:
+        print(f"wrote {result.output} ({opts.load} loading)")
+    if result.fingerprints_file is not None:
+        print(f"fingerprints: {result.fingerprints_file}")
+    if opts.trace is not None:
+        print(f"trace: {opts.trace}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The stage plan for the Pixal3D-mac port's 1024_cascade pipeline.
+
+Stage names follow the port's run: ``setup`` is everything before the first stage (the
+pipeline is built there, without weights), then one stage per step of ``run()``.
+Light on purpose: the CLI imports it for ``--help``.
+"""
+
+from __future__ import annotations
+
+#: The pipeline's eight models, as keys of ``pipeline.models``.
+MODEL_NAMES: tuple[str, ...] = (
+    "sparse_structure_flow_model",
+    "sparse_structure_decoder",
+    "shape_slat_flow_model_512",
+    "shape_slat_flow_model_1024",
+    "shape_slat_decoder",
+    "tex_slat_flow_model_512",  # 1536_cascade only; 1024_cascade never loads it
+    "tex_slat_flow_model_1024",
+    "tex_slat_decoder",
+)
+
+#: The feature extractors (pipeline attributes, also their staged names) -> their stage.
+EXTRACTOR_STAGES: dict[str, str] = {
+    "image_cond_model_ss": "structure",
+    "image_cond_model_shape_512": "shape_512",
+    "image_cond_model_shape_1024": "shape_1024",
+    "image_cond_model_tex_1024": "texture",
+}
+
+#: ``IMAGE_COND_CONFIGS`` key of each extractor in ``generate_mps.py``.
+EXTRACTOR_KEYS: tuple[str, ...] = ("ss", "shape_512", "shape_1024", "tex_1024")
+
+#: The DINOv3 backbone all four extractors share, and the NAF upsampler three of them
+#: share. Each is a staged entry of its own, listed in every extractor stage, so that
+#: releasing one extractor keeps what the next one still needs.
+BACKBONE = "image_cond_backbone"
+NAF = "image_cond_naf"
+
+#: Background removal, used by ``preprocess_image`` only.
+REMBG = "rembg_model"
+
+#: Stages in the order the port runs them.
+STAGES: tuple[str, ...] = (
+    "setup",
+    "preprocess",
+    "camera",
+    "structure",
+    "shape_512",
+    "shape_1024",
+    "texture",
+    "decode",
+    "export",
+)
+
+_SHARED = (BACKBONE, NAF)
+
+#: What each stage of 1024_cascade keeps in memory. The shape decoder is needed twice:
+#: in shape_512 to upsample the coordinates, and again to decode.
+PLAN_1024_CASCADE: dict[str, tuple[str, ...]] = {
+    "setup": (),
+    "preprocess": (REMBG,),
+    "camera": (),
+    "structure": (
+        "sparse_structure_flow_model",
+        "sparse_structure_decoder",
+        "image_cond_model_ss",
+        *_SHARED,
+    ),
+    "shape_512": (
+        "shape_slat_flow_model_512",
+        "shape_slat_decoder",
+        "image_cond_model_shape_512",
+        *_SHARED,
+    ),
+    "shape_1024": ("shape_slat_flow_model_1024", "image_cond_model_shape_1024", *_SHARED),
+    "texture": ("tex_slat_flow_model_1024", "image_cond_model_tex_1024", *_SHARED),
+    "decode": ("shape_slat_decoder", "tex_slat_decoder"),
+    "export": (),
+}
+
+PLANS: dict[str, dict[str, tuple[str, ...]]] = {"1024_cascade": PLAN_1024_CASCADE}
+
+
+class UnsupportedPipelineError(ValueError):
+    """The port's pipeline type has no stage plan here."""
+
+    def __init__(self, pipeline_type: object) -> None:
+        self.pipeline_type = pipeline_type
+        super().__init__(
+            f"pipeline type {pipeline_type!r} has no stage plan in stageload.pixal3d; "
+            f"supported: {', '.join(PLANS)}. Pass --pipeline-type 1024_cascade, or run "
+            "that pipeline with the port's own generate_mps.py"
+        )
+
+
+def plan_for(pipeline_type: str) -> dict[str, tuple[str, ...]]:
+    """The stage plan for ``pipeline_type``; raises :class:`UnsupportedPipelineError`."""
+    plan = PLANS.get(pipeline_type)
+    if plan is None:
+        raise UnsupportedPipelineError(pipeline_type)
+    return dict(plan)

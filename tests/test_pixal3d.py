@@ -1,0 +1,272 @@
+"""stageload.pixal3d on a stub of the Pixal3D-mac port (tests/fixtures/pixal3d_stub).
+
+The stub has tiny real models and the port's names, call order, seeding and noise draws;
+it is installed on a temp path, as a user's checkout would be. Nothing here ran the real
+port: that needs an Apple Silicon Mac and its weights.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fixtures.pixal3d_stub import install_stub
+from stageload import ReleasedModuleError, on_call
+from stageload.pixal3d import (
+    PLAN_1024_CASCADE,
+    PORT_ENV,
+    Pixal3DRun,
+    PortError,
+    UnsupportedPipelineError,
+    find_port,
+    import_port,
+    run,
+)
+from stageload.pixal3d.cli import main
+
+PIL = pytest.importorskip("PIL.Image")
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return install_stub(tmp_path_factory.mktemp("port") / "Pixal3D-mac")
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import numpy as np
+
+    path = tmp_path_factory.mktemp("input") / "object.png"
+    pixels = np.random.default_rng(0).integers(0, 256, (48, 48, 3), dtype=np.uint8)
+    PIL.fromarray(pixels).save(path)
+    return path
+
+
+def port_args(port, image: Path, out: Path, *extra: str):  # noqa: ANN001, ANN201
+    return port.parse_args(
+        [str(image), "--output", str(out), "--device", "cpu", "--seed", "7", *extra]
+    )
+
+
+@pytest.fixture(scope="module")
+def eager_hashes(stub: Path, image: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    port = import_port(stub)
+    out = tmp_path_factory.mktemp("eager") / "eager.glb"
+    result = run(port, port_args(port, image, out), load="eager")
+    assert [r["stage"] for r in result.fingerprints] == [
+        "structure",
+        "shape_512",
+        "shape_1024",
+        "texture",
+    ]
+    return [r["sha256"] for r in result.fingerprints]
+
+
+def test_staged_fingerprints_equal_eager(stub, image, tmp_path, eager_hashes):
+    port = import_port(stub)
+    result = run(port, port_args(port, image, tmp_path / "staged.glb"), load="staged")
+    assert [r["sha256"] for r in result.fingerprints] == eager_hashes
+    assert result.stages == list(PLAN_1024_CASCADE)[1:]  # setup is the time before the first
+
+
+def test_without_rng_preservation_fingerprints_differ_from_the_first_latent_on(
+    stub, image, tmp_path, eager_hashes
+):
+    """Control: lazy loads inside the seeded run shift the noise unless the RNG is restored,
+    and the first model is fetched before the first draw."""
+    port = import_port(stub)
+    args = port_args(port, image, tmp_path / "off.glb")
+    result = run(port, args, load="staged", preserve_rng=False)
+    hashes = [r["sha256"] for r in result.fingerprints]
+    assert len(hashes) == 4
+    assert all(a != b for a, b in zip(hashes, eager_hashes, strict=True))
+
+
+class Snapshots:
+    """An event sink that records what StagedModels holds at each load and stage end."""
+
+    def __init__(self) -> None:
+        self.models = None
+        self.previous: str | None = None
+        self.at_load: list[tuple[str, str, set[str]]] = []
+        self.at_end: dict[str, set[str]] = {}
+        self.notes: list[str] = []
+        self.events = []
+
+    def emit(self, event) -> None:  # noqa: ANN001
+        self.events.append(event)
+        if event.kind == "note":
+            self.notes.append(event.note)
+        elif event.kind in ("load", "reload"):
+            self.at_load.append((self.models.stage, event.model, set(self.models.loaded())))
+        elif event.kind == "stage":
+            # Emitted before the releases: what is loaded now is what the last stage held.
+            if self.previous is not None:
+                self.at_end[self.previous] = set(self.models.loaded())
+            self.previous = event.stage
+
+
+def test_each_stage_holds_only_its_planned_models(stub, image, tmp_path):
+    port = import_port(stub)
+    sink = Snapshots()
+    with Pixal3DRun(port, port_args(port, image, tmp_path / "o.glb"), events=sink) as staged:
+        sink.models = staged.models
+        assert staged.models.loaded() == []  # the pipeline was built without weights
+        assert staged.pipeline.low_vram is False
+        staged.execute()
+        sink.at_end[sink.previous] = set(staged.models.loaded())
+    assert sink.notes == []  # nothing was used outside its stage
+    for stage, model, loaded in sink.at_load:
+        assert loaded <= set(PLAN_1024_CASCADE[stage]), (stage, model, loaded)
+    shared = {"image_cond_backbone", "image_cond_naf"}
+    assert sink.at_end == {
+        "preprocess": {"rembg_model"},
+        "camera": set(),
+        "structure": {
+            "sparse_structure_flow_model",
+            "sparse_structure_decoder",
+            "image_cond_model_ss",
+            "image_cond_backbone",  # the ss extractor has no NAF
+        },
+        "shape_512": {
+            "shape_slat_flow_model_512",
+            "shape_slat_decoder",
+            "image_cond_model_shape_512",
+        }
+        | shared,
+        "shape_1024": {"shape_slat_flow_model_1024", "image_cond_model_shape_1024"} | shared,
+        "texture": {"tex_slat_flow_model_1024", "image_cond_model_tex_1024"} | shared,
+        "decode": {"shape_slat_decoder", "tex_slat_decoder"},
+        "export": set(),
+    }
+    loads = [(e.kind, e.model) for e in sink.events if e.kind in ("load", "reload")]
+    assert ("reload", "shape_slat_decoder") in loads  # needed again to decode
+    assert "tex_slat_flow_model_512" not in {m for _, m in loads}  # 1536_cascade only
+    released = {e.model: e.bytes for e in sink.events if e.kind == "release"}
+    assert released["image_cond_backbone"] > 0  # freed once, by its own entry
+
+
+def test_backbone_and_naf_are_built_once(stub, image, tmp_path):
+    port = import_port(stub)
+    backbone, naf = port.backbone_class, port.generate.NAFUpsampler
+    before = (backbone.built, naf.built)
+    run(port, port_args(port, image, tmp_path / "eager.glb"), load="eager")
+    eager = (backbone.built - before[0], naf.built - before[1])
+    before = (backbone.built, naf.built)
+    run(port, port_args(port, image, tmp_path / "staged.glb"), load="staged")
+    staged = (backbone.built - before[0], naf.built - before[1])
+    assert eager == (4, 3)  # the port's own loading: one per extractor
+    assert staged == (1, 1)
+
+
+def test_a_released_model_raises_the_clear_error(stub, image, tmp_path):
+    port = import_port(stub)
+    kept = []
+    with Pixal3DRun(port, port_args(port, image, tmp_path / "o.glb")) as staged:
+        pipeline = staged.pipeline
+        # Wrapped after the adapter's hook, so it runs first: texture's model is still loaded.
+        on_call(
+            pipeline,
+            "decode_latent",
+            before=lambda *a, **k: kept.append(pipeline.models["tex_slat_flow_model_1024"]),
+        )
+        staged.execute()
+    (model,) = kept
+    with pytest.raises(ReleasedModuleError, match="tex_slat_flow_model_1024.*'decode'") as info:
+        model(None, None, None)
+    assert (info.value.name, info.value.stage) == ("tex_slat_flow_model_1024", "decode")
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_missing_port_gives_the_clear_error(tmp_path, monkeypatch, image, capsys):
+    monkeypatch.delenv(PORT_ENV, raising=False)
+    with pytest.raises(PortError, match=f"pass --port DIR or set {PORT_ENV}"):
+        find_port(None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PortError, match="has no generate_mps.py and no pixal3d"):
+        find_port(tmp_path / "empty")
+    assert (
+        main([str(image), "-o", str(tmp_path / "o.glb"), "--port", str(tmp_path / "nowhere")]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "is not a folder" in err and "nowhere" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_port_with_another_api_gives_the_clear_error(tmp_path, image, capsys):
+    broken = install_stub(tmp_path / "old-port", checkpoints=False)
+    pipeline_py = broken / "pixal3d" / "pipelines" / "pixal3d_image_to_3d.py"
+    pipeline_py.write_text(
+        pipeline_py.read_text().replace("def get_proj_cond_shape(", "def proj_cond(")
+    )
+    script = broken / "generate_mps.py"
+    script.write_text(script.read_text().replace("def _load_naf(", "def load_naf("))
+    with pytest.raises(PortError) as info:
+        import_port(broken)
+    message = str(info.value)
+    assert "generate_mps._load_naf" in message
+    assert "Pixal3DImageTo3DPipeline.get_proj_cond_shape" in message
+    assert "0be9e69" in message
+    code = main(
+        [str(image), "-o", str(tmp_path / "o.glb"), "--port", str(broken), "--device", "cpu"]
+    )
+    assert code == 2
+    assert "does not have the API" in capsys.readouterr().err
+
+
+def test_1536_cascade_is_refused_before_anything_loads(stub, image, tmp_path, capsys):
+    port = import_port(stub)
+    built = port.backbone_class.built
+    args = port_args(port, image, tmp_path / "o.glb", "--pipeline-type", "1536_cascade")
+    with pytest.raises(UnsupportedPipelineError, match="'1536_cascade' has no stage plan"):
+        Pixal3DRun(port, args)
+    assert port.backbone_class.built == built
+    argv = [str(image), "-o", str(tmp_path / "o.glb"), "--port", str(stub), "--device", "cpu"]
+    assert main([*argv, "--pipeline-type", "1536_cascade"]) == 2
+    assert "supported: 1024_cascade" in capsys.readouterr().err
+    assert not (tmp_path / "o.glb").exists()
+
+
+def test_the_command_writes_its_output_and_a_trace(
+    stub, image, tmp_path, monkeypatch, eager_hashes
+):
+    monkeypatch.setenv(PORT_ENV, str(stub))  # the port from the environment this time
+    out, trace, prints = tmp_path / "object.glb", tmp_path / "run.jsonl", tmp_path / "fp"
+    argv = [str(image), "-o", str(out), "--trace", str(trace), "--fingerprints", str(prints)]
+    assert main([*argv, "--seed", "7", "--device", "cpu", "--interval", "0.05"]) == 0
+    magic, version, length = struct.unpack("<4sII", out.read_bytes()[:12])
+    assert (magic, version, length) == (b"glTF", 2, out.stat().st_size)
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert records[0]["type"] == "start" and records[-1]["type"] == "end"
+    assert records[0]["meta"]["load"] == "staged"
+    stages = [r["stage"] for r in records if r["type"] == "event" and r["kind"] == "stage"]
+    assert stages == list(PLAN_1024_CASCADE)[1:]
+    loads = [r["model"] for r in records if r["type"] == "event" and r["kind"] == "load"]
+    assert "sparse_structure_flow_model" in loads and "image_cond_backbone" in loads
+    assert any(r["type"] == "sample" for r in records)
+    written = json.loads((prints / "fingerprints.json").read_text())
+    assert [r["sha256"] for r in written["latents"]] == eager_hashes
+    assert torch.load(prints / "00-structure.pt")["samples"].shape == (1, 4, 8, 8, 8)
+
+
+def test_stop_after_ends_the_run_at_that_stage(stub, image, tmp_path, capsys):
+    out = tmp_path / "o.glb"
+    argv = [str(image), "-o", str(out), "--port", str(stub), "--device", "cpu", "--seed", "7"]
+    assert main([*argv, "--stop-after", "shape_512", "--fingerprints", str(tmp_path / "fp")]) == 0
+    assert not out.exists()
+    assert "stopped after stage 'shape_512'" in capsys.readouterr().out
+    written = json.loads((tmp_path / "fp" / "fingerprints.json").read_text())
+    assert [r["stage"] for r in written["latents"]] == ["structure", "shape_512"]
+    assert written["stopped_after"] == "shape_512"
+
+
+def test_importing_the_command_does_not_import_torch():
+    code = "import sys, stageload.pixal3d.cli; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
