@@ -303,9 +303,7 @@ def worker_main(argv: list[str] | None = None) -> int:
         if args.mode == "eager":
             for name in MODELS:  # everything up front, kept to the end
                 models[name]
-        meter.mark("pipeline start")
         out = run_pipeline(models, size, models.enter, _say)
-        meter.mark("pipeline end")
     save_file({"out": out.contiguous()}, str(args.out / f"{args.mode}-output.safetensors"))
     return 0
 

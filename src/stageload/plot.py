@@ -129,7 +129,8 @@ def _draw_trace(
         title += " (no end record)"
     ax.set_title(title, fontsize=10, loc="left")
     if legend and handles:
-        ax.legend(handles=handles, loc="upper right", fontsize=8, framealpha=0.9)
+        # Above the panels, where it cannot hide a stage label or a line.
+        ax.figure.legend(handles=handles, loc="outside upper right", ncols=3, fontsize=8)
 
 
 def _fmt(value: int | None, scale: float, unit: str) -> str:
