@@ -150,6 +150,10 @@ def test_each_stage_holds_only_its_planned_models(stub, image, tmp_path):
     assert "tex_slat_flow_model_512" not in {m for _, m in loads}  # 1536_cascade only
     released = {e.model: e.bytes for e in sink.events if e.kind == "release"}
     assert released["image_cond_backbone"] > 0  # freed once, by its own entry
+    # The shared backbone and NAF count once in the loads too: every byte loaded is
+    # released exactly once by the end of the run.
+    loaded_bytes = sum(e.bytes for e in sink.events if e.kind in ("load", "reload"))
+    assert loaded_bytes == sum(e.bytes for e in sink.events if e.kind == "release")
 
 
 def test_backbone_and_naf_are_built_once(stub, image, tmp_path):

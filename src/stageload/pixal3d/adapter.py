@@ -16,6 +16,7 @@ fingerprints, for comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import tempfile
 from collections.abc import Callable, Sequence
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..events import NOTE, STAGE, Event, EventSink
+from ..events import LOAD, NOTE, RELOAD, STAGE, Event, EventSink
 from ..hooks import on_call
 from ..release import is_released
 from ..share import share
@@ -60,6 +61,42 @@ class SharedPartsLast(ReleaseUnlisted):
     def to_release(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
         names = super().to_release(stage, loaded, plan)
         return sorted(names, key=lambda name: name in (BACKBONE, NAF))  # stable sort
+
+
+def exclusive_bytes(module: nn.Module, others: Sequence[nn.Module]) -> int:
+    """Bytes of ``module``'s storage that none of ``others`` holds, each storage once."""
+
+    def storages(m: nn.Module) -> dict[tuple[str, int], int]:
+        found = {}
+        for t in (*m.parameters(), *m.buffers()):
+            if not t.is_meta:
+                s = t.untyped_storage()
+                found[(str(t.device), s.data_ptr())] = s.nbytes()
+        return found
+
+    held: set[tuple[str, int]] = set()
+    for other in others:
+        held.update(storages(other))
+    return sum(n for key, n in storages(module).items() if key not in held)
+
+
+class _ExclusiveLoadBytes:
+    """Sits in front of the caller's event sink: a load counts only the bytes no other
+    loaded model holds. StagedModels counts an extractor's whole tree, so without this
+    the shared backbone would be counted once for itself and once per extractor."""
+
+    def __init__(self, sink: EventSink, run: Pixal3DRun) -> None:
+        self.sink = sink
+        self.run = run
+
+    def emit(self, event: Event) -> None:
+        built, models = self.run._built, self.run.models
+        if event.kind in (LOAD, RELOAD) and models is not None and event.model in built:
+            others = [built[n] for n in models.loaded() if n != event.model and n in built]
+            nbytes = exclusive_bytes(built[event.model], others)
+            if nbytes != event.bytes:
+                event = dataclasses.replace(event, bytes=nbytes)
+        self.sink.emit(event)
 
 
 @dataclass
@@ -127,6 +164,7 @@ class Pixal3DRun:
         self._backbone_cache: dict[Any, Any] = {}
         self._naf_cache: dict[Any, Any] = {}
         self._rembg: Any = None
+        self._built: dict[str, nn.Module] = {}  # what each loader returned last
         try:
             if load == "staged":
                 self.pipeline = self._build_staged()
@@ -195,7 +233,7 @@ class Pixal3DRun:
         self.models = StagedModels(
             loaders,
             stages=stages,
-            events=self.events,
+            events=None if self.events is None else _ExclusiveLoadBytes(self.events, self),
             preserve_rng=self.preserve_rng,
             policy=SharedPartsLast(),
         )
@@ -220,7 +258,8 @@ class Pixal3DRun:
 
         model, why = build_on_device(build, self.device)
         self._note_fallback(name, why)
-        return model.eval()
+        self._built[name] = model.eval()
+        return model
 
     def _load_extractor(
         self, name: str, recipe: ExtractorRecipe, build: Callable[..., Any]
@@ -235,6 +274,7 @@ class Pixal3DRun:
         for part, cache in ((BACKBONE, self._backbone_cache), (NAF, self._naf_cache)):
             if any(isinstance(v, nn.Module) and id(v) in inside for v in cache.values()):
                 self.models[part]  # type: ignore[index]  # held alongside: this extractor's release keeps it
+        self._built[name] = module
         return module
 
     def _naf(self, recipe: NafRecipe) -> Any:
@@ -247,7 +287,8 @@ class Pixal3DRun:
                 f"{name!r} is built by the first feature extractor that uses it, not on its "
                 "own; use one of pipeline.image_cond_model_* first"
             )
-        return live[0] if len(live) == 1 else nn.ModuleList(live)
+        self._built[name] = live[0] if len(live) == 1 else nn.ModuleList(live)
+        return self._built[name]
 
     def _load_rembg(self) -> nn.Module:
         rembg, self._rembg = self._rembg, None
@@ -258,7 +299,8 @@ class Pixal3DRun:
                 "only in the preprocess stage"
             )
         module = rembg if isinstance(rembg, nn.Module) else Holder(rembg)
-        return module.to(self.device)
+        self._built[REMBG] = module.to(self.device)
+        return module
 
     def _note_fallback(self, name: str, why: str | None) -> None:
         if why is not None:
