@@ -37,17 +37,14 @@ def _types(records: list[dict]) -> list[str]:
 
 def _gone(pid: int, timeout: float = 10.0) -> bool:
     """True once ``pid`` no longer runs (a detached sampler is reaped by init)."""
+    import psutil
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
         try:  # a zombie waiting for init to reap it no longer runs either
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rpartition(")")[2].split()[0] == "Z":
-                    return True
-        except OSError:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
             return True
         time.sleep(0.05)
     return False
@@ -462,3 +459,65 @@ def test_readme_example_runs(
     assert [r["label"] for r in records if r["type"] == "mark"] == ["done"]
     assert main(["report", str(tmp_path / "staged.jsonl")]) == 0
     assert "decode" in capsys.readouterr().out
+
+
+_COUNTS_SIGINT = textwrap.dedent(
+    """
+    import signal, sys, time
+    got = []
+    signal.signal(signal.SIGINT, lambda *_: got.append(1))
+    print("ready", flush=True)
+    deadline = time.monotonic() + 30
+    while not got and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)  # room for a second, forwarded SIGINT to arrive
+    sys.exit(10 + len(got))
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_ctrl_c_in_a_terminal_reaches_the_command_once(tmp_path: Path) -> None:
+    """Ctrl-C signals the terminal's whole foreground group; meter must not send it again."""
+    import pty
+
+    path = tmp_path / "t.jsonl"
+    argv = [
+        sys.executable,
+        "-m",
+        "stageload",
+        "meter",
+        "-o",
+        str(path),
+        "--",
+        sys.executable,
+        "-c",
+        _COUNTS_SIGINT,
+    ]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a session leader whose controlling terminal is the pty
+        try:
+            os.execve(sys.executable, argv, _env())
+        finally:
+            os._exit(99)
+    output = b""
+    try:
+        deadline = time.monotonic() + 60
+        while b"ready" not in output and time.monotonic() < deadline:
+            output += os.read(fd, 1024)
+        assert b"ready" in output, output
+        time.sleep(0.2)
+        os.write(fd, b"\x03")  # Ctrl-C, turned into SIGINT by the terminal driver
+        while True:
+            try:
+                chunk = os.read(fd, 1024)
+            except OSError:  # EIO: the other side closed
+                break
+            if not chunk:
+                break
+            output += chunk
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 11, output
+    assert read_records(path)[-1]["exit_code"] == 11
