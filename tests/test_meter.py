@@ -521,3 +521,25 @@ def test_ctrl_c_in_a_terminal_reaches_the_command_once(tmp_path: Path) -> None:
         os.close(fd)
     assert os.waitstatus_to_exitcode(status) == 11, output
     assert read_records(path)[-1]["exit_code"] == 11
+
+
+def test_unwritable_trace_fails_clearly_and_leaves_no_sampler(tmp_path: Path) -> None:
+    import psutil
+
+    path = tmp_path / "no-such-dir" / "t.jsonl"
+    meter = MemoryMeter(path)  # kept alive: its pipe to the sampler must be closed on purpose
+    with pytest.raises(OSError, match="cannot open trace file .*no-such-dir"):
+        meter.start()
+
+    def samplers() -> list[int]:
+        found = []
+        for proc in psutil.process_iter(["cmdline", "status"]):
+            if str(path) in (proc.info["cmdline"] or []) and proc.info["status"] != "zombie":
+                found.append(proc.pid)
+        return found
+
+    deadline = time.monotonic() + 10
+    while samplers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert samplers() == []
+    assert not meter.running

@@ -165,7 +165,7 @@ class MemoryMeter:
 
     def cancel(self) -> None:
         """Let go of a sampler process that ``prepare()`` started, when ``start()`` won't come."""
-        if self._writer is None and self._channel is not None:
+        if self._channel is not None and (self._writer is None or self._writer.closed):
             self._channel.close()  # end of file on its stdin: the sampler exits
             self._channel = None
 
@@ -182,7 +182,12 @@ class MemoryMeter:
         self.prepare()
         why_not = self._why_not
         self._device = self.pid == os.getpid()  # device memory is readable only for ourselves
-        self._writer = writer = TraceWriter(self.path)
+        try:
+            writer = TraceWriter(self.path)
+        except OSError:
+            self.cancel()
+            raise
+        self._writer = writer
         readings: list[Any] = [read_process(self.pid, tree=self.tree), read_system(self.pid)]
         if self._device:
             readings.append(read_device())
@@ -244,8 +249,7 @@ class MemoryMeter:
             samples = writer.samples
         else:
             samples = self._stop_sampler()
-        self.end_record = {"type": "end", "t": writer.t(), "samples": samples, **end}
-        writer.end(samples=samples, **end)
+        self.end_record = writer.end(samples=samples, **end)
         writer.close()
 
     def emit(self, event: Event) -> None:

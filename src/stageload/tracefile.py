@@ -229,9 +229,9 @@ class TraceWriter:
 
     def end(
         self, *, samples: int | None = None, exit_code: int | None = None, **extra: Any
-    ) -> None:
-        """Write the end record (the last line). ``samples`` defaults to this writer's count;
-        ``exit_code`` is written only when given (a command was run)."""
+    ) -> dict[str, Any]:
+        """Write the end record (the last line) and return it. ``samples`` defaults to this
+        writer's count; ``exit_code`` is written only when given (a command was run)."""
         record: dict[str, Any] = {
             "type": END,
             "t": self.t(),
@@ -241,6 +241,7 @@ class TraceWriter:
             record["exit_code"] = exit_code
         record.update(extra)
         self.write(record)
+        return record
 
 
 def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
