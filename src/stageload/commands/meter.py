@@ -186,6 +186,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    try:  # find out now, not after the command has started
+        with open(output, "a"):
+            pass
+    except OSError as exc:
+        print(
+            f"stageload meter: error: cannot write -o {str(output)!r}: {exc.strerror}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
 
     meta = {} if args.label is None else {"label": args.label}
     meter = MemoryMeter(output, args.interval, sampler=args.sampler, meta=meta)
