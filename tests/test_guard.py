@@ -27,7 +27,9 @@ from stageload.guard import (
     EXIT_NO_ROOM,
     EXIT_STOPPED,
     Amount,
+    Guard,
     GuardConfig,
+    GuardResult,
     Probes,
     StopRule,
     _Status,
@@ -256,8 +258,6 @@ time.sleep(60)
         for pid in wait_for(pids).split():
             track(int(pid))
 
-    from stageload.guard import Guard
-
     # --kill-free 100%: available is always under it, so the guard stops after two samples.
     config = GuardConfig([PY, "-c", escaper], wait_free="0", kill_free="100%", grace="3s")
     result = Guard(config, stderr=sys.stderr, on_start=on_start).run()
@@ -270,18 +270,47 @@ time.sleep(60)
     assert sibling.poll() is None, "the sibling was signalled"
 
 
+def _stop_when_ready(
+    command: list[str], pidfile: Path, track: Callable[[int], None], **config: object
+) -> GuardResult:
+    """Run ``command`` under a guard that stops it at its first samples (--kill-free 100%),
+    once it has written ``pidfile``: a stop before it set up its signals would prove nothing."""
+
+    def on_start(group: object) -> None:
+        track(int(wait_for(pidfile)))
+
+    cfg = GuardConfig(command, wait_free="0", kill_free="100%", **config)  # type: ignore[arg-type]
+    return Guard(cfg, stderr=sys.stderr, on_start=on_start).run()
+
+
 def test_sigkill_after_grace_when_sigterm_is_ignored(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], track: Callable[[int], None]
 ) -> None:
     pidfile = tmp_path / "pid"
-    threading.Thread(target=lambda: track(int(wait_for(pidfile))), daemon=True).start()
-    code = main(
-        ["guard", "--wait-free", "0", "--kill-free", "100%", "--grace", "0.5s",
-         "--", PY, "-c", SLEEPER, str(pidfile), "ignore-term"]
-    )  # fmt: skip
+    command = [PY, "-c", SLEEPER, str(pidfile), "ignore-term"]
+    result = _stop_when_ready(command, pidfile, track, grace="0.5s")
     err = capfd.readouterr().err
     no_traceback(err)
-    assert code == EXIT_STOPPED
+    assert result.exit_code == EXIT_STOPPED
+    assert wait_gone(int(pidfile.read_text()))
+    assert "SIGKILL after 500 ms grace" in err.strip().splitlines()[-1]
+
+
+def test_group_member_outliving_the_leader_gets_sigkill(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], track: Callable[[int], None]
+) -> None:
+    """The leader dies on SIGTERM, a grandchild in its group ignores it: the group is still
+    ours (the leader stays unreaped), so SIGKILL after the grace reaches the grandchild."""
+    pidfile = tmp_path / "pid"
+    leader = (
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {SLEEPER!r}, {str(pidfile)!r}, 'ignore-term'])\n"
+        "time.sleep(60)\n"
+    )
+    result = _stop_when_ready([PY, "-c", leader], pidfile, track, grace="0.5s")
+    err = capfd.readouterr().err
+    no_traceback(err)
+    assert result.exit_code == EXIT_STOPPED
     assert wait_gone(int(pidfile.read_text()))
     assert "SIGKILL after 500 ms grace" in err.strip().splitlines()[-1]
 

@@ -658,7 +658,9 @@ class Guard:
             if left <= 0:
                 killed = f"SIGKILL after {format_duration(float(self.config.grace))} grace"  # type: ignore[arg-type]
                 break
-            self._sleep(min(_STOP_POLL, left), group)
+            # No exit fd here: once the leader is gone it stays readable, and the wait is for
+            # the rest of the group.
+            self._sleep(min(_STOP_POLL, left))
         if killed:
             self._emit(f"kill: {killed}; {len(group.members())} processes left in the group")
             group.kill()
