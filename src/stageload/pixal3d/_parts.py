@@ -133,10 +133,15 @@ class LazyEntry:
         return f"<staged {self._name!r}>"
 
 
-def build_on_device(build: Callable[[], Any], device: str | torch.device) -> tuple[Any, str | None]:
-    """Build a model directly on ``device``; where its constructor can't, on the CPU and
-    move it. Returns the model and, after a fallback, why."""
+def build_on_device(
+    build: Callable[[], Any], device: str | torch.device, *, on_device: bool = True
+) -> tuple[Any, str | None]:
+    """Build a model directly on ``device``; where its constructor can't (or with
+    ``on_device=False``), on the CPU and move it. Returns the model and, after a
+    fallback, why."""
     device = torch.device(device)
+    if not on_device:
+        return _to(build(), device), None
     if device.type == "cpu":
         return build(), None  # where the port builds anyway: nothing to try
     try:

@@ -41,6 +41,12 @@ from .port import Port, PortError, api_mismatch
 #: The ways to load: stageload's staged loading, or the port's own.
 LOADS = ("staged", "eager")
 
+#: Where staged loaders build each model: on the target device (fast, the default), or on
+#: the CPU and then moved, as the port does. Buffers a constructor computes (rotary
+#: tables) can differ in the last bits between devices: on CUDA that alone made the
+#: stub's staged latents differ from eager ones; built on the CPU they were identical.
+BUILD_ON = ("device", "cpu")
+
 
 class StopRun(BaseException):  # noqa: N818 - a signal, not an error
     """Raised at the boundary after the ``stop_after`` stage to end the run there.
@@ -130,6 +136,8 @@ class Pixal3DRun:
     ``args`` is the port's own ``parse_args`` result. ``events`` receives loads, releases
     and stages (a MemoryMeter, a ListSink). ``stop_after`` ends the run at the boundary
     after that stage. ``fingerprints`` is a folder for the latents' hashes and copies.
+    ``build_on="cpu"`` builds each model on the CPU and moves it, like the port (see
+    :data:`BUILD_ON`).
     """
 
     def __init__(
@@ -142,11 +150,14 @@ class Pixal3DRun:
         preserve_rng: bool = True,
         stop_after: str | None = None,
         fingerprints: str | Path | None = None,
+        build_on: str = "device",
     ) -> None:
         if load not in LOADS:
             raise ValueError(f"load must be 'staged' or 'eager', got {load!r}")
         if stop_after is not None and stop_after not in STAGES:
             raise ValueError(f"stop_after must be one of {', '.join(STAGES)}; got {stop_after!r}")
+        if build_on not in BUILD_ON:
+            raise ValueError(f"build_on must be 'device' or 'cpu', got {build_on!r}")
         self.plan = plan_for(args.pipeline_type)  # refuses other pipelines before any work
         self.port = port
         self.args = args
@@ -155,6 +166,7 @@ class Pixal3DRun:
         self.events = events
         self.preserve_rng = preserve_rng
         self.stop_after = stop_after
+        self.on_device = build_on == "device"
         self.fingerprints = Fingerprints(fingerprints)
         self.stage: str | None = None
         self.reached: list[str] = []
@@ -256,7 +268,7 @@ class Pixal3DRun:
                 placeholder.path, *placeholder.call_args, **placeholder.call_kwargs
             )
 
-        model, why = build_on_device(build, self.device)
+        model, why = build_on_device(build, self.device, on_device=self.on_device)
         self._note_fallback(name, why)
         self._built[name] = model.eval()
         return model
@@ -267,7 +279,9 @@ class Pixal3DRun:
         for cache in (self._backbone_cache, self._naf_cache):  # a released part is rebuilt
             for key in [k for k, v in cache.items() if isinstance(v, nn.Module) and is_released(v)]:
                 del cache[key]
-        extractor, why = build_on_device(lambda: recipe.build(build, self._naf), self.device)
+        extractor, why = build_on_device(
+            lambda: recipe.build(build, self._naf), self.device, on_device=self.on_device
+        )
         self._note_fallback(name, why)
         module = extractor if isinstance(extractor, nn.Module) else Holder(extractor)
         inside = {id(m) for m in module.modules()}

@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, help="seed, passed to the port (its default: 42)")
     p.add_argument(
+        "--build-on",
+        choices=("device", "cpu"),
+        default="device",
+        help="build each model on the device (default, fast) or on the CPU and move it, as "
+        "the port does: bit-identical to --load eager where constructors compute buffers",
+    )
+    p.add_argument(
         "--no-preserve-rng",
         action="store_true",
         help="control experiment: don't restore the RNG around lazy loads (changes the noise)",
@@ -129,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "preserve_rng": not opts.no_preserve_rng,
         "stop_after": opts.stop_after,
         "fingerprints": opts.fingerprints,
+        "build_on": opts.build_on,
     }
     try:
         if opts.trace is None:
