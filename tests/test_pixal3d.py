@@ -274,3 +274,24 @@ def test_importing_the_command_does_not_import_torch():
     code = "import sys, stageload.pixal3d.cli; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_build_on_device_falls_back_to_the_cpu_when_the_constructor_needs_it():
+    """'meta' stands in for a GPU here: a real device type that this machine always has."""
+    from stageload.pixal3d._parts import build_on_device
+
+    seen = []
+
+    def build():  # noqa: ANN202
+        seen.append(torch.get_default_device().type)
+        if seen[-1] != "cpu":
+            raise RuntimeError("this constructor needs the CPU")
+        return torch.nn.Linear(2, 2)
+
+    model, why = build_on_device(build, "meta")
+    assert seen == ["meta", "cpu"]  # tried on the device first
+    assert model.weight.is_meta  # then built on the CPU and moved
+    assert why == "RuntimeError: this constructor needs the CPU"
+    seen.clear()
+    model, why = build_on_device(build, "meta", on_device=False)
+    assert (seen, why, model.weight.is_meta) == (["cpu"], None, True)
