@@ -182,8 +182,9 @@ def api_mismatch(folder: Path, missing: list[str]) -> PortError:
 def find_backbone_class(generate: ModuleType) -> type | None:
     """The class whose ``from_pretrained`` each extractor calls for its DINOv3 backbone.
 
-    Looked up where the port gets it: the entry script, the extractor's own module, any
-    ``pixal3d`` module, then ``transformers`` (the real port's source of the class).
+    Looked up where the port may import it from: the entry script, the extractor's own
+    module, any ``pixal3d`` module, then ``transformers``, which defines the real class.
+    Sharing patches the class itself, so every module that imported it sees the share.
     """
     candidates: list[Any] = [generate]
     extractor = getattr(generate, EXTRACTOR_CLASS, None)
