@@ -6,6 +6,12 @@ stageload.meter_sampler``) has its own interpreter and samples regardless. It im
 ``stageload.memory`` and ``stageload.tracefile`` (psutil, never torch) and starts in about a
 tenth of a second.
 
+The sampler writes its samples straight into the trace file, and the metered process writes
+its events into the same file: each writer appends whole lines with one ``O_APPEND`` write
+(see ``stageload.tracefile``), so lines never mix. Samples are not sent to the parent
+through a pipe for it to write: they would die with it, and the samples just before a
+crash (an OOM kill) are the ones that matter most.
+
 Protocol with the parent (``MemoryMeter``), over the sampler's stdin and stdout, one JSON
 object per line:
 
