@@ -401,6 +401,19 @@ def test_swap_limit_blocks_admission(capfd: pytest.CaptureFixture[str]) -> None:
     assert "+ budget 8.0 GiB >= limit 1 B" in err
 
 
+def test_no_trace_file_when_the_command_never_started(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    code = main(
+        ["guard", "--wait-free", "100%", "--start-timeout", "0.2s", "--trace", str(trace),
+         "--", PY, "-c", "pass"]
+    )  # fmt: skip
+    assert code == EXIT_NO_ROOM
+    assert not trace.exists()
+    no_traceback(capfd.readouterr().err)
+
+
 # -- exit codes, bad input -------------------------------------------------------------
 
 
@@ -458,6 +471,45 @@ def test_bad_flags_exit_2_with_a_clear_message(
 def test_no_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["guard", "--wait-free", "0"]) == 2
     assert "no command given; put it after '--'" in capsys.readouterr().err
+
+
+def test_unwritable_trace_exits_2_before_starting(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    ran, trace = tmp_path / "ran", tmp_path / "missing-folder" / "trace.jsonl"
+    code = main(
+        ["guard", "--wait-free", "0", "--trace", str(trace),
+         "--", PY, "-c", f"open({str(ran)!r}, 'w')"]
+    )  # fmt: skip
+    err = capfd.readouterr().err
+    no_traceback(err)
+    assert code == 2
+    assert f"cannot open trace file {str(trace)!r} for writing" in err
+    assert not ran.exists()
+
+
+def test_a_failing_guard_stops_the_command_before_raising(
+    tmp_path: Path, track: Callable[[int], None]
+) -> None:
+    """If a probe breaks mid-run, the guard does not leave the command running unwatched."""
+    pidfile = tmp_path / "pid"
+    calls = [0]
+    real = Probes.real()
+
+    def system() -> SystemMemory:
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("counter broke")
+        return real.system()
+
+    def on_start(group: object) -> None:
+        track(int(wait_for(pidfile)))
+
+    probes = Probes(system=system, process=real.process, processes=real.processes)
+    config = GuardConfig([PY, "-c", SLEEPER, str(pidfile), "plain"], wait_free="0", poll="0.05s")
+    with pytest.raises(RuntimeError, match="counter broke"):
+        Guard(config, probes=probes, stderr=None, on_start=on_start).run()
+    assert wait_gone(int(pidfile.read_text()))
 
 
 def test_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -244,6 +244,10 @@ def compile_busy(pattern: str | re.Pattern[str]) -> re.Pattern[str]:
         ) from None
 
 
+class GuardSetupError(Exception):
+    """The guard could not set up (e.g. the trace file cannot be written); nothing ran."""
+
+
 Outcome = Literal["exited", "stopped", "signalled", "no_room", "cannot_start"]
 
 
@@ -553,10 +557,7 @@ class Guard:
         if self._trace is not None:
             self._trace.event(Event(GUARD, note=note))
 
-    def _open_trace(self, group: CommandGroup, system: SystemMemory) -> None:
-        from .tracefile import TraceWriter
-
-        self._trace = TraceWriter(self.config.trace)  # type: ignore[arg-type]
+    def _start_trace(self, group: CommandGroup, system: SystemMemory) -> None:
         process = self.probes.process(group.pid)
         self._trace.start(
             pid=group.pid,
@@ -590,8 +591,8 @@ class Guard:
         peak: int | None = None
         reading = admitted
         try:
-            if cfg.trace is not None:
-                self._open_trace(group, admitted)
+            if self._trace is not None:
+                self._start_trace(group, admitted)
             self._emit(
                 f"start: pid {group.pid} after waiting {format_duration(waited)}; "
                 + _room_note(admitted)
@@ -636,10 +637,13 @@ class Guard:
             if self._trace is not None:
                 self._trace.end(exit_code=code)
             return result
+        except BaseException:
+            # A guard that fails must not leave a heavy command running unwatched.
+            if not group.leader_exited() or group.members():
+                self._stop(group, "the guard failed")
+            raise
         finally:
             group.close()
-            if self._trace is not None:
-                self._trace.close()
 
     def _stop(self, group: CommandGroup, why: str) -> str:
         """SIGTERM the group, SIGKILL what is left after the grace period (or at once on a
@@ -676,15 +680,33 @@ class Guard:
 
     def run(self) -> GuardResult:
         """Admit, run, watch and stop; returns how it ended. Status lines go to ``stderr``."""
-        with self._signals:
-            self._t0 = self.probes.clock()
-            admitted = self._admit()
-            if isinstance(admitted, GuardResult):
-                result = admitted
-            else:
-                waited = self.probes.clock() - self._t0
-                self.status.end()
-                result = self._watch(admitted, waited)
+        if self.config.trace is not None:
+            from .tracefile import TraceWriter
+
+            # Opened before waiting: an unwritable path fails now, not after the command
+            # started.
+            try:
+                self._trace = TraceWriter(self.config.trace)
+            except OSError as exc:
+                raise GuardSetupError(exc.strerror or str(exc)) from exc
+        started = False
+        try:
+            with self._signals:
+                self._t0 = self.probes.clock()
+                admitted = self._admit()
+                if isinstance(admitted, GuardResult):
+                    result = admitted
+                else:
+                    waited = self.probes.clock() - self._t0
+                    self.status.end()
+                    result = self._watch(admitted, waited)
+                    started = result.outcome != "cannot_start"
+        finally:
+            if self._trace is not None:
+                self._trace.close()
+                if not started:  # nothing ran: no trace, rather than an empty file
+                    with contextlib.suppress(OSError):
+                        self._trace.path.unlink()
         self.status.line(result.summary())
         return result
 
@@ -743,6 +765,7 @@ __all__ = [
     "Guard",
     "GuardConfig",
     "GuardResult",
+    "GuardSetupError",
     "Probes",
     "StopRule",
     "run_guard",

@@ -176,7 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import EXIT_USAGE
-    from ..guard import GuardConfig, run_guard
+    from ..guard import GuardConfig, GuardSetupError, run_guard
 
     command = list(args.command)
     if command[:1] == ["--"]:
@@ -201,15 +201,8 @@ def run(args: argparse.Namespace) -> int:
         grace=args.grace,
         trace=args.trace,
     )
-    if args.trace is not None:
-        from pathlib import Path
-
-        folder = Path(args.trace).parent
-        if not folder.is_dir():
-            print(
-                f"stageload guard: error: cannot write --trace {args.trace!r}: "
-                f"folder {str(folder)!r} does not exist",
-                file=sys.stderr,
-            )
-            return EXIT_USAGE
-    return run_guard(config, stderr=sys.stderr).exit_code
+    try:
+        return run_guard(config, stderr=sys.stderr).exit_code
+    except GuardSetupError as exc:  # e.g. the --trace file cannot be written; nothing ran
+        print(f"stageload guard: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
