@@ -567,6 +567,25 @@ def test_sigterm_to_the_guard_stops_the_command_and_exits_143(
     assert "guard got SIGTERM" in err.decode().strip().splitlines()[-1]
 
 
+def test_signal_while_waiting_exits_128_plus_signal_without_starting(
+    tmp_path: Path, spawn: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    ran = tmp_path / "ran"
+    guard = spawn(
+        guard_cli("--wait-free", "100%", "--", PY, "-c", f"open({str(ran)!r}, 'w')"),
+        env=guard_env(),
+        stderr=subprocess.PIPE,
+    )
+    assert guard.stderr is not None
+    assert b"waiting: available" in guard.stderr.readline()
+    guard.send_signal(signal.SIGHUP)
+    _, err = guard.communicate(timeout=20)
+    no_traceback(err.decode())
+    assert guard.returncode == 128 + signal.SIGHUP
+    assert "guard got SIGHUP while waiting; command not started" in err.decode()
+    assert not ran.exists()
+
+
 def test_second_signal_sends_sigkill_at_once(
     tmp_path: Path,
     spawn: Callable[..., subprocess.Popen[bytes]],

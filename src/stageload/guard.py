@@ -468,6 +468,9 @@ class Guard:
         while True:
             now = clock()
             reading = self.probes.system()
+            if "floors" not in warned:
+                warned.add("floors")
+                self._check_floors(reading)
             blockers: list[tuple[object, str]] = []
             short = cfg.wait_free.shortfall(reading)
             if short:
@@ -520,6 +523,18 @@ class Guard:
                     f"guard got {signal.Signals(sig).name} while waiting; command not started",
                     clock() - self._t0,
                 )
+
+    def _check_floors(self, reading: SystemMemory) -> None:
+        """Warn when the stop floor is not under the start floor: the command would be
+        stopped as soon as it starts, unless memory frees up after admission."""
+        wait = self.config.wait_free.floor(reading.total)  # type: ignore[union-attr]
+        kill = self.config.kill_free.floor(reading.total)  # type: ignore[union-attr]
+        if wait and kill is not None and kill >= wait:
+            self.status.line(
+                f"stageload guard: warning: --kill-free {self.config.kill_free} is not under "
+                f"--wait-free {self.config.wait_free}; the command may be stopped as soon as "
+                "it starts"
+            )
 
     def _busy(
         self, now: float, last_seen: dict[str, float], exclude: frozenset[int]
