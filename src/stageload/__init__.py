@@ -24,6 +24,9 @@ _EXPORTS: dict[str, str] = {
     "ListSink": "events",
     "TeeSink": "events",
     "MemoryMeter": "meter",
+    "GuardConfig": "guard",
+    "GuardResult": "guard",
+    "run_guard": "guard",
     "parse_size": "units",
     "format_size": "units",
 }
@@ -54,6 +57,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
     from .events import Event, EventSink, ListSink, TeeSink
+    from .guard import GuardConfig, GuardResult, run_guard
     from .hooks import on_call
     from .meter import MemoryMeter
     from .rng import preserved_rng

@@ -7,8 +7,6 @@ the ``meta`` device instead, which has no storage.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import gc
 import sys
@@ -166,9 +164,10 @@ def _mark_released(module: nn.Module, name: str | None, stage: str | None) -> No
 def _malloc_trim() -> Any:
     if not sys.platform.startswith("linux"):
         return None
-    path = ctypes.util.find_library("c") or "libc.so.6"
+    import ctypes  # here, not at the top: ctypes.util costs ~15 ms of `import stageload`
+
     try:
-        libc = ctypes.CDLL(path)
+        libc = ctypes.CDLL("libc.so.6")
         return libc.malloc_trim  # glibc only; musl has no malloc_trim
     except (OSError, AttributeError):
         return None

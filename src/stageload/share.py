@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -57,7 +56,7 @@ def share(owner: Any, attr: str) -> Iterator[dict[Hashable, Any]]:
 
     # On a class, a plain function would bind to instances; staticmethod keeps the
     # already-bound original (e.g. a classmethod) callable both ways.
-    setattr(owner, attr, staticmethod(shared) if inspect.isclass(owner) else shared)
+    setattr(owner, attr, staticmethod(shared) if isinstance(owner, type) else shared)
     try:
         yield cache
     finally:
