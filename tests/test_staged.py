@@ -222,3 +222,22 @@ def test_a_custom_residency_policy_decides_what_goes(checkpoints):
     assert models.loaded() == ["encoder"]  # prefetched on entry
     models.enter("denoise")
     assert models.loaded() == ["encoder", "denoiser"]
+
+
+def test_load_bytes_count_only_what_the_load_added():
+    """A backbone another loaded model already holds is not counted again."""
+    backbone = nn.Linear(64, 64)
+    loaders = {
+        "a": lambda: nn.Sequential(backbone, nn.Linear(64, 2)),
+        "b": lambda: nn.Sequential(backbone, nn.Linear(64, 3)),
+    }
+    sink = ListSink()
+    models = StagedModels(loaders, stages={"both": ["a", "b"], "none": []}, events=sink)
+    models.enter("both")
+    models["a"]
+    models["b"]
+    models.enter("none")
+    size = lambda m: sum(t.numel() * 4 for t in m.state_dict().values())  # noqa: E731
+    loads = {e.model: e.bytes for e in sink.kinds("load")}
+    assert loads == {"a": size(backbone) + size(nn.Linear(64, 2)), "b": size(nn.Linear(64, 3))}
+    assert sum(e.bytes for e in sink.kinds("release")) == sum(loads.values())

@@ -50,13 +50,20 @@ def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
                 yield b
 
 
-def module_bytes(module: nn.Module) -> int:
-    """Bytes held by a module's parameters and buffers, counting shared storage once."""
+def module_bytes(module: nn.Module, *, exclude: Iterable[nn.Module] = ()) -> int:
+    """Bytes held by a module's parameters and buffers, counting shared storage once.
+
+    Storage that a module in ``exclude`` also holds is not counted: a load then reports
+    only what it added, and a release what it freed.
+    """
+    held = {_storage_key(t) for other in exclude for t in _tensors(other) if not t.is_meta}
     seen: dict[tuple[str, int], int] = {}
     for t in _tensors(module):
         if t.is_meta:
             continue
-        seen[_storage_key(t)] = t.untyped_storage().nbytes()
+        key = _storage_key(t)
+        if key not in held:
+            seen[key] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 

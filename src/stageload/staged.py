@@ -264,7 +264,9 @@ class StagedModels(Mapping[str, "nn.Module"]):
                 f"the loader for {name!r} returned a module that was already released; "
                 f"it must build a new module on every call instead of caching one"
             )
-        nbytes = module_bytes(module)
+        # Count only what this load added: a backbone that another loaded model already
+        # holds (see share()) is not counted twice.
+        nbytes = module_bytes(module, exclude=self._models.values())
         kind = RELOAD if name in self._ever_loaded else LOAD
         self._models[name] = module
         self._sizes[name] = nbytes

@@ -16,7 +16,6 @@ fingerprints, for comparison.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import tempfile
 from collections.abc import Callable, Sequence
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..events import LOAD, NOTE, RELOAD, STAGE, Event, EventSink
+from ..events import NOTE, STAGE, Event, EventSink
 from ..hooks import on_call
 from ..release import is_released
 from ..share import share
@@ -67,42 +66,6 @@ class SharedPartsLast(ReleaseUnlisted):
     def to_release(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
         names = super().to_release(stage, loaded, plan)
         return sorted(names, key=lambda name: name in (BACKBONE, NAF))  # stable sort
-
-
-def exclusive_bytes(module: nn.Module, others: Sequence[nn.Module]) -> int:
-    """Bytes of ``module``'s storage that none of ``others`` holds, each storage once."""
-
-    def storages(m: nn.Module) -> dict[tuple[str, int], int]:
-        found = {}
-        for t in (*m.parameters(), *m.buffers()):
-            if not t.is_meta:
-                s = t.untyped_storage()
-                found[(str(t.device), s.data_ptr())] = s.nbytes()
-        return found
-
-    held: set[tuple[str, int]] = set()
-    for other in others:
-        held.update(storages(other))
-    return sum(n for key, n in storages(module).items() if key not in held)
-
-
-class _ExclusiveLoadBytes:
-    """Sits in front of the caller's event sink: a load counts only the bytes no other
-    loaded model holds. StagedModels counts an extractor's whole tree, so without this
-    the shared backbone would be counted once for itself and once per extractor."""
-
-    def __init__(self, sink: EventSink, run: Pixal3DRun) -> None:
-        self.sink = sink
-        self.run = run
-
-    def emit(self, event: Event) -> None:
-        built, models = self.run._built, self.run.models
-        if event.kind in (LOAD, RELOAD) and models is not None and event.model in built:
-            others = [built[n] for n in models.loaded() if n != event.model and n in built]
-            nbytes = exclusive_bytes(built[event.model], others)
-            if nbytes != event.bytes:
-                event = dataclasses.replace(event, bytes=nbytes)
-        self.sink.emit(event)
 
 
 @dataclass
@@ -245,7 +208,7 @@ class Pixal3DRun:
         self.models = StagedModels(
             loaders,
             stages=stages,
-            events=None if self.events is None else _ExclusiveLoadBytes(self.events, self),
+            events=self.events,
             preserve_rng=self.preserve_rng,
             policy=SharedPartsLast(),
         )
