@@ -38,7 +38,14 @@ if TYPE_CHECKING:
 __all__ = ["StagedPipeline", "default_plan", "staged_pipeline"]
 
 # from_pretrained arguments that also apply to each component's own from_pretrained.
-_MODEL_KWARGS = ("variant", "use_safetensors", "low_cpu_mem_usage", "device_map", "revision")
+_MODEL_KWARGS = (
+    "variant",
+    "use_safetensors",
+    "low_cpu_mem_usage",
+    "device_map",
+    "revision",
+    "disable_mmap",
+)
 
 
 class StagedPipeline:
@@ -181,9 +188,10 @@ def staged_pipeline(
             on disk are under a tenth of the largest staged component's.
         events: a sink (``ListSink``, ``MemoryMeter``) for load, release and stage events.
         **from_pretrained_kwargs: passed to ``pipeline_cls.from_pretrained``; ``variant``,
-            ``use_safetensors``, ``revision`` and ``low_cpu_mem_usage`` also reach each
-            staged component. A component passed here (``vae=my_vae``) is used as given and
-            not staged.
+            ``use_safetensors``, ``revision``, ``low_cpu_mem_usage`` and ``disable_mmap``
+            also reach each staged component (``disable_mmap`` reaches transformers models
+            too, which the pipeline's own loader does not pass it to). A component
+            passed here (``vae=my_vae``) is used as given and not staged.
 
     Returns:
         The pipeline, an instance of ``pipeline_cls``; ``pipe.stageload`` is its
@@ -204,6 +212,10 @@ def staged_pipeline(
             f"pipeline_cls must be a diffusers pipeline class such as QwenImage21Pipeline, "
             f"got {pipeline_cls!r}"
         )
+    if "dtype" in from_pretrained_kwargs:  # diffusers >= 0.42 spells it dtype
+        if torch_dtype is not None:
+            raise TypeError("pass torch_dtype= or dtype=, not both")
+        torch_dtype = from_pretrained_kwargs.pop("dtype")
     device = torch.device(device) if device is not None else torch.device("cpu")
     folder = Path(os.fspath(path))
     if not folder.is_dir():
@@ -252,7 +264,7 @@ def staged_pipeline(
         release(skeleton, name=name, stage=None)
 
     pipe = pipeline_cls.from_pretrained(
-        os.fspath(folder), torch_dtype=torch_dtype, **skeletons, **from_pretrained_kwargs
+        os.fspath(folder), **_dtype_kwarg(torch_dtype), **skeletons, **from_pretrained_kwargs
     )
     if device.type != "cpu":
         for name, component in pipe.components.items():
@@ -277,6 +289,18 @@ def staged_pipeline(
         summary = "; ".join(f"{s}: {', '.join(n)}" for s, n in state.plan.items())
         events.emit(Event(NOTE, note=f"staged {pipeline_cls.__name__}: {summary}"))
     return pipe
+
+
+def _dtype_kwarg(torch_dtype: torch.dtype | None) -> dict[str, Any]:
+    """The pipeline's dtype argument: ``dtype`` from diffusers 0.42 (``torch_dtype`` warns
+    there), ``torch_dtype`` before."""
+    if torch_dtype is None:
+        return {}
+    try:
+        from diffusers.utils.deprecation_utils import _resolve_dtype  # noqa: F401
+    except ImportError:
+        return {"torch_dtype": torch_dtype}
+    return {"dtype": torch_dtype}
 
 
 def _user(state: StagedPipeline, name: str) -> Any:

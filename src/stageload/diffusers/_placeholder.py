@@ -243,18 +243,22 @@ def _fill_module(dst: nn.Module, src: nn.Module, memo: dict[int, nn.Module]) -> 
     for name in _HOOK_DICTS:
         if name in s and s[name]:
             d.setdefault(name, type(s[name])()).update(s[name])
+    # The snapshot holds each attribute as the last load (or the build) gave it; a value on
+    # the placeholder that differs was set since, by the pipeline or the user: keep it.
     snapshot = d.get(_SNAPSHOT_ATTR, {})
+    given: dict[str, Any] = {}
     for key, value in s.items():
         if key in _NOT_PLAIN:
             if key == "forward":  # the loaded model had its own instance forward
                 d[key] = value
             continue
-        if key in d and key in snapshot and d[key] is not snapshot[key]:
-            continue  # changed on the placeholder since the last fill: keep that change
         if isinstance(value, _module_type()) and id(value) in memo:
             value = memo[id(value)]
+        given[key] = value
+        if key in d and key in snapshot and d[key] is not snapshot[key]:
+            continue
         d[key] = value
-    d[_SNAPSHOT_ATTR] = _plain(d)
+    d[_SNAPSHOT_ATTR] = given
 
 
 @functools.cache

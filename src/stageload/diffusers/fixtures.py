@@ -117,6 +117,8 @@ def _empty(factory: Callable[[], nn.Module], dtype: torch.dtype) -> nn.Module:
 
 def _made(factory: Callable[[], nn.Module], dtype: torch.dtype, seed: int) -> nn.Module:
     model = _empty(factory, dtype)
+    if hasattr(model, "tie_weights"):  # to_empty() gave tied parameters separate storage
+        model.tie_weights()
     # Buffers computed in __init__ (rotary frequencies) were lost on meta: recompute them.
     fresh_buffers = _cpu_buffers(factory)
     for name, buf in model.named_buffers():
@@ -366,8 +368,232 @@ def _mrope_section(head_dim: int) -> list[int]:
     return [t, 3 * half // 8, 3 * half // 8]
 
 
+def _clip_config(size: Size, tokenizer: Any, *, hidden: int, projection: int | None = None) -> Any:
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=max(1, size.layers // 2),
+        num_attention_heads=max(1, hidden // size.head_dim),
+        max_position_embeddings=tokenizer.model_max_length,
+        projection_dim=projection or hidden,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|startoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    )
+
+
+def _t5_config(size: Size, tokenizer: Any, *, umt5: bool = False) -> Any:
+    from transformers import T5Config, UMT5Config
+
+    config_cls = UMT5Config if umt5 else T5Config
+    h = size.hidden
+    return config_cls(
+        vocab_size=len(tokenizer),
+        d_model=h,
+        d_kv=size.head_dim,
+        d_ff=3 * h,
+        num_layers=size.layers,
+        num_heads=size.heads,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _kl_vae(latent_channels: int, *, seed: int, dtype: torch.dtype, levels: int = 2) -> nn.Module:
+    from diffusers import AutoencoderKL
+
+    return _made(
+        lambda: AutoencoderKL(
+            block_out_channels=(8,) * levels,
+            down_block_types=("DownEncoderBlock2D",) * levels,
+            up_block_types=("UpDecoderBlock2D",) * levels,
+            latent_channels=latent_channels,
+            norm_num_groups=4,
+            layers_per_block=1,
+            shift_factor=0.0609,
+            scaling_factor=1.5035,
+        ),
+        dtype,
+        seed,
+    )
+
+
+def build_flux(path: Path, *, size: Size, seed: int = 0, dtype: torch.dtype | None = None) -> Path:
+    """A FluxPipeline: CLIP and T5 text encoders, Flux transformer, AutoencoderKL."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    dtype = dtype or torch.float32
+    clip_tok, t5_tok = clip_tokenizer(), t5_tokenizer()
+    clip_hidden = 16
+    clip_config = _clip_config(size, clip_tok, hidden=clip_hidden)
+    text_encoder = _made(lambda: CLIPTextModel(clip_config), dtype, seed)
+    text_encoder_2 = _made(lambda: T5EncoderModel(_t5_config(size, t5_tok)), dtype, seed + 1)
+    latent = 4
+    transformer = _made(
+        lambda: FluxTransformer2DModel(
+            in_channels=4 * latent,
+            num_layers=max(1, size.layers // 2),
+            num_single_layers=max(1, size.layers - size.layers // 2),
+            attention_head_dim=size.head_dim,
+            num_attention_heads=size.heads,
+            joint_attention_dim=size.hidden,
+            pooled_projection_dim=clip_hidden,
+            axes_dims_rope=_rope_axes(size.head_dim),
+        ),
+        dtype,
+        seed + 2,
+    )
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=_kl_vae(latent, seed=seed + 3, dtype=dtype),
+        text_encoder=text_encoder,
+        tokenizer=clip_tok,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=t5_tok,
+        transformer=transformer,
+    )
+    return _save(pipe, path)
+
+
+def build_sd3(path: Path, *, size: Size, seed: int = 0, dtype: torch.dtype | None = None) -> Path:
+    """A StableDiffusion3Pipeline: two CLIP encoders and T5, SD3 transformer, AutoencoderKL.
+
+    Its classifier-free guidance encodes the negative prompt with the same encoders, a
+    second pass through the encode stage."""
+    import torch
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextModelWithProjection, T5EncoderModel
+
+    dtype = dtype or torch.float32
+    clip_tok, clip_tok_2, t5_tok = clip_tokenizer(), clip_tokenizer(), t5_tokenizer()
+    clip_hidden = 16
+    # SD3 pads the two CLIP embeddings (2 * clip_hidden wide) up to T5's width.
+    t5_size = Size(
+        hidden=max(size.hidden, 2 * clip_hidden),
+        layers=size.layers,
+        head_dim=size.head_dim,
+        image=size.image,
+    )
+    text_encoder = _made(
+        lambda: CLIPTextModelWithProjection(_clip_config(size, clip_tok, hidden=clip_hidden)),
+        dtype,
+        seed,
+    )
+    text_encoder_2 = _made(
+        lambda: CLIPTextModelWithProjection(_clip_config(size, clip_tok_2, hidden=clip_hidden)),
+        dtype,
+        seed + 1,
+    )
+    text_encoder_3 = _made(lambda: T5EncoderModel(_t5_config(t5_size, t5_tok)), dtype, seed + 2)
+    latent = 4
+    transformer = _made(
+        lambda: SD3Transformer2DModel(
+            sample_size=size.image // 2,
+            patch_size=2,
+            in_channels=latent,
+            out_channels=latent,
+            num_layers=size.layers,
+            attention_head_dim=size.head_dim,
+            num_attention_heads=size.heads,
+            joint_attention_dim=t5_size.hidden,
+            caption_projection_dim=size.hidden,
+            pooled_projection_dim=2 * clip_hidden,
+            pos_embed_max_size=max(16, size.image // 2),
+        ),
+        dtype,
+        seed + 3,
+    )
+    pipe = StableDiffusion3Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=_kl_vae(latent, seed=seed + 4, dtype=dtype),
+        text_encoder=text_encoder,
+        tokenizer=clip_tok,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=clip_tok_2,
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=t5_tok,
+        transformer=transformer,
+    )
+    return _save(pipe, path)
+
+
+def build_wan22(path: Path, *, size: Size, seed: int = 0, dtype: torch.dtype | None = None) -> Path:
+    """A Wan 2.2 WanPipeline: UMT5 text encoder, two Wan transformers (``transformer`` for
+    the high-noise steps, ``transformer_2`` after ``boundary_ratio``), AutoencoderKLWan."""
+    import torch
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5EncoderModel
+
+    dtype = dtype or torch.float32
+    tokenizer = t5_tokenizer()
+    text_encoder = _made(
+        lambda: UMT5EncoderModel(_t5_config(size, tokenizer, umt5=True)), dtype, seed
+    )
+    z_dim = 4
+
+    def transformer() -> nn.Module:
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=size.heads,
+            attention_head_dim=size.head_dim,
+            in_channels=z_dim,
+            out_channels=z_dim,
+            text_dim=size.hidden,
+            freq_dim=32,
+            ffn_dim=3 * size.hidden,
+            num_layers=size.layers,
+            rope_max_seq_len=32,
+        )
+
+    vae = _made(
+        lambda: AutoencoderKLWan(
+            base_dim=8,
+            z_dim=z_dim,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            latents_mean=[0.0] * z_dim,
+            latents_std=[1.0] * z_dim,
+        ),
+        dtype,
+        seed + 1,
+    )
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=_made(transformer, dtype, seed + 2),
+        transformer_2=_made(transformer, dtype, seed + 3),
+        boundary_ratio=0.875,
+    )
+    return _save(pipe, path)
+
+
+#: Fixture builders by family name: ``build(family, path, size=...)``.
 FAMILIES: dict[str, Callable[..., Path]] = {
     "qwen-image-2.1": build_qwen_image_21,
+    "flux": build_flux,
+    "sd3": build_sd3,
+    "wan2.2": build_wan22,
 }
 
 

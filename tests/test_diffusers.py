@@ -1,0 +1,393 @@
+"""stageload.diffusers on real diffusers pipelines built locally (random weights, no hub).
+
+Each family's fixture is a real pipeline written by ``save_pretrained``; the staged one is
+compared with the same pipeline loaded eagerly in this process, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+from stageload import ListSink, ReleasedModuleError  # noqa: E402
+from stageload.diffusers import StagedPipeline, _plan, fixtures, staged_pipeline  # noqa: E402  # noqa: E402
+from stageload.diffusers.fixtures import Size  # noqa: E402
+
+diffusers.utils.logging.set_verbosity_error()
+diffusers.utils.logging.disable_progress_bar()
+
+
+@dataclass(frozen=True)
+class Family:
+    pipeline: str
+    call: dict[str, Any]
+    #: Stages each call passes through, in order.
+    stages: tuple[str, ...]
+    #: (model, stage it is released on entering), for one call after the first.
+    releases: tuple[tuple[str, str], ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+FAMILIES = {
+    "qwen-image-2.1": Family(
+        "QwenImage21Pipeline",
+        {"height": 64, "width": 64, "num_inference_steps": 2, "output_resolution": 64},
+        ("encode", "denoise", "decode"),
+        (("vae", "encode"), ("text_encoder", "denoise"), ("transformer", "decode")),
+    ),
+    "flux": Family(
+        "FluxPipeline",
+        {"height": 32, "width": 32, "num_inference_steps": 2, "max_sequence_length": 16},
+        ("encode", "denoise", "decode"),
+        (
+            ("vae", "encode"),
+            ("text_encoder", "denoise"),
+            ("text_encoder_2", "denoise"),
+            ("transformer", "decode"),
+        ),
+    ),
+    # Classifier-free guidance (guidance_scale 7 by default): the negative prompt goes
+    # through the three text encoders a second time.
+    "sd3": Family(
+        "StableDiffusion3Pipeline",
+        {"height": 32, "width": 32, "num_inference_steps": 2, "max_sequence_length": 16},
+        ("encode", "denoise", "decode"),
+        (
+            ("vae", "encode"),
+            ("text_encoder", "denoise"),
+            ("text_encoder_2", "denoise"),
+            ("text_encoder_3", "denoise"),
+            ("transformer", "decode"),
+        ),
+    ),
+    # Wan 2.2 swaps transformer for transformer_2 inside the denoising loop.
+    "wan2.2": Family(
+        "WanPipeline",
+        {
+            "height": 32,
+            "width": 32,
+            "num_frames": 5,
+            "num_inference_steps": 4,
+            "max_sequence_length": 16,
+        },
+        ("encode", "denoise", "denoise_2", "decode"),
+        (
+            ("vae", "encode"),
+            ("text_encoder", "denoise"),
+            ("transformer", "denoise_2"),
+            ("transformer_2", "decode"),
+        ),
+    ),
+}
+PROMPT = "a photo of a cat sitting on a red chair"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models run ~10x faster on one thread than on two contended ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """``built(family, **kwargs)``: the fixture folder, built once per module."""
+    root = tmp_path_factory.mktemp("pipelines")
+    cache: dict[tuple[Any, ...], Path] = {}
+
+    def get(family: str, **kwargs: Any) -> Path:
+        key = (family, *sorted(kwargs.items()))
+        if key not in cache:
+            name = "-".join([family, *(f"{k}={v}" for k, v in sorted(kwargs.items()))])
+            cache[key] = fixtures.build(family, root / name.replace(".", "_"), **kwargs)
+        return cache[key]
+
+    yield get
+
+
+def _call(pipe: Any, family: Family, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return pipe(PROMPT, generator=generator, output_type="pt", **family.call)[0]
+
+
+def _eager(family: Family, path: Path, **kwargs: Any) -> torch.Tensor:
+    cls = getattr(diffusers, family.pipeline)
+    return _call(cls.from_pretrained(path, **kwargs), family)
+
+
+def _per_call(events: list[Any], calls: int) -> list[list[Any]]:
+    """Split events into calls: each call starts where the first stage is entered."""
+    out: list[list[Any]] = []
+    for event in events:
+        if event.kind == "stage" and event.stage == "encode" or not out:
+            out.append([])
+        out[-1].append(event)
+    assert len(out) == calls, [[(e.kind, e.model, e.stage) for e in c] for c in out]
+    return out
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_staged_equals_eager_and_loads_each_model_once_per_call(built: Any, name: str) -> None:
+    family = FAMILIES[name]
+    path = built(name)
+    expected = _eager(family, path)
+    assert expected.std() > 0  # not a saturated image: equality means something
+
+    sink = ListSink()
+    pipe = staged_pipeline(getattr(diffusers, family.pipeline), path, keep=(), events=sink)
+    assert isinstance(pipe, getattr(diffusers, family.pipeline))
+    staged = [n for names in pipe.stageload.plan.values() for n in names]
+    first, second = _call(pipe, family), _call(pipe, family)
+    assert torch.equal(first, expected)
+    assert torch.equal(second, expected)
+
+    model_events = [e for e in sink.events if e.kind != "note"]
+    for events in _per_call(model_events, calls=2):
+        assert tuple(e.stage for e in events if e.kind == "stage") == family.stages
+        loads = sorted(e.model for e in events if e.kind in ("load", "reload"))
+        assert loads == sorted(staged), "each staged model loads exactly once per call"
+    call_2 = _per_call(model_events, calls=2)[1]
+    releases = tuple((e.model, e.stage) for e in call_2 if e.kind == "release")
+    assert releases == family.releases
+    assert all(e.bytes and e.bytes > 0 for e in call_2 if e.kind == "release")
+
+
+def test_placeholders_answer_config_dtype_device_without_loading(built: Any) -> None:
+    from diffusers import QwenImage21Pipeline, QwenImage21Transformer2DModel
+
+    sink = ListSink()
+    pipe = staged_pipeline(QwenImage21Pipeline, built("qwen-image-2.1"), events=sink)
+    transformer = pipe.transformer
+    assert isinstance(transformer, QwenImage21Transformer2DModel)
+    assert type(transformer).__name__ == "QwenImage21Transformer2DModel"
+    assert transformer.config.in_channels == 8
+    assert transformer.dtype == torch.float32
+    assert transformer.device == torch.device("cpu")
+    assert pipe._execution_device == torch.device("cpu")
+    assert len(transformer.transformer_blocks) == Size.tiny().layers
+    assert pipe.vae.config.z_dim == 8
+    assert pipe.text_encoder.model.language_model.norm is not None
+    assert pipe.stageload.models.loaded() == []
+    assert [e.kind for e in sink.events] == ["note"]  # the plan note; no load
+    # The placeholder holds no weights: every parameter is on meta.
+    assert all(p.is_meta for p in transformer.parameters())
+
+
+def test_hooks_and_settings_on_placeholders_survive_loading(built: Any) -> None:
+    """What the pipeline or the user attaches before the load stays on the loaded model."""
+    from diffusers import QwenImage21Pipeline
+
+    family = FAMILIES["qwen-image-2.1"]
+    pipe = staged_pipeline(QwenImage21Pipeline, built("qwen-image-2.1"))
+    block = pipe.transformer.transformer_blocks[0]
+    seen: list[torch.Size] = []
+    handle = block.register_forward_hook(lambda m, a, out: seen.append(out[-1].shape))
+    pipe.vae.enable_tiling()
+    _call(pipe, family)
+    assert len(seen) == family.call["num_inference_steps"]
+    assert pipe.transformer.transformer_blocks[0] is block
+    assert pipe.vae.use_tiling is True
+    handle.remove()  # the handle still points at the live hook registry
+    _call(pipe, family)
+    assert len(seen) == family.call["num_inference_steps"]
+    assert pipe.vae.use_tiling is True  # kept across a release and a reload
+
+
+def test_released_component_raises_released_module_error(built: Any) -> None:
+    from diffusers import QwenImage21Pipeline
+
+    family = FAMILIES["qwen-image-2.1"]
+    pipe = staged_pipeline(QwenImage21Pipeline, built("qwen-image-2.1"), keep=())
+    layer = pipe.text_encoder.model.language_model.layers[0]
+    hidden = torch.zeros(1, 3, Size.tiny().hidden)
+    with pytest.raises(ReleasedModuleError):  # never loaded yet: same clear error
+        layer(hidden)
+    _call(pipe, family)
+    # The text encoder was released when the pipeline entered denoise.
+    with pytest.raises(ReleasedModuleError) as info:
+        layer(hidden)
+    assert (info.value.name, info.value.stage) == ("text_encoder", "denoise")
+    assert not any(p.device.type != "meta" for p in pipe.text_encoder.parameters())
+
+    pipe.stageload.close()
+    assert pipe.stageload.models.loaded() == []
+    with pytest.raises(ReleasedModuleError) as info:
+        pipe.transformer(hidden_states=torch.zeros(1, 4, 8), timestep=torch.zeros(1))
+    assert info.value.name == "transformer"
+    with pytest.raises(ReleasedModuleError):
+        _call(pipe, family)
+
+
+def test_custom_plan_reenters_a_stage_for_the_negative_prompt(built: Any) -> None:
+    """SD3 with one stage per kind of encoder: the negative-prompt pass goes back from t5 to
+    clip, reloading what it needs, and the image is still the eager one."""
+    from diffusers import StableDiffusion3Pipeline
+
+    family = FAMILIES["sd3"]
+    path = built("sd3")
+    stages = {
+        "clip": ["text_encoder", "text_encoder_2"],
+        "t5": ["text_encoder_3"],
+        "denoise": ["transformer"],
+        "decode": ["vae"],
+    }
+    sink = ListSink()
+    pipe = staged_pipeline(StableDiffusion3Pipeline, path, stages=stages, keep=(), events=sink)
+    assert torch.equal(_call(pipe, family), _eager(family, path))
+    entered = [e.stage for e in sink.events if e.kind == "stage"]
+    assert entered == ["clip", "t5", "clip", "t5", "denoise", "decode"]
+    reloads = [e.model for e in sink.events if e.kind == "reload"]
+    assert sorted(reloads) == ["text_encoder", "text_encoder_2", "text_encoder_3"]
+
+
+def test_keep_pins_a_component_across_calls(built: Any) -> None:
+    from diffusers import FluxPipeline
+
+    family = FAMILIES["flux"]
+    sink = ListSink()
+    pipe = staged_pipeline(FluxPipeline, built("flux"), keep=["vae"], events=sink)
+    assert pipe.stageload.keep == {"vae"}
+    _call(pipe, family)
+    _call(pipe, family)
+    assert [e.kind for e in sink.events if e.model == "vae"] == ["load"]
+    assert pipe.stageload.models.is_loaded("vae")
+
+
+def test_bf16_checkpoint_without_torch_dtype_matches_eager_dtypes(built: Any) -> None:
+    """diffusers models load a bf16 checkpoint as float32, transformers models as bf16; the
+    placeholders must answer the same before loading, or the pipeline casts differently.
+    (That mix does not run through Qwen-Image, eager or staged; torch_dtype=bf16 does.)"""
+    from diffusers import QwenImage21Pipeline
+
+    family = FAMILIES["qwen-image-2.1"]
+    path = built("qwen-image-2.1", dtype=torch.bfloat16)
+    eager = QwenImage21Pipeline.from_pretrained(path)
+    pipe = staged_pipeline(QwenImage21Pipeline, path)
+    for name in ("text_encoder", "transformer", "vae"):
+        assert getattr(pipe, name).dtype == getattr(eager, name).dtype, name
+    assert pipe.stageload.models.loaded() == []
+    bf16 = staged_pipeline(QwenImage21Pipeline, path, torch_dtype=torch.bfloat16)
+    assert bf16.transformer.dtype == torch.bfloat16
+    assert torch.equal(_call(bf16, family), _eager(family, path, dtype=torch.bfloat16))
+
+
+def test_bad_arguments_say_what_to_fix(built: Any, tmp_path: Path) -> None:
+    from diffusers import FluxPipeline
+
+    path = built("flux")
+    with pytest.raises(ValueError, match="'unet'.*text_encoder"):
+        staged_pipeline(FluxPipeline, path, stages={"denoise": ["unet"]})
+    with pytest.raises(TypeError, match="list component names"):
+        staged_pipeline(FluxPipeline, path, stages={"denoise": "transformer"})
+    with pytest.raises(ValueError, match="keep lists 'text_encoder'"):
+        staged_pipeline(
+            FluxPipeline, path, stages={"denoise": ["transformer"]}, keep=["text_encoder"]
+        )
+    with pytest.raises(TypeError, match="keep must list"):
+        staged_pipeline(FluxPipeline, path, keep="vae")
+    with pytest.raises(TypeError, match="pipeline class"):
+        staged_pipeline("FluxPipeline", path)
+    with pytest.raises(FileNotFoundError, match="model_index.json"):
+        staged_pipeline(FluxPipeline, tmp_path)
+    with pytest.raises(ValueError, match="unknown fixture family 'sdxl'"):
+        fixtures.build("sdxl", tmp_path / "x")
+
+
+def test_default_plan_from_offload_sequences() -> None:
+    from torch import nn
+
+    class Vae(nn.Module):
+        pass
+
+    Vae.__name__ = "AutoencoderKLWan"
+    models = {
+        n: (Vae if n == "vae" else nn.Module)
+        for n in ("text_encoder", "image_encoder", "transformer", "transformer_2", "vae")
+    }
+    seq = "text_encoder->image_encoder->transformer->transformer_2->vae"
+    assert _plan.default_plan(seq, models) == {
+        "encode": ["text_encoder", "image_encoder"],
+        "denoise": ["transformer"],
+        "denoise_2": ["transformer_2"],
+        "decode": ["vae"],
+    }
+    # A controlnet runs beside the denoiser in every step: same stage.
+    models = {"text_encoder": nn.Module, "controlnet": nn.Module, "unet": nn.Module, "vae": Vae}
+    assert _plan.default_plan("text_encoder->unet->controlnet->vae", models) == {
+        "encode": ["text_encoder"],
+        "denoise": ["unet", "controlnet"],
+        "decode": ["vae"],
+    }
+    # Qwen-Image 2.1 in bf16 (the seed's figures, GB): the VAE is small beside the rest.
+    sizes = {"text_encoder": 16_300, "transformer": 13_300, "vae": 1_300}
+    assert _plan.default_keep(sizes) == ["vae"]
+
+
+def test_staged_peak_is_below_eager_by_most_of_the_largest_released_model(
+    built: Any, tmp_path: Path
+) -> None:
+    """A Qwen-Image fixture of ~300 MB in memory, eager and staged each in its own process
+    under the meter: staged holds one of the two large models at a time.
+
+    The checkpoint is bf16 and runs in float32, so loading copies the weights into process
+    memory, as on an accelerator or a Mac. Weights mapped from safetensors without a
+    conversion stay in the page cache, which the footprint rightly does not count.
+    """
+    from stageload.trace import load_summary, read_trace
+
+    family = FAMILIES["qwen-image-2.1"]
+    size = Size.for_bytes(150_000_000, bytes_per_param=4)
+    path = built("qwen-image-2.1", size=size, dtype=torch.bfloat16)
+    call = dict(family.call, prompt=PROMPT, num_inference_steps=1)
+    pythonpath = os.pathsep.join([str(_src()), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
+    procs = {}
+    for mode in ("eager", "staged"):  # in parallel: each measures its own process tree
+        cmd = [
+            sys.executable, "-m", "stageload.diffusers.measure", mode, family.pipeline,
+            str(path), str(tmp_path / f"{mode}.jsonl"), "--call", json.dumps(call),
+            "--dtype", "float32", "--interval", "0.02", "--result", str(tmp_path / f"{mode}.json"),
+        ]  # fmt: skip
+        procs[mode] = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+    for proc in procs.values():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err.decode()[-3000:]
+    results = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in procs}
+    assert results["staged"]["image_sha256"] == results["eager"]["image_sha256"]
+    eager = load_summary(tmp_path / "eager.jsonl")
+    staged = load_summary(tmp_path / "staged.jsonl")
+    releases = [e for e in read_trace(tmp_path / "staged.jsonl").events if e.kind == "release"]
+    released = max(e.bytes or 0 for e in releases)
+    assert released > 100_000_000
+    saved = eager.peak_footprint - staged.peak_footprint
+    mib = 2**20
+    assert saved >= 0.8 * released, (
+        f"eager peak {eager.peak_footprint / mib:.0f} MiB, staged {staged.peak_footprint / mib:.0f}"
+        f" MiB: saved {saved / mib:.0f} MiB, largest released model {released / mib:.0f} MiB"
+    )
+
+
+def _src() -> Path:
+    import stageload
+
+    return Path(stageload.__file__).resolve().parent.parent
+
+
+def test_staged_pipeline_type_is_exported() -> None:
+    assert StagedPipeline.__name__ == "StagedPipeline"
