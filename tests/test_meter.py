@@ -369,6 +369,7 @@ def test_missing_command_exits_127(tmp_path: Path, capsys: pytest.CaptureFixture
     err = capsys.readouterr().err
     assert "stageload meter: cannot run 'no-such-command-xyz'" in err
     assert "Traceback" not in err
+    assert not (tmp_path / "t.jsonl").exists()  # no empty trace left for 'report' to trip on
 
 
 @pytest.mark.parametrize(
@@ -379,7 +380,7 @@ def test_missing_command_exits_127(tmp_path: Path, capsys: pytest.CaptureFixture
         (["meter", "--interval", "soon", "--", "true"], "invalid duration 'soon'"),
         (["meter", "--sampler", "fork", "--", "true"], "invalid choice: 'fork'"),
         (["meter", "-o", "no/such/dir/t.jsonl", "--", "true"], "folder 'no/such/dir' does not"),
-        (["meter", "-o", ".", "--", "true"], "cannot write -o '.': Is a directory"),
+        (["meter", "-o", ".", "--", "true"], "-o '.': '.' is a folder; give a file name"),
     ],
 )
 def test_bad_flags_exit_2_with_a_clear_message(
@@ -544,3 +545,56 @@ def test_unwritable_trace_fails_clearly_and_leaves_no_sampler(tmp_path: Path) ->
         time.sleep(0.05)
     assert samplers() == []
     assert not meter.running
+
+
+def test_unreadable_footprint_of_a_live_process_is_recorded_not_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As root every /proc/PID/status is readable, so the unreadable footprint is faked; the
+    process, the writer and the sampler are real. It must not look like 'process gone'."""
+    import stageload.meter_sampler as meter_sampler
+    from stageload.memory import ProcessMemory
+    from stageload.tracefile import TraceWriter
+
+    unreadable = ProcessMemory(None, 0, {"footprint": "faked"}, {"footprint": "permission denied"})
+    monkeypatch.setattr(meter_sampler, "read_process", lambda pid, tree=False: unreadable)
+    with TraceWriter(tmp_path / "t.jsonl") as writer:
+        sampler = meter_sampler.Sampler(writer, os.getpid())
+        assert sampler.sample() and sampler.sample()
+    records = read_records(tmp_path / "t.jsonl")
+    samples = [r for r in records if r["type"] == "sample"]
+    assert len(samples) == 2 and all(s["footprint"] is None for s in samples)
+    errors = [r for r in records if r["type"] == "error"]
+    assert errors == [{**errors[0], "field": "footprint", "message": "permission denied"}]
+
+
+def test_a_gone_process_writes_no_sample(tmp_path: Path) -> None:
+    from stageload.meter_sampler import Sampler
+    from stageload.tracefile import TraceWriter
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: the pid names no process now
+    with TraceWriter(tmp_path / "t.jsonl") as writer:
+        assert not Sampler(writer, child.pid).sample()
+    assert read_records(tmp_path / "t.jsonl") == []
+
+
+def test_sampler_kill_spares_a_process_that_reused_its_pid(tmp_path: Path) -> None:
+    """The detached sampler is reaped by init, so its pid can name another process later."""
+    import psutil
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        meter = MemoryMeter(tmp_path / "t.jsonl", sampler="thread")
+        created = psutil.Process(other.pid).create_time()
+        meter._sampler_pid, meter._sampler_created = other.pid, created - 1.0  # not ours
+        meter._kill_sampler()
+        time.sleep(0.1)
+        assert other.poll() is None
+        meter._sampler_created = created  # the same process: it goes
+        meter._kill_sampler()
+        assert other.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if other.poll() is None:
+            other.kill()
+        other.wait()

@@ -18,7 +18,7 @@ from typing import Any
 
 from .events import Event
 from .memory import read_device, read_process, read_system, sample_errors, sample_sources, to_sample
-from .meter_sampler import Sampler
+from .meter_sampler import Sampler, pid_alive
 from .tracefile import TraceWriter
 from .units import parse_duration
 
@@ -131,6 +131,7 @@ class MemoryMeter:
         self._writer: TraceWriter | None = None
         self._channel: _Channel | None = None
         self._sampler_pid: int | None = None
+        self._sampler_created: float | None = None  # its create time, against pid reuse
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._device = False
@@ -176,7 +177,7 @@ class MemoryMeter:
         """
         if self._writer is not None:
             raise RuntimeError(f"{self!r} was already started; use a new MemoryMeter per trace")
-        if not _pid_exists(self.pid):
+        if not pid_alive(self.pid):
             self.cancel()
             raise ValueError(f"no process with pid {self.pid!r} to measure")
         self.prepare()
@@ -324,6 +325,7 @@ class MemoryMeter:
             return f"the sampler process did not start (exit code {code})"
         self._channel = channel
         self._sampler_pid = int(hello["hello"])
+        self._sampler_created = _create_time(self._sampler_pid)
         return None
 
     def _relay_device(self) -> bool:
@@ -365,11 +367,14 @@ class MemoryMeter:
 
     def _kill_sampler(self) -> None:
         if self._channel is not None:
-            self._channel.close()
+            self._channel.close()  # end of file on its stdin: a sampler that still reads exits
             self._channel = None
-        if self._sampler_pid is not None:
+        # The sampler is detached (init reaps it), so once it is gone its pid may be reused:
+        # SIGKILL only the process that was born when the sampler was.
+        pid, created = self._sampler_pid, self._sampler_created
+        if pid is not None and created is not None and _create_time(pid) == created:
             with contextlib.suppress(OSError):
-                os.kill(self._sampler_pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
 
     # -- the sampler thread ------------------------------------------------------------
 
@@ -383,14 +388,14 @@ class MemoryMeter:
                 next_tick = now + self.interval
 
 
-def _pid_exists(pid: int) -> bool:
+def _create_time(pid: int) -> float | None:
+    """When ``pid`` was started (psutil's create time), or None if it is gone."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
 
 
 def _count_samples(path: Path) -> int | None:

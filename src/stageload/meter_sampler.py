@@ -64,12 +64,13 @@ class Sampler:
         """Take and write one sample; ``extra`` adds keys (device memory read elsewhere).
 
         Returns False, writing nothing, when the measured process is gone: a command that
-        just exited is not a read error.
+        just exited is not a read error. A live process whose footprint cannot be read
+        (permissions, an old kernel) gets a sample with ``footprint`` null and an error record.
         """
         t = self.writer.t()
         try:
             process = read_process(self.pid, tree=self.tree)
-            if process.pids == 0:
+            if process.pids == 0 and not pid_alive(self.pid):
                 return False
             readings: list[Any] = [process, read_system(self.pid)]
             if self.device:
@@ -86,7 +87,8 @@ class Sampler:
         return True
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (a zombie counts), whoever owns it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -144,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     # Wait for "go": the parent writes the start record first, so it stays the first line.
     while True:
         messages = control.wait(60.0)
-        if control.eof or not messages and not _alive(args.watch):
+        if control.eof or not messages and not pid_alive(args.watch):
             return 0
         go = [m for m in messages if "go" in m]
         if go:
@@ -175,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
                     return 0
             if control.eof:  # the parent is gone (or closed the pipe): stop writing now
                 return 0
-        if not _alive(args.watch):
+        if not pid_alive(args.watch):
             return 0
 
 

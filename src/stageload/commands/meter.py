@@ -9,11 +9,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..units import format_duration, format_size, parse_duration
+from ..units import format_duration, format_size
+from ._args import command_after_dashes, interval, unwritable_file
+
+if TYPE_CHECKING:
+    from ..trace import Summary
 
 HELP = "run a command and record its memory (footprint, swap, available) in a trace"
 
@@ -44,18 +47,6 @@ Examples:
 EXIT_CANNOT_START = 127
 
 
-def _interval(text: str) -> float:
-    try:
-        seconds = parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if seconds <= 0:
-        raise argparse.ArgumentTypeError(
-            f"interval must be more than 0 seconds, got {text!r}; e.g. '0.5' or '100ms'"
-        )
-    return seconds
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o",
@@ -66,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--interval",
-        type=_interval,
+        type=interval,
         default=0.5,
         metavar="S",
         help="time between samples: seconds or e.g. '100ms' (default: 0.5)",
@@ -88,11 +79,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="-- CMD ...",
         help="the command to run, after '--'",
     )
-
-
-def exit_status(returncode: int) -> int:
-    """A Popen return code as a shell reports it: 128+N for death by signal N."""
-    return 128 - returncode if returncode < 0 else returncode
 
 
 def _in_terminal_foreground() -> bool:
@@ -136,64 +122,32 @@ class _Forwarder:
             signal.signal(sig, handler)
 
 
-def summary_line(records: Sequence[dict[str, Any]]) -> str:
-    """Peak footprint, swap growth and lowest available memory of a trace's samples."""
-    samples = [r for r in records if r.get("type") == "sample"]
-
-    def values(key: str) -> list[Any]:
-        return [s[key] for s in samples if isinstance(s.get(key), (int, float))]
-
-    footprint, swap, available = values("footprint"), values("swap_used"), values("available")
-    parts = [f"peak footprint {format_size(max(footprint)) if footprint else '-'}"]
-    if swap:
-        growth = max(swap) - swap[0]
-        parts.append(f"swap {'+' if growth >= 0 else ''}{format_size(growth)}")
-    else:
-        parts.append("swap -")
-    if available:
-        lowest = min(
-            (s for s in samples if isinstance(s.get("available"), (int, float))),
-            key=lambda s: s["available"],
-        )
-        pct = lowest.get("available_pct")
-        extra = f" ({pct:.0f}%)" if isinstance(pct, (int, float)) else ""
-        parts.append(f"lowest available {format_size(lowest['available'])}{extra}")
-    else:
-        parts.append("lowest available -")
-    return ", ".join(parts)
+def summary_line(summary: Summary) -> str:
+    """Peak footprint, swap growth and lowest available memory of a trace's summary."""
+    parts = [f"peak footprint {format_size(summary.peak_footprint)}"]
+    growth = summary.swap_growth
+    parts.append(f"swap {'-' if growth is None else '+' + format_size(growth)}")
+    lowest = f"lowest available {format_size(summary.lowest_available)}"
+    if summary.lowest_available_pct is not None:
+        lowest += f" ({summary.lowest_available_pct:.0f}%)"
+    return ", ".join(parts + [lowest])
 
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import EXIT_USAGE
+    from ..guard_proc import exit_status
     from ..meter import MemoryMeter
-    from ..tracefile import read_records
+    from ..trace import load_summary
 
-    command = list(args.command)
-    if command[:1] == ["--"]:
-        command = command[1:]
-    if not command:
-        print(
-            "stageload meter: error: no command given; put it after '--', "
-            "e.g. stageload meter -o run.jsonl -- python run.py",
-            file=sys.stderr,
-        )
+    command = command_after_dashes(
+        args.command, "stageload meter", "stageload meter -o run.jsonl -- python run.py"
+    )
+    if command is None:
         return EXIT_USAGE
     output = Path(args.output or time.strftime("meter-%Y%m%d-%H%M%S.jsonl"))
-    if not output.parent.is_dir():
-        print(
-            f"stageload meter: error: cannot write -o {str(output)!r}: "
-            f"folder {str(output.parent)!r} does not exist",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    try:  # find out now, not after the command has started
-        with open(output, "a"):
-            pass
-    except OSError as exc:
-        print(
-            f"stageload meter: error: cannot write -o {str(output)!r}: {exc.strerror}",
-            file=sys.stderr,
-        )
+    problem = unwritable_file(output)  # find out now, not after the command has run
+    if problem is not None:
+        print(f"stageload meter: error: -o {str(output)!r}: {problem}", file=sys.stderr)
         return EXIT_USAGE
 
     meta = {} if args.label is None else {"label": args.label}
@@ -232,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.monotonic() - started
     print(
         f"stageload meter: exit {code} after {format_duration(elapsed)}; "
-        f"{summary_line(read_records(output))}; {meter.samples} samples in {str(output)}",
+        f"{summary_line(load_summary(output))}; {meter.samples} samples in {str(output)}",
         file=sys.stderr,
     )
     return code

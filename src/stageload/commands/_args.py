@@ -1,0 +1,99 @@
+"""Flag types and checks that several commands share, so a bad value reads the same everywhere.
+
+Each type wraps a ``stageload.units`` parser (the library and the flags accept the same
+text) and turns its ``ValueError`` into ``argparse.ArgumentTypeError``, whose message
+argparse prints as is; a plain ``ValueError`` would print only "invalid <type> value".
+Light to import, like every command module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..units import parse_duration, parse_percent_or_size, parse_size
+
+
+def size(text: str) -> int:
+    """A size such as ``8G`` or ``512M``, in bytes."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def duration(text: str) -> float:
+    """A duration such as ``30s``, ``1m`` or ``2.5``, in seconds (0 allowed)."""
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def interval(text: str) -> float:
+    """A sampling interval: a duration above 0 seconds."""
+    seconds = duration(text)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(
+            f"interval must be more than 0 seconds, got {text!r}; e.g. '0.5' or '100ms'"
+        )
+    return seconds
+
+
+def amount(text: str) -> str:
+    """A percentage (``40%``) or a size (``12G``); checked here, kept as text for the library."""
+    try:
+        parse_percent_or_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def command_after_dashes(words: Sequence[str], prog: str, example: str) -> list[str] | None:
+    """The command given after ``--``; None, with the error printed, when there is none."""
+    command = list(words)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print(
+            f"{prog}: error: no command given; put it after '--', e.g. {example}",
+            file=sys.stderr,
+        )
+        return None
+    return command
+
+
+def unwritable_file(path: str | os.PathLike[str]) -> str | None:
+    """Why a file cannot be written at ``path`` (None when it can), found out before a long
+    run rather than after it. Leaves no file behind that was not there before."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{str(path)!r} is a folder; give a file name, e.g. {str(path / 'run.jsonl')!r}"
+    if not path.parent.is_dir():
+        return f"folder {str(path.parent)!r} does not exist"
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return f"cannot write {str(path)!r}: {exc.strerror or exc}"
+    if not existed:
+        path.unlink(missing_ok=True)
+    return None
+
+
+def unusable_folder(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be used as an output folder (None when it can); creates it."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        return f"{str(path)!r} is a file, not a folder"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create folder {str(path)!r}: {exc.strerror or exc}"
+    if not os.access(path, os.W_OK):
+        return f"folder {str(path)!r} is not writable"
+    return None
