@@ -390,15 +390,38 @@ def test_start_timeout_gives_exit_4_and_never_starts(
     assert "no room after" in err.strip().splitlines()[-1]
 
 
-def test_swap_limit_blocks_admission(capfd: pytest.CaptureFixture[str]) -> None:
-    """Swap used (0 or more) plus the 8G budget is never under a 1-byte limit."""
-    code = main(
-        ["guard", "--wait-free", "0", "--swap-limit", "1", "--start-timeout", "0.3s",
-         "--", PY, "-c", "pass"]
-    )  # fmt: skip
+@linux_only
+def test_swap_limit_blocks_admission(tmp_path: Path) -> None:
+    """Swap used is replayed from a recorded /proc/meminfo (this machine has no swap):
+    2 GiB used + a 1 GiB budget is not under a 3 GiB limit, so the command never starts."""
+    import io
+
+    marker = tmp_path / "ran"
+    config = GuardConfig(
+        [PY, "-c", f"open({str(marker)!r}, 'w')"],
+        wait_free="0",
+        swap_limit="3G",
+        swap_budget="1G",
+        start_timeout="0.3s",
+    )
+    probes = _recorded_probes(_replay([_meminfo(tmp_path / "p", 2 * GiB)]))
+    err = io.StringIO()
+    result = run_guard(config, probes=probes, stderr=err)
+    assert result.exit_code == EXIT_NO_ROOM and not marker.exists()
+    assert "swap 2.0 GiB + budget 1.0 GiB >= limit 3.0 GiB" in err.getvalue()
+
+
+def test_swap_limit_not_above_the_budget_is_a_usage_error(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Swap used (0 or more) plus the default 8G budget can never be under a 1G limit."""
+    code = main(["guard", "--wait-free", "0", "--swap-limit", "1G", "--", PY, "-c", "pass"])
     err = capfd.readouterr().err
-    assert code == EXIT_NO_ROOM
-    assert "+ budget 8.0 GiB >= limit 1 B" in err
+    assert code == 2
+    assert "--swap-limit 1.0 GiB is not above --swap-budget 8.0 GiB" in err
+    no_traceback(err)
+    with pytest.raises(ValueError, match="could never start"):
+        GuardConfig([PY], swap_limit="4G", swap_budget="4G")
 
 
 def test_no_trace_file_when_the_command_never_started(

@@ -220,6 +220,13 @@ class GuardConfig:
         self.kill_free = Amount.parse(self.kill_free)
         self.swap_limit = None if self.swap_limit is None else parse_size(self.swap_limit)
         self.swap_budget = parse_size(self.swap_budget)
+        if self.swap_limit is not None and self.swap_limit <= self.swap_budget:
+            # Admission needs swap used + budget < limit, and swap used is never below 0.
+            raise ValueError(
+                f"--swap-limit {format_size(self.swap_limit)} is not above --swap-budget "
+                f"{format_size(self.swap_budget)}, so the command could never start; raise "
+                "--swap-limit or lower --swap-budget (e.g. --swap-limit 16G --swap-budget 4G)"
+            )
         self.quiet_for = parse_duration(self.quiet_for)
         self.grace = parse_duration(self.grace)
         if self.start_timeout is not None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..units import parse_duration, parse_percent_or_size, parse_size
+from ..units import parse_size
+from ._args import amount, command_after_dashes, duration, size
 
 HELP = "run a command only when memory is free, and stop it before it swaps the machine down"
 
@@ -43,33 +44,10 @@ Examples:
 """
 
 
-def _amount(text: str) -> str:
-    # Parse with the library's own parser so the CLI and run_guard accept the same values.
-    try:
-        parse_percent_or_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _poll(text: str) -> float | None:
     if text.strip().lower() == "adaptive":
         return None
-    seconds = _duration(text)
+    seconds = duration(text)
     if seconds <= 0:
         raise argparse.ArgumentTypeError(
             f"poll interval must be above 0, got {text!r}: e.g. '0.5s' or 'adaptive'"
@@ -91,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     admit = parser.add_argument_group("admission")
     admit.add_argument(
         "--wait-free",
-        type=_amount,
+        type=amount,
         default="40%",
         metavar="AMOUNT",
         help="start only when available memory is at least this: a percent or a size "
@@ -99,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     admit.add_argument(
         "--swap-limit",
-        type=_size,
+        type=size,
         default=None,
         metavar="SIZE",
         help="start only when swap used plus --swap-budget stays under this size",
@@ -115,14 +93,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     admit.add_argument(
         "--quiet-for",
-        type=_duration,
+        type=duration,
         default=60.0,
         metavar="DURATION",
         help="how long no --busy process must be seen before starting (default: 1m)",
     )
     admit.add_argument(
         "--start-timeout",
-        type=_duration,
+        type=duration,
         default=None,
         metavar="DURATION",
         help="give up after waiting this long, with exit code 4 (default: wait forever)",
@@ -130,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     watch = parser.add_argument_group("watching and stopping")
     watch.add_argument(
         "--swap-budget",
-        type=_size,
+        type=size,
         default=parse_size("8G"),
         metavar="SIZE",
         help="stop the command when swap grows more than this over its value at start "
@@ -138,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     watch.add_argument(
         "--kill-free",
-        type=_amount,
+        type=amount,
         default="10%",
         metavar="AMOUNT",
         help="stop the command when available memory stays under this (percent or size) "
@@ -154,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     watch.add_argument(
         "--grace",
-        type=_duration,
+        type=duration,
         default=5.0,
         metavar="DURATION",
         help="time between SIGTERM and SIGKILL when stopping (default: 5s)",
@@ -178,29 +156,28 @@ def run(args: argparse.Namespace) -> int:
     from ..cli import EXIT_USAGE
     from ..guard import GuardConfig, GuardSetupError, run_guard
 
-    command = list(args.command)
-    if command[:1] == ["--"]:
-        command = command[1:]
-    if not command:
-        print(
-            "stageload guard: error: no command given; put it after '--', "
-            "e.g. stageload guard -- python run.py",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    config = GuardConfig(
-        command,
-        wait_free=args.wait_free,
-        swap_limit=args.swap_limit,
-        swap_budget=args.swap_budget,
-        busy=args.busy,
-        quiet_for=args.quiet_for,
-        start_timeout=args.start_timeout,
-        kill_free=args.kill_free,
-        poll=args.poll,
-        grace=args.grace,
-        trace=args.trace,
+    command = command_after_dashes(
+        args.command, "stageload guard", "stageload guard -- python run.py"
     )
+    if command is None:
+        return EXIT_USAGE
+    try:
+        config = GuardConfig(
+            command,
+            wait_free=args.wait_free,
+            swap_limit=args.swap_limit,
+            swap_budget=args.swap_budget,
+            busy=args.busy,
+            quiet_for=args.quiet_for,
+            start_timeout=args.start_timeout,
+            kill_free=args.kill_free,
+            poll=args.poll,
+            grace=args.grace,
+            trace=args.trace,
+        )
+    except ValueError as exc:  # flags that are each fine but cannot work together
+        print(f"stageload guard: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return run_guard(config, stderr=sys.stderr).exit_code
     except GuardSetupError as exc:  # e.g. the --trace file cannot be written; nothing ran
