@@ -380,7 +380,7 @@ def test_missing_command_exits_127(tmp_path: Path, capsys: pytest.CaptureFixture
         (["meter", "--interval", "soon", "--", "true"], "invalid duration 'soon'"),
         (["meter", "--sampler", "fork", "--", "true"], "invalid choice: 'fork'"),
         (["meter", "-o", "no/such/dir/t.jsonl", "--", "true"], "folder 'no/such/dir' does not"),
-        (["meter", "-o", ".", "--", "true"], "-o '.': '.' is a folder; give a file name"),
+        (["meter", "-o", ".", "--", "true"], "-o '.': '.' is a folder; give the path of a file"),
     ],
 )
 def test_bad_flags_exit_2_with_a_clear_message(

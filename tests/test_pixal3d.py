@@ -295,3 +295,51 @@ def test_build_on_device_falls_back_to_the_cpu_when_the_constructor_needs_it():
     seen.clear()
     model, why = build_on_device(build, "meta", on_device=False)
     assert (seen, why, model.weight.is_meta) == (["cpu"], None, True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--trace", "t.jsonl", "--interval", "-1"], "invalid duration '-1'"),
+        (["--trace", "t.jsonl", "--interval", "0"], "interval must be more than 0 seconds"),
+        (["--trace", "."], "--trace '.': '.' is a folder"),
+        (["--trace", "no/such/dir/t.jsonl"], "folder 'no/such/dir' does not exist"),
+        (["--fingerprints", "a-file"], "--fingerprints 'a-file': 'a-file' is a file"),
+    ],
+)
+def test_bad_paths_and_values_fail_before_the_run(
+    stub, image, tmp_path, monkeypatch, capsys, extra, message
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    built = import_port(stub).backbone_class.built
+    argv = [str(image), "-o", "o.glb", "--port", str(stub), "--device", "cpu", *extra]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("stageload-pixal3d: error: ")
+    assert import_port(stub).backbone_class.built == built  # nothing was loaded
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_an_output_that_is_a_folder_is_refused(stub, image, tmp_path, capsys):
+    argv = [str(image), "-o", str(tmp_path), "--port", str(stub), "--device", "cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--output {str(tmp_path)!r}: {str(tmp_path)!r} is a folder" in err
+    assert "Traceback" not in err
+
+
+def test_an_input_that_is_not_an_image_fails_in_one_line(stub, tmp_path, capsys):
+    """The port's own image reader raises; the command says so without a traceback."""
+    text = tmp_path / "notes.png"
+    text.write_text("not an image")
+    argv = [str(text), "-o", str(tmp_path / "o.glb"), "--port", str(stub), "--device", "cpu"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("stageload-pixal3d: error: the run failed: ") and "notes.png" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -71,7 +71,7 @@ def unwritable_file(path: str | os.PathLike[str]) -> str | None:
     run rather than after it. Leaves no file behind that was not there before."""
     path = Path(path)
     if path.is_dir():
-        return f"{str(path)!r} is a folder; give a file name, e.g. {str(path / 'run.jsonl')!r}"
+        return f"{str(path)!r} is a folder; give the path of a file"
     if not path.parent.is_dir():
         return f"folder {str(path.parent)!r} does not exist"
     existed = path.exists()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..commands._args import interval, unusable_folder, unwritable_file
 from .plan import STAGES
 
 EXIT_OK = 0
@@ -65,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--trace", metavar="FILE", help="write a memory trace (JSONL) of the run")
     p.add_argument(
-        "--interval", default="0.5", metavar="SECONDS", help="trace sample interval (default 0.5)"
+        "--interval",
+        type=interval,
+        default=0.5,
+        metavar="SECONDS",
+        help="trace sample interval (default 0.5)",
     )
     p.add_argument(
         "--stop-after", choices=STAGES, metavar="STAGE", help="stop the run after this stage"
@@ -103,11 +108,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     image = Path(opts.image)
     if not image.is_file():
         return _fail(f"image {opts.image!r} is not a file")
-    out_dir = Path(opts.output).expanduser().resolve().parent
-    if not out_dir.is_dir():
-        return _fail(f"--output {opts.output!r}: folder {str(out_dir)!r} does not exist")
-    if opts.trace is not None and not Path(opts.trace).expanduser().resolve().parent.is_dir():
-        return _fail(f"--trace {opts.trace!r}: its folder does not exist")
+    # Everything the run writes is checked now: a bad path must not cost a whole run.
+    problem = unwritable_file(Path(opts.output).expanduser())
+    if problem is not None:
+        return _fail(f"--output {opts.output!r}: {problem}")
+    if opts.trace is not None:
+        problem = unwritable_file(Path(opts.trace).expanduser())
+        if problem is not None:
+            return _fail(f"--trace {opts.trace!r}: {problem}")
+    if opts.fingerprints is not None:
+        problem = unusable_folder(Path(opts.fingerprints).expanduser())
+        if problem is not None:
+            return _fail(f"--fingerprints {opts.fingerprints!r}: {problem}")
 
     from ..staged import ModelLoadError
     from .adapter import check_device, run
@@ -156,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = run(port, args, events=meter, **options)
     except (ModelLoadError, PortError) as exc:
         return _fail(str(exc), EXIT_FAILED)
+    except OSError as exc:  # a file the port could not read or write (e.g. not an image)
+        return _fail(f"the run failed: {exc}", EXIT_FAILED)
 
     if result.stopped_after is not None:
         print(f"stopped after stage {result.stopped_after!r} (--stop-after); no GLB written")
