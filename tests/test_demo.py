@@ -128,10 +128,62 @@ def test_compare_outputs_sees_a_difference(demo, tmp_path: Path) -> None:
     assert not identical and 0 < diff < 1e-5
 
 
+def _code(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        return int(exc.code or 0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--interval", "0"], "interval must be more than 0 seconds, got '0'"),
+        (["--interval", "-1"], "invalid duration '-1': use e.g."),
+        (["-o", "a-file"], "-o: 'a-file' is a file, not a folder"),
+        (["--cache", "a-file"], "--cache: 'a-file' is a file, not a folder"),
+        (["--cache", "a-file/sub"], "--cache: cannot create folder 'a-file/sub'"),
+    ],
+)
+def test_bad_values_are_usage_errors_before_any_work(
+    tmp_path: Path, monkeypatch, capsys, flags: list[str], message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    assert _code(["demo", "--size", "small", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "stageload-demo").exists() or flags[0] == "--cache"
+
+
 def test_bad_flags_are_usage_errors(tmp_path: Path, capsys) -> None:
-    assert main(["demo", "--interval", "0", "-o", str(tmp_path)]) == 2
-    assert "--interval must be positive" in capsys.readouterr().err
     assert main(["demo", "--threads", "0", "-o", str(tmp_path)]) == 2
     with pytest.raises(SystemExit) as info:
         main(["demo", "--size", "huge"])
     assert info.value.code == 2
+
+
+def test_an_interrupted_demo_leaves_no_worker_running(demo, cache: Path, tmp_path: Path) -> None:
+    """Ctrl-C (here: KeyboardInterrupt from the progress callback) while a run's output
+    streams in must not leave that worker process behind."""
+    import psutil
+
+    from stageload.demo import _run_worker
+
+    folder, _ = ensure_weights(SMALL, cache)
+    seen: list[int] = []
+
+    def interrupt(line: str) -> None:
+        seen.extend(
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if str(tmp_path) in (p.info["cmdline"] or []) and "stageload.demo" in p.info["cmdline"]
+        )
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _run_worker("staged", SMALL, folder, tmp_path, 0.05, 1, interrupt)
+    assert seen, "the worker was running when the first line came"
+    for pid in seen:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, "worker still running"

@@ -370,11 +370,18 @@ def _run_worker(
         env=_child_env(threads),
     )
     tail: list[str] = []
-    for line in proc.stdout or ():
-        line = line.rstrip("\n")
-        tail = (tail + [line])[-20:]
-        progress(f"  {mode}: {line}")
-    code = proc.wait()
+    try:
+        for line in proc.stdout or ():
+            line = line.rstrip("\n")
+            tail = (tail + [line])[-20:]
+            progress(f"  {mode}: {line}")
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:  # interrupted (Ctrl-C, a broken pipe): don't leave it running
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
     if code != 0:
         raise DemoRunError(f"the {mode} run failed (exit code {code}):\n" + "\n".join(tail))
     return time.perf_counter() - started

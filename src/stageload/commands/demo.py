@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from ._args import interval, unusable_folder
+
 HELP = "run a built-in 3-model pipeline eager and staged; compare memory per stage and outputs"
 DESCRIPTION = """\
 Build a small three-stage pipeline (encoder -> denoiser loop -> decoder) with real weights:
@@ -34,8 +36,6 @@ exit codes: 0 outputs identical, 1 outputs differ, 2 bad usage, 3 a run failed.
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..units import parse_duration
-
     parser.add_argument(
         "-o", "--output", default="stageload-demo", metavar="DIR",
         help="folder for traces, outputs and the plot (default: ./stageload-demo)",
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default: ~870 MiB of weights, about a minute; small: a few MB, seconds",
     )  # fmt: skip
     parser.add_argument(
-        "--interval", type=parse_duration, default=0.1, metavar="S",
+        "--interval", type=interval, default=0.1, metavar="S",
         help="seconds between memory samples (default: 0.1)",
     )  # fmt: skip
     parser.add_argument(
@@ -69,14 +69,16 @@ def run(args: argparse.Namespace) -> int:
         run_demo,
     )
 
-    if args.interval <= 0:
-        print(f"stageload demo: error: --interval must be positive, got {args.interval!r}",
-              file=sys.stderr)  # fmt: skip
-        return 2
     if args.threads is not None and args.threads < 1:
         print(f"stageload demo: error: --threads must be at least 1, got {args.threads!r}",
               file=sys.stderr)  # fmt: skip
         return 2
+    # Checked now rather than as an OSError halfway, which would read as a failed run (3).
+    for flag, folder in (("-o", args.output), ("--cache", args.cache)):
+        problem = None if folder is None else unusable_folder(folder)
+        if problem is not None:
+            print(f"stageload demo: error: {flag}: {problem}", file=sys.stderr)
+            return 2
 
     # Progress goes to stderr, so stdout holds only the report (or the JSON).
     def progress(line: str) -> None:
