@@ -11,7 +11,7 @@ import pytest
 
 from fixtures.traces import eager_records, staged_records, write_real_trace, write_trace
 from stageload.cli import main
-from stageload.plot import plot_traces
+from stageload.plot import draw_traces, plot_traces
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -84,3 +84,19 @@ def test_plot_real_meter_traces(tmp_path: Path) -> None:
     assert main(["plot", str(eager), str(staged), "-o", str(out)]) == 0
     width, height = png_size(out)
     assert width > 500 and height > 500 and out.stat().st_size > 10_000
+
+
+def test_swap_growth_beyond_the_footprint_stays_on_the_panel(tmp_path: Path) -> None:
+    """Swap can grow more than the run's own footprint (the seeds' offload run: 18.5 GB
+    footprint, +9.6 GB swap; a guard trace of a small tree on a swapping machine more so).
+    Its line shares the footprint axis and must fit under the top of it."""
+    records = eager_records()
+    swap = [r for r in records if r["type"] == "sample"]
+    for i, sample in enumerate(swap):  # grows to 4x the highest footprint
+        sample["swap_used"] = i * 4 * max(s["footprint"] for s in swap) // (len(swap) - 1)
+    path = write_trace(tmp_path / "swapping.jsonl", records)
+    fig = draw_traces([path])
+    panel = fig.axes[0]
+    (swap_line,) = [line for line in panel.get_lines() if line.get_label() == "swap growth"]
+    assert max(swap_line.get_ydata()) <= panel.get_ylim()[1]
+    assert min(swap_line.get_ydata()) >= panel.get_ylim()[0]

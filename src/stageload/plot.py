@@ -16,6 +16,7 @@ from .trace import SETUP, Summary, Trace, read_trace, summarize
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 _GIB = 1 << 30
 _MIB = 1 << 20
@@ -165,6 +166,15 @@ def plot_traces(traces: Sequence[str | Path | Trace], out: str | Path, *, dpi: i
     dotted lines) on a shared time axis, and below them a bar chart of the peak footprint
     per stage, one bar per trace. Raises ``PlotUnavailableError`` without matplotlib.
     """
+    fig = draw_traces(traces)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi, format="png")
+    return out
+
+
+def draw_traces(traces: Sequence[str | Path | Trace]) -> Figure:
+    """The figure ``plot_traces`` saves, as a matplotlib ``Figure`` on the Agg canvas."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -181,6 +191,17 @@ def plot_traces(traces: Sequence[str | Path | Trace], out: str | Path, *, dpi: i
     stages = [name for name in stage_order(summaries) if name != SETUP]
     colors = {name: _BAND_COLORS[i % len(_BAND_COLORS)] for i, name in enumerate(stages)}
     fp_max = max((s.footprint or 0 for t in loaded for s in t.samples), default=0) / scale
+    # Swap growth shares the left axis: a run can swap more than its own footprint (other
+    # processes pushed out), and that line must not run off the top (or below 0).
+    swap_deltas = [
+        (s.swap_used - summary.swap_start) / scale
+        for t, summary in zip(loaded, summaries, strict=True)
+        if summary.swap_start is not None
+        for s in t.samples
+        if s.swap_used is not None
+    ]
+    top = max([fp_max, *swap_deltas])
+    bottom = min([0.0, *swap_deltas])
     avail_max = max((s.available or 0 for t in loaded for s in t.samples), default=0) / _GIB
 
     span = max((t.last_t for t in loaded), default=0.0) or 1.0  # the shared time axis
@@ -203,14 +224,10 @@ def plot_traces(traces: Sequence[str | Path | Trace], out: str | Path, *, dpi: i
             span=span,
             legend=k == 0,
         )
-        ax.set_ylim(0, max(fp_max, 1e-9) * 1.12)
+        ax.set_ylim(bottom * 1.12, max(top, 1e-9) * 1.12)
         if k == n - 1:
             ax.set_xlabel("seconds")
         else:
             ax.tick_params(labelbottom=False)
     _draw_peaks(fig.add_subplot(grid[n]), summaries, scale, unit)
-
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=dpi, format="png")
-    return out
+    return fig
