@@ -180,18 +180,20 @@ def test_process_sampler_sees_a_peak_that_the_thread_sampler_misses(tmp_path: Pa
     assert growth(by_thread) < 128 * MIB
 
 
+# The events are the ones StagedModels emits for encode -> decode, sent by hand: importing
+# torch would triple this child's start-up, and the path into the trace (meter.emit) is the
+# same; test_meter_records_samples_events_marks_and_end covers StagedModels itself.
 _KILLED = textwrap.dedent(
     """
     import sys, time
-    from pathlib import Path
+    from stageload.events import Event
     from stageload.meter import MemoryMeter
-    from test_meter import _tiny_staged
 
     meter = MemoryMeter(sys.argv[1], 0.02, sampler=sys.argv[2]).start()
-    models = _tiny_staged(Path(sys.argv[3]), meter)
-    models.enter("encode")
-    models["encoder"]
-    models.enter("decode")
+    meter.emit(Event("stage", stage="encode"))
+    meter.emit(Event("load", model="encoder", stage="encode", bytes=4096, seconds=0.01))
+    meter.emit(Event("stage", stage="decode"))
+    meter.emit(Event("release", model="encoder", stage="decode", bytes=4096, seconds=0.01))
     meter.mark("before kill")
     time.sleep(0.2)
     print("ready", flush=True)
@@ -204,7 +206,7 @@ _KILLED = textwrap.dedent(
 def test_trace_survives_sigkill_of_the_metered_process(tmp_path: Path, sampler: str) -> None:
     path = tmp_path / "killed.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-c", _KILLED, str(path), sampler, str(tmp_path)],
+        [sys.executable, "-c", _KILLED, str(path), sampler],
         env=_env(),
         stdout=subprocess.PIPE,
         text=True,
