@@ -391,3 +391,25 @@ def _src() -> Path:
 
 def test_staged_pipeline_type_is_exported() -> None:
     assert StagedPipeline.__name__ == "StagedPipeline"
+
+
+def test_readme_example_runs_and_prints_what_it_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The example in docs/readme/diffusers.md, run as written (into a temporary folder)."""
+    doc = Path(__file__).resolve().parent.parent / "docs" / "readme" / "diffusers.md"
+    text = doc.read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert '"/tmp/stageload-qwen-tiny"' in code
+    code = code.replace('"/tmp/stageload-qwen-tiny"', repr(str(tmp_path / "qwen")))
+    exec(compile(code, str(doc), "exec"), {"__name__": "readme"})
+    printed = capsys.readouterr().out.splitlines()
+    promised = [
+        line.lstrip("# ").strip()
+        for line in code.splitlines()
+        if line.startswith("# load") or line.startswith("# release")
+    ]
+    assert [" ".join(line.split()) for line in printed[1:]] == [
+        " ".join(line.split()) for line in promised
+    ]
+    assert printed[0] == code.split("print(pipe.stageload.plan)  # ", 1)[1].splitlines()[0]

@@ -107,17 +107,27 @@ def _owner_class(module: nn.Module, param_name: str) -> str:
 
 
 def _empty(factory: Callable[[], nn.Module], dtype: torch.dtype) -> nn.Module:
-    """Build a model without running its (slow, RNG-consuming) initialisation."""
+    """Build a model without running its (slow, RNG-consuming) initialisation, allocating
+    its parameters in ``dtype`` directly (a 3 GB bf16 model never exists in float32)."""
     import torch
 
     with torch.device("meta"):
         model = factory()
-    return model.to_empty(device="cpu").to(dtype)
+    twins: dict[int, torch.nn.Parameter] = {}  # tied parameters stay one parameter
+    for sub in model.modules():
+        for key, param in list(sub._parameters.items()):
+            if param is None or not param.is_floating_point():
+                continue
+            if id(param) not in twins:
+                meta = torch.empty_like(param, dtype=dtype)
+                twins[id(param)] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
+            sub._parameters[key] = twins[id(param)]
+    return model.to_empty(device="cpu")
 
 
 def _made(factory: Callable[[], nn.Module], dtype: torch.dtype, seed: int) -> nn.Module:
     model = _empty(factory, dtype)
-    if hasattr(model, "tie_weights"):  # to_empty() gave tied parameters separate storage
+    if hasattr(model, "tie_weights"):  # re-tie what the config ties, whatever to_empty() did
         model.tie_weights()
     # Buffers computed in __init__ (rotary frequencies) were lost on meta: recompute them.
     fresh_buffers = _cpu_buffers(factory)

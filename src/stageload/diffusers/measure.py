@@ -78,6 +78,7 @@ def run(
     from diffusers.utils import logging
 
     from ..meter import MemoryMeter
+    from ..release import module_bytes
     from . import _dtype_kwarg, _plan, fixtures, staged_pipeline  # noqa: F401 (fixtures: processors)
 
     if mode not in MODES:
@@ -86,7 +87,13 @@ def run(
     logging.disable_progress_bar()
     cls = getattr(diffusers, pipeline)
     dtype = getattr(torch, torch_dtype) if torch_dtype else None
-    result: dict[str, Any] = {"mode": mode, "pipeline": pipeline, "path": path}
+    result: dict[str, Any] = {
+        "mode": mode,
+        "pipeline": pipeline,
+        "path": path,
+        "threads": torch.get_num_threads(),
+        "call": call,
+    }
     with MemoryMeter(trace, interval, meta={"label": mode, **(meta or {})}) as meter:
         start = time.perf_counter()
         models = _plan.model_components(Path(path))
@@ -110,6 +117,11 @@ def run(
                     offload_to_disk_path=offload_dir,
                 )
         result["build_seconds"] = time.perf_counter() - start
+        result["model_bytes"] = {
+            name: module_bytes(module)
+            for name, module in pipe.components.items()
+            if isinstance(module, torch.nn.Module)
+        }
         meter.mark("built")
         generator = torch.Generator().manual_seed(seed)
         start = time.perf_counter()
