@@ -362,29 +362,33 @@ def _run_worker(
         "--interval", str(interval), "--threads", str(threads),
     ]  # fmt: skip
     started = time.perf_counter()
+    code, tail = _relay(cmd, _child_env(threads), lambda line: progress(f"  {mode}: {line}"))
+    if code != 0:
+        raise DemoRunError(f"the {mode} run failed (exit code {code}):\n" + "\n".join(tail))
+    return time.perf_counter() - started
+
+
+def _relay(
+    cmd: list[str], env: dict[str, str], progress: Callable[[str], None]
+) -> tuple[int, list[str]]:
+    """Run ``cmd``, pass each line of its output to ``progress``; its exit code and last
+    20 lines. Interrupted on the way (Ctrl-C, a broken pipe), it kills the command."""
     proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_child_env(threads),
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
     tail: list[str] = []
     try:
         for line in proc.stdout or ():
             line = line.rstrip("\n")
             tail = (tail + [line])[-20:]
-            progress(f"  {mode}: {line}")
-        code = proc.wait()
+            progress(line)
+        return proc.wait(), tail
     finally:
-        if proc.poll() is None:  # interrupted (Ctrl-C, a broken pipe): don't leave it running
+        if proc.poll() is None:  # interrupted: don't leave it running
             proc.kill()
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
-    if code != 0:
-        raise DemoRunError(f"the {mode} run failed (exit code {code}):\n" + "\n".join(tail))
-    return time.perf_counter() - started
 
 
 def compare_outputs(out_dir: Path) -> tuple[bool, float | None]:
