@@ -43,6 +43,8 @@ def test_durations():
     assert parse_duration("2.5") == 2.5
     with pytest.raises(ValueError, match="'30s'"):
         parse_duration("soon")
+    with pytest.raises(ValueError, match="must not be negative, got '-1s'"):
+        parse_duration("-1s")
 
 
 def test_formatting():

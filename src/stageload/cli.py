@@ -54,6 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args._run(args))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`stageload report --json | head`): not an error of ours.
+        # Point stdout at devnull so the interpreter's final flush does not fail again.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -55,6 +55,8 @@ def parse_duration(text: str | float) -> float:
         if text < 0:
             raise ValueError(f"duration must not be negative, got {text!r}")
         return float(text)
+    if str(text).strip().startswith("-"):
+        raise ValueError(f"duration must not be negative, got {text!r}: e.g. '30s' or '1m'")
     match = _DURATION_RE.match(str(text))
     if not match:
         raise ValueError(f"invalid duration {text!r}: use e.g. '30s', '1m', '500ms' or '2.5'")
