@@ -413,3 +413,26 @@ def test_readme_example_runs_and_prints_what_it_says(
         " ".join(line.split()) for line in promised
     ]
     assert printed[0] == code.split("print(pipe.stageload.plan)  # ", 1)[1].splitlines()[0]
+
+
+def test_pipe_to_reaches_staged_components_like_eager(built: Any) -> None:
+    """``pipe.to(device, dtype)``, the usual idiom, sets where and in which dtype each staged
+    component runs: before its first load, while loaded and for every reload."""
+    from diffusers import QwenImage21Pipeline
+
+    family = FAMILIES["qwen-image-2.1"]
+    path = built("qwen-image-2.1")
+    eager = QwenImage21Pipeline.from_pretrained(path).to("cpu", torch.bfloat16)
+    expected = _call(eager, family)
+    pipe = staged_pipeline(QwenImage21Pipeline, path, keep=())
+    pipe.to("cpu", torch.bfloat16)  # nothing loaded yet
+    assert pipe.transformer.dtype == torch.bfloat16
+    assert pipe.stageload.models.loaded() == []
+    assert torch.equal(_call(pipe, family), expected)
+    assert pipe.stageload.models.loaded() == ["vae"]
+    # The loaded VAE converts now; the others convert as they reload, from the checkpoint
+    # (so unlike eager's bf16 -> float32 round trip, they lose no precision).
+    pipe.to(torch.float32)
+    assert pipe.vae.dtype == torch.float32 and pipe.transformer.dtype == torch.float32
+    _call(pipe, family)
+    assert all(p.dtype == torch.float32 for p in pipe.transformer.parameters())

@@ -77,6 +77,10 @@ class StagedPipeline:
         self._skeletons = dict(skeletons)
         self._model_kwargs = dict(model_kwargs)
         self._order = list(self.plan)
+        # Where each component goes after every load; pipe.to(...) changes it.
+        self._targets: dict[str, dict[str, Any]] = {
+            name: {"device": device, "dtype": None} for name in self._skeletons
+        }
         self._lock = threading.RLock()
         self._closed_at: tuple[str | None] | None = None
         self.models = StagedModels(
@@ -102,8 +106,9 @@ class StagedPipeline:
                 self.torch_dtype,
                 self._model_kwargs,
             )
-            if self.device.type != "cpu":
-                loaded = loaded.to(self.device)
+            target = self._targets[name]
+            if target["device"].type != "cpu" or target["dtype"] is not None:
+                loaded = loaded.to(device=target["device"], dtype=target["dtype"])
             return _placeholder.fill(self._skeletons[name], loaded)
 
         load.__qualname__ = f"load_{name}"
@@ -123,6 +128,23 @@ class StagedPipeline:
             if target is not None and target != self.models.stage:
                 self.models.enter(target)
             self.models[name]
+
+    def move(self, name: str, device: torch.device | None, dtype: torch.dtype | None) -> None:
+        """Take ``component.to(device, dtype)``: move it now if loaded, and after each load."""
+        import torch
+
+        with self._lock:
+            skeleton = self._skeletons[name]
+            target = self._targets[name]
+            if device is not None:
+                target["device"] = torch.device(device)
+                _placeholder.set_device(skeleton, target["device"])
+            if dtype is not None:
+                target["dtype"] = dtype
+            if self.models.is_loaded(name):
+                _placeholder.real_to(skeleton, device=device, dtype=dtype)
+            elif dtype is not None:
+                _placeholder.cast_empty(skeleton, dtype)
 
     def _next_stage(self, name: str) -> str | None:
         current = self.models.stage
@@ -283,7 +305,7 @@ def staged_pipeline(
         events=events,
     )
     for name, skeleton in skeletons.items():
-        _placeholder.attach(skeleton, _user(state, name), device)
+        _placeholder.attach(skeleton, _user(state, name), _mover(state, name), device)
     pipe.stageload = state
     if events is not None:
         summary = "; ".join(f"{s}: {', '.join(n)}" for s, n in state.plan.items())
@@ -308,3 +330,10 @@ def _user(state: StagedPipeline, name: str) -> Any:
         state.use(name)
 
     return use
+
+
+def _mover(state: StagedPipeline, name: str) -> Any:
+    def move(device: torch.device | None, dtype: torch.dtype | None) -> None:
+        state.move(name, device, dtype)
+
+    return move

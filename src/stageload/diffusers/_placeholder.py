@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 USE_ATTR = "_stageload_use"
 #: Instance attribute holding the device a component runs on, answered while on meta.
 DEVICE_ATTR = "_stageload_device"
+#: Instance attribute holding the callable that takes ``.to(device, dtype)`` for the stager.
+MOVE_ATTR = "_stageload_move"
 # Per submodule: the plain attributes as they were after the last fill, to tell which ones
 # the pipeline or the user changed since (``vae.enable_tiling()``) and must keep.
 _SNAPSHOT_ATTR = "_stageload_snapshot"
@@ -53,7 +55,9 @@ _HOOK_DICTS = (
 )
 _SLOTS = ("_parameters", "_buffers")
 # Set on the skeleton by us or by stageload.release; never taken from a loaded model.
-_OWN = frozenset({USE_ATTR, DEVICE_ATTR, _SNAPSHOT_ATTR, "_hf_hook", "_stageload_released"})
+_OWN = frozenset(
+    {USE_ATTR, DEVICE_ATTR, MOVE_ATTR, _SNAPSHOT_ATTR, "_hf_hook", "_stageload_released"}
+)
 _NOT_PLAIN = frozenset({*_HOOK_DICTS, *_SLOTS, "_modules", "forward", *_OWN})
 
 
@@ -97,6 +101,18 @@ def staged_class(base: type) -> type:
             use()
         return super(cls, self).__call__(*args, **kwargs)
 
+    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # pipe.to("cuda", torch.float16) reaches every component: the stager records the
+        # target, moves the model if it is loaded, and applies it to every later load.
+        move = self.__dict__.get(MOVE_ATTR)
+        if move is None:
+            return super(cls, self).to(*args, **kwargs)
+        import torch
+
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        move(device, dtype)
+        return self
+
     base_device = getattr(base, "device", None)
 
     def device(self: Any) -> torch.device:
@@ -114,6 +130,7 @@ def staged_class(base: type) -> type:
         "__qualname__": base.__qualname__,
         "__doc__": base.__doc__,
         "__call__": __call__,
+        "to": to,
         "device": property(device, doc="Where the model runs, also while it is not loaded."),
         "_stageload_base": base,
     }
@@ -277,14 +294,44 @@ def _snapshot_all(model: nn.Module) -> None:
         sub.__dict__[_SNAPSHOT_ATTR] = _plain(sub.__dict__)
 
 
-def attach(skeleton: nn.Module, use: Callable[[], None], device: torch.device) -> None:
-    """Route the skeleton's uses through ``use`` and make it answer ``device``."""
+def attach(
+    skeleton: nn.Module,
+    use: Callable[[], None],
+    move: Callable[[torch.device | None, torch.dtype | None], None],
+    device: torch.device,
+) -> None:
+    """Route the skeleton's uses through ``use`` and ``.to()`` through ``move``."""
     d = skeleton.__dict__
     d[USE_ATTR] = use
-    d[DEVICE_ATTR] = device
+    d[MOVE_ATTR] = move
     d["_hf_hook"] = StageHook(use, device)
+    set_device(skeleton, device)
 
 
-def detach(skeleton: nn.Module) -> None:
-    for key in (USE_ATTR, "_hf_hook"):
-        skeleton.__dict__.pop(key, None)
+def set_device(skeleton: nn.Module, device: torch.device) -> None:
+    """The device the skeleton answers and the execution device its hook reports."""
+    skeleton.__dict__[DEVICE_ATTR] = device
+    hook = skeleton.__dict__.get("_hf_hook")
+    if isinstance(hook, StageHook):
+        hook.execution_device = device
+
+
+def real_to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    """``.to()`` of the component's real class, past the stager."""
+    base = getattr(type(module), "_stageload_base", type(module))
+    return base.to(module, *args, **kwargs)
+
+
+def cast_empty(module: nn.Module, dtype: torch.dtype) -> None:
+    """Give the floating parameters of an empty (meta) module a new dtype."""
+    import torch
+
+    twins: dict[int, torch.nn.Parameter] = {}
+    for sub in module.modules():
+        for key, param in list(sub._parameters.items()):
+            if param is None or not param.is_floating_point() or not param.is_meta:
+                continue
+            if id(param) not in twins:
+                meta = torch.empty_like(param, dtype=dtype, device="meta")
+                twins[id(param)] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
+            sub._parameters[key] = twins[id(param)]

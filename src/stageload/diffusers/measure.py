@@ -64,6 +64,7 @@ def run(
     interval: float = 0.05,
     offload_dir: str | None = None,
     materialize: bool = False,
+    device: str = "cpu",
     meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build the pipeline in ``mode``, call it once, and return what happened.
@@ -99,18 +100,21 @@ def run(
         models = _plan.model_components(Path(path))
         if mode == "staged":
             extra = {"disable_mmap": True} if materialize else {}
-            pipe = staged_pipeline(cls, path, torch_dtype=dtype, events=meter, **extra)
-        else:
-            pipe = cls.from_pretrained(
-                path, torch_dtype=dtype, **_materialized(models, path, dtype) if materialize else {}
+            pipe = staged_pipeline(
+                cls, path, device=device, torch_dtype=dtype, events=meter, **extra
             )
+        else:
+            extra = _materialized(models, path, dtype) if materialize else {}
+            pipe = cls.from_pretrained(path, **_dtype_kwarg(dtype), **extra)
+            if mode == "eager" and device != "cpu":
+                pipe.to(device)
             plan = _plan.default_plan(cls.model_cpu_offload_seq, models)
             StageMarks(pipe, {s: tuple(n) for s, n in plan.items()}, meter)
             if mode == "model_offload":
-                pipe.enable_model_cpu_offload(device="cpu")
+                pipe.enable_model_cpu_offload(device=device)
             elif mode == "group_offload":
                 pipe.enable_group_offload(
-                    onload_device=torch.device("cpu"),
+                    onload_device=torch.device(device),
                     offload_device=torch.device("cpu"),
                     offload_type="block_level",
                     num_blocks_per_group=1,
@@ -127,6 +131,8 @@ def run(
         start = time.perf_counter()
         out = pipe(generator=generator, output_type="pt", **call)[0]
         result["call_seconds"] = time.perf_counter() - start
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            result["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
         meter.mark("called")
     image = out.float().contiguous()
     result["image_sha256"] = hashlib.sha256(image.numpy().tobytes()).hexdigest()
@@ -157,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=0.05, help="seconds between samples")
     parser.add_argument("--offload-dir", default=None, help="disk folder for group offloading")
     parser.add_argument("--result", default=None, help="write the result JSON here")
+    parser.add_argument("--device", default="cpu", help="where the models run, e.g. cuda")
     parser.add_argument(
         "--materialize", action="store_true", help="read weights into memory (no mmap)"
     )
@@ -177,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         interval=args.interval,
         offload_dir=args.offload_dir,
         materialize=args.materialize,
+        device=args.device,
     )
     text = json.dumps(result, indent=2)
     if args.result:
