@@ -177,7 +177,13 @@ def _load_component(
     """``cls.from_pretrained`` the way DiffusionPipeline.from_pretrained calls it."""
     kwargs = dict(kwargs)
     if _placeholder._is_transformers_model(cls):
-        kwargs["dtype"] = torch_dtype if torch_dtype is not None else "auto"
+        import transformers
+        from packaging.version import Version
+
+        # As the pipeline's loader passes it: transformers 4.56 renamed torch_dtype to dtype,
+        # and None means each version's default (5.x: the checkpoint's dtype).
+        key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+        kwargs[key] = torch_dtype
     else:
         kwargs["torch_dtype"] = torch_dtype
     return cls.from_pretrained(str(folder), **kwargs)

@@ -141,16 +141,22 @@ def staged_class(base: type) -> type:
 def skeleton_dtype(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype ``cls.from_pretrained(folder, torch_dtype=...)`` gives the weights.
 
-    diffusers models load as ``torch_dtype`` or else float32; transformers models (v5's
-    ``dtype="auto"``) as ``torch_dtype`` or else the checkpoint's own dtype.
+    diffusers models load as ``torch_dtype`` or else float32; transformers models as
+    ``torch_dtype`` or else, from transformers 5 on, the checkpoint's own dtype.
     """
     import torch
 
     if torch_dtype is not None:
         return torch_dtype
-    if _is_transformers_model(cls):
+    if _is_transformers_model(cls) and _transformers_major() >= 5:
         return _checkpoint_dtype(folder) or torch.get_default_dtype()
     return torch.get_default_dtype()
+
+
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
 
 
 def _is_transformers_model(cls: type) -> bool:
