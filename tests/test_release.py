@@ -156,3 +156,17 @@ def test_tied_weights_are_counted_once_and_stay_tied():
 def test_release_rejects_non_modules():
     with pytest.raises(TypeError, match="nn.Module"):
         release(torch.zeros(3))  # type: ignore[arg-type]
+
+
+def test_unmark_released_restores_only_our_forward():
+    from stageload.release import unmark_released
+
+    model = nn.Linear(2, 2)
+    release(model)
+    unmark_released(model)
+    assert not is_released(model) and "forward" not in vars(model)
+    other = nn.Linear(2, 2)
+    custom = lambda x: x  # noqa: E731
+    other.forward = custom
+    unmark_released(other)
+    assert other.forward is custom

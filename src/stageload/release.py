@@ -163,8 +163,22 @@ def _mark_released(module: nn.Module, name: str | None, stage: str | None) -> No
 
     # An instance attribute shadows the class's forward, so both module(x) and
     # module.forward(x) raise our error instead of a meta-tensor error deep in torch.
+    released_forward._stageload_stub = True  # type: ignore[attr-defined]
     object.__setattr__(module, "forward", released_forward)
     object.__setattr__(module, _RELEASED_ATTR, (name, stage))
+
+
+def unmark_released(module: nn.Module) -> None:
+    """Undo :func:`release`'s marks on this one module (not its children).
+
+    For adapters that refill a released module in place with freshly loaded weights:
+    the module's own forward comes back. An instance ``forward`` that someone else set
+    is left alone.
+    """
+    own = module.__dict__.get("forward")
+    if getattr(own, "_stageload_stub", False):
+        del module.__dict__["forward"]
+    module.__dict__.pop(_RELEASED_ATTR, None)
 
 
 @functools.lru_cache(maxsize=1)

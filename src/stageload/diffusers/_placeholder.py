@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..release import unmark_released
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -257,9 +259,7 @@ def _fill_module(dst: nn.Module, src: nn.Module, memo: dict[int, nn.Module]) -> 
         del dst_children[key]
 
     d, s = dst.__dict__, src.__dict__
-    # stageload.release left these; the module is live again.
-    d.pop("forward", None)
-    d.pop("_stageload_released", None)
+    unmark_released(dst)  # the module is live again
     for slot in _SLOTS:
         d[slot].clear()
         d[slot].update(s[slot])
