@@ -452,11 +452,11 @@ def test_meter_command_forwards_signals_to_the_command(tmp_path: Path, sig: int)
 def test_readme_example_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The Python example of docs/readme/meter.md, as written, then `stageload report` on it."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "readme" / "meter.md").read_text()
+    """The Python example of docs/meter.md, as written, then `stageload report` on it."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "meter.md").read_text()
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "docs/readme/meter.md", "exec"), {"__name__": "__readme__"})
+    exec(compile(code, "docs/meter.md", "exec"), {"__name__": "__readme__"})
     records = read_records(tmp_path / "staged.jsonl")
     kinds = [r["kind"] for r in records if r["type"] == "event"]
     assert kinds == ["stage", "load", "stage", "release", "load"]

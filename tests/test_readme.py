@@ -34,6 +34,21 @@ def test_readme_example_runs_and_prints_what_the_readme_shows():
     assert out.getvalue().strip() == shown.strip()
 
 
+def test_readme_meter_example_writes_a_trace_with_the_events(tmp_path, monkeypatch):
+    from stageload.trace import read_trace
+
+    first, meter = blocks("python")[:2]
+    assert "MemoryMeter" in meter
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "readme"}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(first, str(README), "exec"), namespace)
+        exec(compile(meter, str(README), "exec"), namespace)
+    trace = read_trace(tmp_path / "staged.jsonl")
+    kinds = [e.kind for e in trace.events]
+    assert kinds.count("load") == 2 and kinds.count("release") == 2
+
+
 def test_readme_starts_with_the_demo_and_the_test_command():
     first = blocks("bash")[0]
     assert "stageload demo" in first
