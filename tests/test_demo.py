@@ -139,7 +139,7 @@ def _code(argv: list[str]) -> int:
     ("flags", "message"),
     [
         (["--interval", "0"], "interval must be more than 0 seconds, got '0'"),
-        (["--interval", "-1"], "invalid duration '-1': use e.g."),
+        (["--interval", "-1"], "duration must not be negative, got '-1'"),
         (["-o", "a-file"], "-o: 'a-file' is a file, not a folder"),
         (["--cache", "a-file"], "--cache: 'a-file' is a file, not a folder"),
         (["--cache", "a-file/sub"], "--cache: cannot create folder 'a-file/sub'"),

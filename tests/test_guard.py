@@ -475,7 +475,7 @@ def test_missing_command_exits_127(capfd: pytest.CaptureFixture[str]) -> None:
         (["--swap-budget", "8X"], "invalid size '8X'"),
         (["--swap-limit=-1G"], "invalid size '-1G'"),
         (["--quiet-for", "soon"], "invalid duration 'soon'"),
-        (["--grace", "-1"], "invalid duration '-1'"),
+        (["--grace", "-1"], "duration must not be negative, got '-1'"),
         (["--poll", "0"], "poll interval must be above 0, got '0'"),
         (["--busy", "(ffmpeg"], "invalid --busy pattern '(ffmpeg'"),
     ],

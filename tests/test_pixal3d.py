@@ -300,7 +300,7 @@ def test_build_on_device_falls_back_to_the_cpu_when_the_constructor_needs_it():
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--trace", "t.jsonl", "--interval", "-1"], "invalid duration '-1'"),
+        (["--trace", "t.jsonl", "--interval", "-1"], "duration must not be negative, got '-1'"),
         (["--trace", "t.jsonl", "--interval", "0"], "interval must be more than 0 seconds"),
         (["--trace", "."], "--trace '.': '.' is a folder"),
         (["--trace", "no/such/dir/t.jsonl"], "folder 'no/such/dir' does not exist"),
