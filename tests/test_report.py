@@ -105,8 +105,11 @@ def test_report_on_real_meter_traces(tmp_path: Path, capsys) -> None:
     data = json.loads(capsys.readouterr().out)
     assert data["stages"] == ["setup", "a", "b", "c"]
     e, s = ({st["stage"]: st for st in t["stages"]} for t in data["traces"])
-    # Eager holds 192 MiB in stage c, staged 64 MiB: real counters, generous margins.
-    assert e["c"]["peak_footprint"] - s["c"]["peak_footprint"] > 100 * MIB
+    # Eager holds 192 MiB in stage c, staged 64 MiB. Each trace is compared with its own
+    # stage a (64 MiB in both): the test process's own baseline drifts between two traces.
+    grew_e = e["c"]["peak_footprint"] - e["a"]["peak_footprint"]
+    grew_s = s["c"]["peak_footprint"] - s["a"]["peak_footprint"]
+    assert grew_e - grew_s > 96 * MIB
     assert e["c"]["peak_footprint"] - e["a"]["peak_footprint"] > 100 * MIB
     assert data["traces"][1]["releases"]["count"] == 2
     assert all(st["samples"] > 0 for st in s.values() if st["stage"] != "setup")
