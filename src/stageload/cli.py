@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="stageload",
         description="Staged model loading for multi-stage PyTorch pipelines, with memory "
         "traces and a guard that keeps heavy runs from swapping the machine down.",
+        epilog="Run 'stageload COMMAND --help' for a command's options, examples and exit "
+        "codes. Start with 'stageload demo'. The Python API (StagedModels, release, "
+        "MemoryMeter, ...) is in the README.",
     )
     parser.add_argument("--version", action="version", version=f"stageload {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
