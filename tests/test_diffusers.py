@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -305,6 +306,47 @@ def test_bad_arguments_say_what_to_fix(built: Any, tmp_path: Path) -> None:
         staged_pipeline(FluxPipeline, tmp_path)
     with pytest.raises(ValueError, match="unknown fixture family 'sdxl'"):
         fixtures.build("sdxl", tmp_path / "x")
+
+
+def test_bad_input_fails_before_loading_with_the_value_and_the_fix(
+    built: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a user may pass by mistake gets one error naming the value, raised by us
+    before diffusers or the hub see it (their errors say "Repo id must be in the form",
+    "no file named config.json", or fail on a meta tensor's dtype)."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel, QwenImage21Pipeline
+
+    path = built("flux")
+    missing = tmp_path / "no-such-folder"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"no folder at {str(missing)!r}")):
+        staged_pipeline(FluxPipeline, str(missing))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    with pytest.raises(FileNotFoundError, match="no folder at 'models/flux'"):
+        staged_pipeline(FluxPipeline, "models/flux")  # not a hub id: ./models is a folder
+    (tmp_path / "model_index.json").write_text("{}")
+    with pytest.raises(NotADirectoryError, match="'model_index.json' is a file"):
+        staged_pipeline(FluxPipeline, "model_index.json")
+    with pytest.raises(TypeError, match="FluxTransformer2DModel, which is not a diffusers"):
+        staged_pipeline(FluxTransformer2DModel, path)
+    with pytest.raises(TypeError, match=r"FluxPipeline instance; pass the class itself"):
+        staged_pipeline(FluxPipeline.__new__(FluxPipeline), path)
+    with pytest.raises(ValueError, match="FluxPipeline checkpoint without 'processor'"):
+        staged_pipeline(QwenImage21Pipeline, path)
+    with pytest.raises(TypeError, match="keep must list component names.*got 3"):
+        staged_pipeline(FluxPipeline, path, keep=3)
+    with pytest.raises(ValueError, match="device must be a torch device.*'gpu'"):
+        staged_pipeline(FluxPipeline, path, device="gpu")
+    with pytest.raises(TypeError, match="torch_dtype must be one torch.dtype.*'bf16'"):
+        staged_pipeline(FluxPipeline, path, torch_dtype="bf16")
+    with pytest.raises(TypeError, match="per-component dtypes are not supported"):
+        staged_pipeline(FluxPipeline, path, torch_dtype={"transformer": torch.bfloat16})
+    with pytest.raises(TypeError, match="stages must map each stage.*'transformer'"):
+        staged_pipeline(FluxPipeline, path, stages="transformer")
+    with pytest.raises(ValueError, match="stage 'encode' lists 'tokenizer'"):
+        staged_pipeline(FluxPipeline, path, stages={"encode": ["tokenizer"]})
+    with pytest.raises(ValueError, match="keep lists 'unet'.*transformer"):
+        staged_pipeline(FluxPipeline, path, keep=["unet"])
 
 
 def test_default_plan_from_offload_sequences() -> None:

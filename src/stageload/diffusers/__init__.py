@@ -24,6 +24,7 @@ from ..release import ReleasedModuleError, release
 from ..staged import StagedModels
 from . import _placeholder
 from ._plan import (
+    check_fits,
     check_plan,
     default_keep,
     default_plan,
@@ -235,22 +236,25 @@ def staged_pipeline(
 
     from ..rng import preserved_rng
 
-    if not isinstance(pipeline_cls, type) or not hasattr(pipeline_cls, "from_pretrained"):
-        raise TypeError(
-            f"pipeline_cls must be a diffusers pipeline class such as QwenImage21Pipeline, "
-            f"got {pipeline_cls!r}"
-        )
+    _check_pipeline_cls(pipeline_cls)
     if "dtype" in from_pretrained_kwargs:  # diffusers >= 0.42 spells it dtype
         if torch_dtype is not None:
             raise TypeError("pass torch_dtype= or dtype=, not both")
         torch_dtype = from_pretrained_kwargs.pop("dtype")
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    folder = Path(os.fspath(path))
-    if not folder.is_dir():
-        download = {k: v for k, v in from_pretrained_kwargs.items() if k in ("variant", "revision")}
-        folder = Path(pipeline_cls.download(os.fspath(path), **download))
+    if torch_dtype is not None and not isinstance(torch_dtype, torch.dtype):
+        raise TypeError(
+            f"torch_dtype must be one torch.dtype such as torch.bfloat16, got {torch_dtype!r}"
+            + (
+                "; per-component dtypes are not supported here"
+                if isinstance(torch_dtype, dict)
+                else ""
+            )
+        )
+    device = _check_device(device)
+    folder = _resolve_folder(pipeline_cls, path, from_pretrained_kwargs)
 
     models = model_components(folder)
+    check_fits(pipeline_cls, folder, from_pretrained_kwargs)
     given = {name for name in from_pretrained_kwargs if name in models}
     candidates = {name: cls for name, cls in models.items() if name not in given}
     if stages is None:
@@ -268,6 +272,8 @@ def staged_pipeline(
         keep = default_keep(weight_bytes(folder, staged))
     elif isinstance(keep, str):
         raise TypeError(f"keep must list component names, e.g. [{keep!r}]; got {keep!r}")
+    elif not isinstance(keep, Iterable):
+        raise TypeError(f"keep must list component names, e.g. ['vae']; got {keep!r}")
     else:
         keep = list(keep)
         for name in keep:
@@ -317,6 +323,83 @@ def staged_pipeline(
         summary = "; ".join(f"{s}: {', '.join(n)}" for s, n in state.plan.items())
         events.emit(Event(NOTE, note=f"staged {pipeline_cls.__name__}: {summary}"))
     return pipe
+
+
+def _check_pipeline_cls(pipeline_cls: Any) -> None:
+    """A diffusers pipeline class, or a TypeError that says what was passed instead."""
+    from diffusers import DiffusionPipeline
+
+    if isinstance(pipeline_cls, type) and issubclass(pipeline_cls, DiffusionPipeline):
+        return
+    if isinstance(pipeline_cls, DiffusionPipeline):
+        name = type(pipeline_cls).__name__
+        raise TypeError(
+            f"pipeline_cls must be a pipeline class, got a {name} instance; pass the class "
+            f"itself: staged_pipeline({name}, path)"
+        )
+    what = (
+        f"the class {pipeline_cls.__module__}.{pipeline_cls.__qualname__}, which is not a "
+        f"diffusers.DiffusionPipeline"
+        if isinstance(pipeline_cls, type)
+        else repr(pipeline_cls)
+    )
+    raise TypeError(
+        f"pipeline_cls must be a diffusers pipeline class such as QwenImage21Pipeline "
+        f"(from diffusers import QwenImage21Pipeline), got {what}"
+    )
+
+
+def _check_device(device: Any) -> torch.device:
+    import torch
+
+    if device is None:
+        return torch.device("cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(
+            f"device must be a torch device such as 'cpu', 'cuda', 'cuda:1' or 'mps', "
+            f"got {device!r}"
+        ) from None
+
+
+def _resolve_folder(pipeline_cls: type, path: Any, kwargs: Mapping[str, Any]) -> Path:
+    """The local checkpoint folder: ``path`` itself, or a hub id's downloaded snapshot."""
+    try:
+        text = os.fspath(path)
+    except TypeError:
+        raise TypeError(
+            f"path must be a folder or a hub id such as 'Qwen/Qwen-Image-2.1', got {path!r}"
+        ) from None
+    folder = Path(text)
+    if folder.is_dir():
+        return folder
+    if folder.exists():
+        raise NotADirectoryError(
+            f"{text!r} is a file; pass the folder that pipeline.save_pretrained() wrote (the "
+            f"one holding model_index.json), or a hub id"
+        )
+    advice = "pass a folder written by pipeline.save_pretrained() or a hub id such as "
+    advice += "'Qwen/Qwen-Image-2.1'"
+    # A hub id is "name" or "owner/name"; anything else, or "models/flux" where ./models is
+    # a folder, is a local path (the hub's own error would only say the id is malformed).
+    local_parent = folder.parent != Path(".") and folder.parent.is_dir()
+    if not _looks_like_hub_id(text) or local_parent:
+        raise FileNotFoundError(f"no folder at {text!r}; {advice}")
+    # A well-formed id: the hub's errors (not cached, offline, gated) name it themselves.
+    download = {k: v for k, v in kwargs.items() if k in ("variant", "revision")}
+    return Path(pipeline_cls.download(text, **download))
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return (
+        0 < len(parts) <= 2
+        and all(parts)
+        and not text.startswith((".", "~"))
+        and "\\" not in text
+        and ".." not in text
+    )
 
 
 def _dtype_kwarg(torch_dtype: torch.dtype | None) -> dict[str, Any]:

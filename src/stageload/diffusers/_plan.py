@@ -72,6 +72,32 @@ def model_components(path: Path) -> dict[str, type]:
     return out
 
 
+def check_fits(pipeline_cls: type, path: Path, given: Iterable[str]) -> None:
+    """Raise a ValueError before any loading when the checkpoint at ``path`` lacks a
+    component that ``pipeline_cls`` requires and the caller did not pass it."""
+    import inspect
+
+    index = json.loads((path / "model_index.json").read_text())
+    params = inspect.signature(pipeline_cls.__init__).parameters
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+        return  # DiffusionPipeline itself: the checkpoint names the class
+    required = [
+        name
+        for name, p in params.items()
+        if name != "self" and p.default is inspect.Parameter.empty
+    ]
+    optional = set(getattr(pipeline_cls, "_optional_components", None) or ())
+    present = {k for k in index if not k.startswith("_")} | set(given)
+    missing = [name for name in required if name not in present and name not in optional]
+    if missing:
+        saved = index.get("_class_name", "?")
+        raise ValueError(
+            f"{str(path)!r} holds a {saved} checkpoint without {', '.join(map(repr, missing))}, "
+            f"which {pipeline_cls.__name__} needs; pass the pipeline class it was saved from "
+            f"({saved}) or give the missing components as arguments ({missing[0]}=...)"
+        )
+
+
 def weight_bytes(path: Path, names: Iterable[str]) -> dict[str, int]:
     """Bytes of weight files on disk per component folder."""
     out: dict[str, int] = {}
