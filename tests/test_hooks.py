@@ -67,3 +67,10 @@ def test_clear_errors_for_missing_method_and_missing_callbacks():
         on_call(Pipeline(), "decode", before=print)
     with pytest.raises(ValueError, match="before=, after="):
         on_call(Pipeline(), "encode_prompt")
+
+
+def test_a_class_instead_of_an_instance_is_a_clear_error():
+    original = vars(Pipeline)["encode_prompt"]
+    with pytest.raises(TypeError, match=r"one instance, got the class Pipeline; pass an instance"):
+        on_call(Pipeline, "encode_prompt", before=lambda *a, **k: None)
+    assert vars(Pipeline)["encode_prompt"] is original

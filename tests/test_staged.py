@@ -241,3 +241,22 @@ def test_load_bytes_count_only_what_the_load_added():
     loads = {e.model: e.bytes for e in sink.kinds("load")}
     assert loads == {"a": size(backbone) + size(nn.Linear(64, 2)), "b": size(nn.Linear(64, 3))}
     assert sum(e.bytes for e in sink.kinds("release")) == sum(loads.values())
+
+
+def test_loader_may_use_another_model_but_a_cycle_is_one_clear_error():
+    models: StagedModels
+    loaders = {
+        "backbone": lambda: nn.Linear(4, 4),
+        "head": lambda: nn.Sequential(models["backbone"], nn.Linear(4, 4)),
+        "a": lambda: models["b"],
+        "b": lambda: models["a"],
+    }
+    models = StagedModels(loaders, stages={"run": list(loaders)})
+    head = models["head"]  # the nested load works
+    assert head[0] is models["backbone"] and models.loaded() == ["backbone", "head"]
+    with pytest.raises(ModelLoadError, match=r"needs 'a' itself \(a -> b -> a\)") as info:
+        models["a"]
+    assert len(str(info.value)) < 500  # not one wrapped error per recursion level
+    assert models.loaded() == ["backbone", "head"]
+    models.enter("run")  # the registry still works: nothing half-loaded is left behind
+    assert models["backbone"] is head[0]

@@ -26,6 +26,11 @@ def on_call(
     """
     if before is None and after is None:
         raise ValueError("on_call() needs before=, after= or both")
+    if isinstance(obj, type):
+        raise TypeError(
+            f"on_call() wraps a method of one instance, got the class {obj.__qualname__}; "
+            f"pass an instance: on_call(my_{obj.__name__.lower()}, {method!r}, ...)"
+        )
     try:
         original = getattr(obj, method)
     except AttributeError:

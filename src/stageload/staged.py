@@ -140,6 +140,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
         self._ever_loaded: set[str] = set()
         self._stage: str | None = None
         self._noted: set[str] = set()
+        self._loading: list[str] = []  # loads in progress in the lock's thread, outermost first
         self._lock = threading.RLock()
 
     # -- mapping -------------------------------------------------------------------------
@@ -245,13 +246,24 @@ class StagedModels(Mapping[str, "nn.Module"]):
         from torch import nn
 
         stage = self._stage
+        if name in self._loading:
+            # A loader may use another model (models["backbone"]), but a cycle would recurse
+            # until RecursionError, wrapped in one ModelLoadError per level.
+            cycle = " -> ".join([*self._loading[self._loading.index(name) :], name])
+            raise RuntimeError(
+                f"the loader for {name!r} needs {name!r} itself ({cycle}); a loader must "
+                f"build its model, not ask the registry for it"
+            )
         guard = preserved_rng() if self.preserve_rng else nullcontext()
         start = time.perf_counter()
+        self._loading.append(name)
         try:
             with guard:
                 module = self._loaders[name]()
         except Exception as exc:
             raise ModelLoadError(name, stage, exc) from exc
+        finally:
+            self._loading.pop()
         seconds = time.perf_counter() - start
         if not isinstance(module, nn.Module):
             raise TypeError(
