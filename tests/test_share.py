@@ -67,3 +67,24 @@ def test_share_on_a_module_level_function(tmp_path):
 def test_missing_attribute_is_a_clear_error():
     with pytest.raises(AttributeError, match="no attribute 'nope'"), share(Backbone, "nope"):
         pass
+
+
+def test_arguments_that_print_alike_but_differ_are_not_shared():
+    """numpy abbreviates large arrays with "...", so two different ones have one repr; and
+    a dict argument with keys of mixed types cannot be sorted."""
+    np = pytest.importorskip("numpy")
+
+    class Factory:
+        @classmethod
+        def make(cls, *args, **kwargs):
+            return object()
+
+    a, b = np.zeros(2000), np.zeros(2000)
+    b[1000] = 1
+    assert repr(a) == repr(b)
+    with share(Factory, "make"):
+        assert Factory.make(a) is not Factory.make(b)
+        assert Factory.make(a) is Factory.make(a)
+        assert Factory.make([1, 2]) is Factory.make([1, 2])  # short reprs still compare
+        options = {1: "a", "x": {2}}
+        assert Factory.make(options=options) is Factory.make(options=dict(options))

@@ -10,16 +10,39 @@ from typing import Any
 _MISSING = object()
 
 
+class _ById:
+    """Key part for an unhashable value whose repr is abbreviated: equal only to itself.
+    Holding the value keeps its id from being reused while the cache lives."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ById) and other.value is self.value
+
+
 def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     def freeze(value: Any) -> Hashable:
         if isinstance(value, dict):
-            return ("dict", tuple(sorted((k, freeze(v)) for k, v in value.items())))
+            # Sorted by the keys' repr: keys of mixed types (1 and "x") do not compare.
+            items = sorted(((k, freeze(v)) for k, v in value.items()), key=lambda kv: repr(kv[0]))
+            return ("dict", tuple(items))
         if isinstance(value, (list, tuple)):
             return (type(value).__name__, tuple(freeze(v) for v in value))
+        if isinstance(value, set):
+            return ("set", frozenset(freeze(v) for v in value))
         try:
             hash(value)
         except TypeError:
-            return ("repr", type(value).__qualname__, repr(value))
+            text = repr(value)
+            # numpy and torch abbreviate large arrays with "...": two different arrays can
+            # print the same, so such values only match themselves.
+            return ("repr", type(value).__qualname__, _ById(value) if "..." in text else text)
         return value
 
     return (freeze(args), freeze(kwargs))
@@ -36,7 +59,8 @@ def share(owner: Any, attr: str) -> Iterator[dict[Hashable, Any]]:
             extractors = [Extractor(key) for key in keys]
 
     Calls are identical when their arguments are equal (unhashable ones compare by
-    ``repr``). Yields the cache, so callers can see what was shared.
+    ``repr``, or by identity where the repr is abbreviated, as for large arrays).
+    Yields the cache, so callers can see what was shared.
     """
     try:
         original = getattr(owner, attr)
