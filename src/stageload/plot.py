@@ -29,7 +29,7 @@ class PlotUnavailableError(RuntimeError):
 
     def __init__(self) -> None:
         super().__init__(
-            "plots need matplotlib, which is not installed: pip install 'stageload[plot]'"
+            "plots need matplotlib, which is not installed: pip install matplotlib"
         )
 
 

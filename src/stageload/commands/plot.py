@@ -10,7 +10,7 @@ DESCRIPTION = """\
 Draw one or more traces into one PNG: a panel per trace with the process footprint and
 swap growth (left axis) and available memory (right axis) over time, the stage windows
 as shaded bands with their names, and at the bottom a bar chart of the peak footprint
-per stage, one bar per trace. Needs matplotlib: pip install 'stageload[plot]'.
+per stage, one bar per trace. Needs matplotlib: pip install matplotlib.
 
 examples:
   stageload plot eager.jsonl staged.jsonl -o compare.png
