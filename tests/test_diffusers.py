@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from stageload import ListSink, ReleasedModuleError  # noqa: E402
+from stageload import ListSink, ModelLoadError, ReleasedModuleError  # noqa: E402
 from stageload.diffusers import StagedPipeline, _plan, fixtures, staged_pipeline  # noqa: E402
 from stageload.diffusers.fixtures import Size  # noqa: E402
 
@@ -231,6 +231,10 @@ def test_released_component_raises_released_module_error(built: Any) -> None:
     assert info.value.name == "transformer"
     with pytest.raises(ReleasedModuleError):
         _call(pipe, family)
+    with pytest.raises(ModelLoadError) as load_info:  # the registry refuses too
+        pipe.stageload.models["vae"]
+    assert isinstance(load_info.value.__cause__, ReleasedModuleError)
+    assert pipe.stageload.models.loaded() == []
 
 
 def test_custom_plan_reenters_a_stage_for_the_negative_prompt(built: Any) -> None:

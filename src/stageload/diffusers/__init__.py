@@ -101,6 +101,8 @@ class StagedPipeline:
 
     def _loader(self, name: str) -> Any:
         def load() -> nn.Module:
+            if self._closed_at is not None:  # close() is for good, models[name] included
+                raise ReleasedModuleError(name, self._closed_at[0])
             loaded = _load_component(
                 self._classes[name],
                 self.path / name,
