@@ -353,8 +353,9 @@ def test_meter_command_passes_the_exit_code_through(
     assert f"stageload meter: exit {expected} after" in err
     assert "peak footprint" in err and "lowest available" in err
     if expected == 0:  # a short command still gets samples: the sampler starts first
+        # A sample taken while the child is exiting cannot read it: that value is null, not 0.
         footprints = [r["footprint"] for r in records if r["type"] == "sample"]
-        assert max(footprints) >= 100 * MIB
+        assert max((f for f in footprints if f is not None), default=0) >= 100 * MIB
 
 
 def test_meter_command_measures_the_whole_tree(tmp_path: Path) -> None:
