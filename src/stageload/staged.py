@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .events import LOAD, NOTE, RELEASE, RELOAD, STAGE, Event, EventSink
+from .outer import outer_trace
 from .release import is_released, module_bytes, release
 from .rng import preserved_rng
 
@@ -133,6 +134,9 @@ class StagedModels(Mapping[str, "nn.Module"]):
                 )
         self._plan = plan
         self._sink = events
+        # Under `stageload meter` or `guard --trace`, events also go to that tool's trace
+        # (STAGELOAD_TRACE; see stageload.outer), alongside the sink given here.
+        self._outer = outer_trace()
         self.preserve_rng = preserve_rng
         self.policy: ResidencyPolicy = policy if policy is not None else ReleaseUnlisted()
         self._models: dict[str, nn.Module] = {}
@@ -241,6 +245,8 @@ class StagedModels(Mapping[str, "nn.Module"]):
     def _emit(self, event: Event) -> None:
         if self._sink is not None:
             self._sink.emit(event)
+        if self._outer is not None:
+            self._outer.emit(event)
 
     def _load(self, name: str) -> nn.Module:
         from torch import nn
