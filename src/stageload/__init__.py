@@ -17,6 +17,7 @@ _EXPORTS: dict[str, str] = {
     "ReleaseUnlisted": "staged",
     "ResidencyPolicy": "staged",
     "ModelLoadError": "staged",
+    "BatchError": "batch",
     "preserved_rng": "rng",
     "on_call": "hooks",
     "Event": "events",
@@ -56,6 +57,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
+    from .batch import BatchError
     from .events import Event, EventSink, ListSink, TeeSink
     from .guard import GuardConfig, GuardResult, run_guard
     from .hooks import on_call

@@ -6,6 +6,52 @@ import random
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RngState:
+    """Every global random generator's state at one moment (see :func:`capture_rng`)."""
+
+    cpu: Any
+    python: Any
+    numpy: Any | None
+    cuda: Any | None  # None: CUDA was not initialised when captured
+    mps: Any | None
+
+
+def capture_rng() -> RngState:
+    """The state of torch's CPU, CUDA and MPS generators, ``random`` and NumPy's global one."""
+    import torch
+
+    np = sys.modules.get("numpy")
+    return RngState(
+        cpu=torch.get_rng_state(),
+        python=random.getstate(),
+        numpy=np.random.get_state() if np is not None else None,
+        cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        mps=torch.mps.get_rng_state() if _mps_available(torch) else None,
+    )
+
+
+def restore_rng(state: RngState) -> None:
+    """Put every global generator back to ``state``."""
+    import torch
+
+    torch.set_rng_state(state.cpu)
+    random.setstate(state.python)
+    np = sys.modules.get("numpy")
+    if state.numpy is not None and np is not None:
+        np.random.set_state(state.numpy)
+    if state.cuda is not None:
+        torch.cuda.set_rng_state_all(state.cuda)
+    elif torch.cuda.is_initialized():
+        # CUDA started since the capture: before its first use its generator was
+        # "seeded, offset 0", which re-seeding with the same seed restores.
+        torch.cuda.manual_seed_all(torch.cuda.initial_seed())
+    if state.mps is not None:
+        torch.mps.set_rng_state(state.mps)
 
 
 @contextmanager
@@ -17,30 +63,11 @@ def preserved_rng() -> Iterator[None]:
     seeded run shifts every later stage's noise. Covers torch's CPU, CUDA and MPS
     generators, Python's ``random`` and NumPy's global generator.
     """
-    import torch
-
-    cpu_state = torch.get_rng_state()
-    py_state = random.getstate()
-    np = sys.modules.get("numpy")
-    np_state = np.random.get_state() if np is not None else None
-    cuda_was_init = torch.cuda.is_initialized()
-    cuda_states = torch.cuda.get_rng_state_all() if cuda_was_init else None
-    mps_state = torch.mps.get_rng_state() if _mps_available(torch) else None
+    state = capture_rng()
     try:
         yield
     finally:
-        torch.set_rng_state(cpu_state)
-        random.setstate(py_state)
-        if np_state is not None:
-            np.random.set_state(np_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
-        elif torch.cuda.is_initialized():
-            # CUDA started inside the block: before its first use its generator was
-            # "seeded, offset 0", which re-seeding with the same seed restores.
-            torch.cuda.manual_seed_all(torch.cuda.initial_seed())
-        if mps_state is not None:
-            torch.mps.set_rng_state(mps_state)
+        restore_rng(state)
 
 
 def _mps_available(torch) -> bool:  # type: ignore[no-untyped-def]

@@ -17,6 +17,8 @@ from .rng import preserved_rng
 if TYPE_CHECKING:
     from torch import nn
 
+    from .batch import Batch
+
 #: The name of the time before the first stage is entered.
 SETUP = "setup"
 
@@ -146,6 +148,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
         self._noted: set[str] = set()
         self._loading: list[str] = []  # loads in progress in the lock's thread, outermost first
         self._lock = threading.RLock()
+        self._batch: Batch | None = None  # set by map() while its calls run
 
     # -- mapping -------------------------------------------------------------------------
     def __getitem__(self, name: str) -> nn.Module:
@@ -203,6 +206,10 @@ class StagedModels(Mapping[str, "nn.Module"]):
         current stage does nothing."""
         if stage not in self._plan:
             raise KeyError(f"unknown stage {stage!r}; known stages: {', '.join(self._plan)}")
+        batch = self._batch
+        if batch is not None:
+            # A call of map() waits here, outside the lock, until the batch is in ``stage``.
+            batch.park(stage)
         with self._lock:
             if stage == self._stage:
                 return
@@ -216,6 +223,30 @@ class StagedModels(Mapping[str, "nn.Module"]):
             for name in self.policy.to_prefetch(stage, list(self._models), plan):
                 if name not in self._models:
                     self._load(name)
+
+    def map(
+        self, fn: Callable[[Any], Any], items: Iterable[Any], *, return_exceptions: bool = False
+    ) -> list[Any]:
+        """Run ``fn(item)`` for every item stage-major; return the results in item order.
+
+        The calls take turns, one running at a time. A call that enters a stage other than
+        the current one waits there; once all have arrived (or finished), the stage is
+        entered once and they continue in item order. So each model loads once per batch,
+        not once per call. A call needing an earlier stage again (a negative-prompt pass)
+        waits for it like the others; the earliest stage anyone waits for comes first.
+
+        Every call starts from the global RNG state at ``map()``'s entry, saved and
+        restored at each switch: a call that seeds itself (``torch.manual_seed`` or its own
+        ``torch.Generator``) returns exactly what ``fn(item)`` returns run alone. Afterwards
+        the RNG is where the last call left it.
+
+        A call that raises does not stop the others. Once all have ended, ``BatchError``
+        is raised (``.results`` has every slot, ``.errors`` the failures), or with
+        ``return_exceptions=True`` each exception is returned in its item's slot.
+        """
+        from .batch import run_batch
+
+        return run_batch(self, fn, items, return_exceptions=return_exceptions)
 
     def evict(self, name: str) -> int:
         """Release one model now; returns the bytes freed (0 if it was not loaded)."""

@@ -1,0 +1,210 @@
+"""StagedModels.map: stage-major batches of real tiny models, compared with calls in turn."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from fixtures.tiny import load_block, save_block
+from stageload import BatchError, ListSink, StagedModels
+from stageload import batch as batch_module
+from stageload.trace import read_trace, stage_windows
+
+STAGES = {"encode": ["encoder"], "denoise": ["denoiser"], "decode": ["decoder"]}
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch")
+    return {
+        name: save_block(root / f"{name}.safetensors", seed=i)
+        for i, name in enumerate(["encoder", "denoiser", "decoder"])
+    }
+
+
+def staged(checkpoints, counts=None, sink=None):
+    def make(name):
+        def load():
+            if counts is not None:
+                counts[name] = counts.get(name, 0) + 1
+            return load_block(checkpoints[name])
+
+        return load
+
+    return StagedModels({n: make(n) for n in checkpoints}, stages=STAGES, events=sink)
+
+
+@dataclass(frozen=True)
+class Job:
+    seed: int
+    rows: int = 2
+    again: bool = False  # go back to encode after denoise (a second, "negative" pass)
+    fail_in: str | None = None
+    hold: int = 0  # bytes of an extra tensor kept alive across the stages
+
+
+def pipeline(models: StagedModels, job: Job) -> torch.Tensor:
+    """A seeded 3-stage pipeline drawing from torch, random and NumPy's global generators."""
+    torch.manual_seed(job.seed)
+    random.seed(job.seed)
+    np.random.seed(job.seed)
+    kept = torch.ones(job.hold // 4)  # noqa: F841  (held to be seen by the estimate)
+    x = torch.zeros(job.rows, 32)
+    order = ["encode", "denoise", "encode", "decode"] if job.again else list(STAGES)
+    for stage in order:
+        models.enter(stage)
+        if stage == job.fail_in:
+            raise ValueError(f"job {job.seed} fails in {stage}")
+        model = models[STAGES[stage][0]]
+        noise = torch.randn(job.rows, 32) + random.random() + float(np.random.rand())
+        x = model(x + noise)
+    return x
+
+
+def in_turn(checkpoints, jobs):
+    models = staged(checkpoints)
+    return [pipeline(models, job) for job in jobs]
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_map_equals_calls_in_turn_and_loads_each_model_once(checkpoints, n):
+    jobs = [Job(seed=10 + i, rows=1 + i % 3) for i in range(n)]
+    expected = in_turn(checkpoints, jobs)
+    counts: dict[str, int] = {}
+    sink = ListSink()
+    models = staged(checkpoints, counts, sink)
+    out = models.map(lambda job: pipeline(models, job), jobs)
+    assert len(out) == n
+    assert all(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
+    assert counts == {"encoder": 1, "denoiser": 1, "decoder": 1}
+    assert [e.stage for e in sink.kinds("stage")] == list(STAGES)
+    assert models._batch is None  # the hook is gone afterwards
+
+
+def test_without_the_per_call_rng_swap_outputs_differ(checkpoints, monkeypatch):
+    """Control: the equality above depends on restoring each call's RNG at every switch."""
+    jobs = [Job(seed=10 + i) for i in range(3)]
+    expected = in_turn(checkpoints, jobs)
+    monkeypatch.setattr(batch_module, "restore_rng", lambda state: None)
+    models = staged(checkpoints)
+    out = models.map(lambda job: pipeline(models, job), jobs)
+    # Call 0's first draw comes right after call 2 seeded the shared generator.
+    assert not any(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
+
+
+def test_every_call_starts_from_the_rng_state_at_entry_and_ends_like_calls_in_turn(checkpoints):
+    models = staged(checkpoints)
+
+    def draw(_: int) -> torch.Tensor:  # does not seed itself
+        models.enter("encode")
+        first = torch.rand(3)
+        models.enter("decode")
+        return torch.cat([first, torch.rand(3)])
+
+    torch.manual_seed(3)
+    alone = draw(0)
+    after_alone = torch.rand(1)
+    torch.manual_seed(3)
+    out = models.map(draw, range(4))
+    assert all(torch.equal(o, alone) for o in out)
+    assert torch.equal(torch.rand(1), after_alone)
+
+
+def test_a_raising_call_does_not_stop_the_others(checkpoints):
+    jobs = [Job(seed=1), Job(seed=2, fail_in="denoise"), Job(seed=3)]
+    expected = in_turn(checkpoints, [jobs[0], jobs[2]])
+    counts: dict[str, int] = {}
+    models = staged(checkpoints, counts)
+    with pytest.raises(BatchError, match=r"1 of 3 calls .*items \[1\].*job 2 fails") as info:
+        models.map(lambda job: pipeline(models, job), jobs)
+    err = info.value
+    assert isinstance(err.__cause__, ValueError) and err.errors == {1: err.__cause__}
+    assert torch.equal(err.results[0], expected[0]) and torch.equal(err.results[2], expected[1])
+    assert counts == {"encoder": 1, "denoiser": 1, "decoder": 1}
+    again = pickle.loads(pickle.dumps(err))
+    assert isinstance(again, BatchError) and set(again.errors) == {1}
+
+    out = models.map(lambda job: pipeline(models, job), jobs, return_exceptions=True)
+    assert isinstance(out[1], ValueError)
+    assert torch.equal(out[0], expected[0]) and torch.equal(out[2], expected[1])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_stage_reentry_enters_each_stage_as_often_as_one_call(checkpoints, n):
+    """Calls going back to encode after denoise (and calls that don't, mixed in): the batch
+    goes back once for all of them, not once per call, and the outputs are unchanged."""
+    jobs = [Job(seed=i, again=i % 2 == 0) for i in range(n)]
+    expected = in_turn(checkpoints, jobs)
+    counts: dict[str, int] = {}
+    sink = ListSink()
+    models = staged(checkpoints, counts, sink)
+    out = models.map(lambda job: pipeline(models, job), jobs)
+    assert all(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
+    assert [e.stage for e in sink.kinds("stage")] == ["encode", "denoise", "encode", "decode"]
+    assert counts == {"encoder": 2, "denoiser": 1, "decoder": 1}
+
+
+def test_a_note_reports_the_intermediates_that_parked_calls_hold(checkpoints):
+    sink = ListSink()
+    models = staged(checkpoints, sink=sink)
+    jobs = [Job(seed=i, hold=MIB) for i in range(4)]
+    models.map(lambda job: pipeline(models, job), jobs)
+    notes = [e for e in sink.kinds("note") if e.note and e.note.startswith("batch:")]
+    assert [e.stage for e in notes] == list(STAGES)
+    # Four 1 MiB tensors held in every call's frame, plus small activations.
+    assert all(4 * MIB <= e.bytes < 4 * MIB + 64 * 1024 for e in notes), [e.bytes for e in notes]
+    assert "items [0, 1, 2, 3]" in notes[0].note
+
+
+def test_map_under_memory_meter_gives_one_window_per_stage(checkpoints, tmp_path):
+    from stageload import MemoryMeter
+
+    path = tmp_path / "batch.jsonl"
+    with MemoryMeter(path, 0.02, sampler="thread") as meter:
+        models = staged(checkpoints, sink=meter)
+        models.map(lambda job: pipeline(models, job), [Job(seed=i) for i in range(3)])
+    trace = read_trace(path)
+    windows = stage_windows(trace)
+    assert [w.stage for w in windows] == ["setup", *STAGES]
+    loads = [e for e in trace.events if e.kind == "load"]
+    assert [e.model for e in loads] == ["encoder", "denoiser", "decoder"]
+    for event in loads:  # each model loads inside the window of the stage that lists it
+        window = next(w for w in reversed(windows) if w.start <= event.t)
+        assert window.stage == event.stage and event.model in STAGES[window.stage]
+
+
+def test_calls_inherit_grad_mode_and_context_of_the_caller(checkpoints):
+    import contextvars
+
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
+    models = staged(checkpoints)
+
+    def probe(_: int) -> tuple[bool, str, bool]:
+        models.enter("encode")
+        return torch.is_grad_enabled(), var.get(), threading.current_thread().daemon
+
+    var.set("caller")
+    with torch.no_grad():
+        out = models.map(probe, range(2))
+    assert out == [(False, "caller", True)] * 2
+
+
+def test_bad_use_fails_clearly(checkpoints):
+    models = staged(checkpoints)
+    with pytest.raises(TypeError, match="function to run first"):
+        models.map([1, 2], len)  # type: ignore[arg-type]
+    assert models.map(len, []) == []
+
+    def nested(_: int) -> list[int]:
+        return models.map(len, [[1]])
+
+    with pytest.raises(BatchError) as info:
+        models.map(nested, [0])
+    assert "already running a batch" in str(info.value.errors[0])
