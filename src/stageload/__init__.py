@@ -30,6 +30,10 @@ _EXPORTS: dict[str, str] = {
     "run_guard": "guard",
     "parse_size": "units",
     "format_size": "units",
+    "load_weights": "load",
+    "from_safetensors": "load",
+    "checkpoint_bytes": "load",
+    "CheckpointError": "load",
 }
 
 # These two share their module's name, so they are imported eagerly: otherwise importing
@@ -61,6 +65,7 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
     from .events import Event, EventSink, ListSink, TeeSink
     from .guard import GuardConfig, GuardResult, run_guard
     from .hooks import on_call
+    from .load import CheckpointError, checkpoint_bytes, from_safetensors, load_weights
     from .meter import MemoryMeter
     from .rng import preserved_rng
     from .staged import ModelLoadError, ReleaseUnlisted, ResidencyPolicy, StagedModels

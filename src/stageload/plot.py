@@ -28,9 +28,7 @@ class PlotUnavailableError(RuntimeError):
     """matplotlib is not installed."""
 
     def __init__(self) -> None:
-        super().__init__(
-            "plots need matplotlib, which is not installed: pip install matplotlib"
-        )
+        super().__init__("plots need matplotlib, which is not installed: pip install matplotlib")
 
 
 def _unit(traces: Sequence[Trace]) -> tuple[float, str]:

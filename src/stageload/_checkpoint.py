@@ -1,0 +1,208 @@
+"""Read safetensors headers (never the tensor data) and resolve checkpoint paths.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header mapping each
+tensor's name to its dtype, shape and byte range, then the tensors' bytes. Everything the
+loader needs to plan its reads, and every check a truncated or mismatched file fails, comes
+from the header, so planning a load costs a few kilobytes of I/O. No torch import here:
+``checkpoint_bytes`` serves the residency policy before any model is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+INDEX_SUFFIX = ".index.json"
+# A header larger than this is not a safetensors header (the format caps it at 100 MB).
+_MAX_HEADER = 100_000_000
+
+#: safetensors dtype code -> (torch dtype name, bytes per element, is floating point).
+DTYPES: dict[str, tuple[str, int, bool]] = {
+    "F64": ("float64", 8, True),
+    "F32": ("float32", 4, True),
+    "F16": ("float16", 2, True),
+    "BF16": ("bfloat16", 2, True),
+    "F8_E4M3": ("float8_e4m3fn", 1, True),
+    "F8_E5M2": ("float8_e5m2", 1, True),
+    "I64": ("int64", 8, False),
+    "I32": ("int32", 4, False),
+    "I16": ("int16", 2, False),
+    "I8": ("int8", 1, False),
+    "U64": ("uint64", 8, False),
+    "U32": ("uint32", 4, False),
+    "U16": ("uint16", 2, False),
+    "U8": ("uint8", 1, False),
+    "BOOL": ("bool", 1, False),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read as safetensors: truncated, corrupt or missing."""
+
+    def __init__(self, path: Path | str, problem: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(
+            f"{self.path}: {problem}; the file is damaged or incomplete, download or save it again"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.problem))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor in a file: where its bytes are and what they hold."""
+
+    file: Path
+    offset: int  # absolute position in the file
+    nbytes: int
+    dtype: str  # safetensors code, e.g. "BF16"
+    shape: tuple[int, ...]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def is_floating(self) -> bool:
+        return DTYPES[self.dtype][2]
+
+
+def read_header(path: Path) -> dict[str, Entry]:
+    """The tensors of one safetensors file, checked against the file's real size."""
+    try:
+        size = os.stat(path).st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(path, f"only {size} bytes long, shorter than a header")
+            length = int.from_bytes(head, "little")
+            if length > min(_MAX_HEADER, size - 8):
+                raise CheckpointError(
+                    path, f"header length {length} exceeds the file's {size} bytes"
+                )
+            raw = f.read(length)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no checkpoint file at {str(path)!r}") from None
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(path, f"unreadable header ({exc})") from None
+    start = 8 + length
+    entries: dict[str, Entry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            code = info["dtype"]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+            itemsize = DTYPES[code][1]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(path, f"bad header entry for {name!r}: {info!r}") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * itemsize or begin < 0:
+            raise CheckpointError(
+                path, f"tensor {name!r}: byte range {begin}..{end} does not hold {shape} {code}"
+            )
+        if start + end > size:
+            raise CheckpointError(
+                path,
+                f"truncated: tensor {name!r} ends at byte {start + end}, the file has {size}",
+            )
+        entries[name] = Entry(path, start + begin, end - begin, code, shape)
+    return entries
+
+
+def checkpoint_files(
+    files: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+) -> list[Path]:
+    """The safetensors files behind ``files``: a file, a sharded index, a folder, or a list.
+
+    A folder means its ``*.safetensors.index.json`` if it has one, else every
+    ``*.safetensors`` in it. An index means the files its ``weight_map`` names.
+    """
+    if isinstance(files, (str, os.PathLike)):
+        items: list[Path] = [Path(files)]
+    else:
+        items = [Path(f) for f in files]
+        if not items:
+            raise ValueError("no checkpoint files given; pass a .safetensors file or a list")
+    out: list[Path] = []
+    for item in items:
+        if item.is_dir():
+            indexes = sorted(item.glob(f"*{INDEX_SUFFIX}"))
+            if len(indexes) == 1:
+                out.extend(_index_files(indexes[0]))
+                continue
+            found = sorted(item.glob("*.safetensors"))
+            if not found:
+                raise FileNotFoundError(f"no *.safetensors file in the folder {str(item)!r}")
+            out.extend(found)
+        elif item.name.endswith(INDEX_SUFFIX):
+            out.extend(_index_files(item))
+        elif not item.exists():
+            raise FileNotFoundError(f"no checkpoint file at {str(item)!r}")
+        else:
+            out.append(item)
+    return list(dict.fromkeys(out))
+
+
+def _index_files(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(index, f"not a sharded-checkpoint index ({exc!r})") from None
+    return [index.parent / name for name in names]
+
+
+def read_entries(files: list[Path]) -> dict[str, Entry]:
+    """Every tensor of every file; a name found in two files is an error naming both."""
+    entries: dict[str, Entry] = {}
+    for path in files:
+        for name, entry in read_header(path).items():
+            if name in entries:
+                raise ValueError(
+                    f"tensor {name!r} is in both {entries[name].file} and {path}; pass each "
+                    f"shard once, or the index that lists them"
+                )
+            entries[name] = entry
+    return entries
+
+
+def checkpoint_bytes(
+    files: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], dtype: Any = None
+) -> int:
+    """Bytes the tensors of ``files`` take once loaded, read from the headers alone.
+
+    ``dtype`` (a ``torch.dtype`` or its name, e.g. ``"bfloat16"``) is the dtype floating
+    point tensors load as, as with ``load_weights(..., dtype=)``; integer and bool tensors
+    keep theirs. ``None`` counts each tensor at its dtype in the file.
+    """
+    want = _itemsize(dtype) if dtype is not None else None
+    total = 0
+    for entry in read_entries(checkpoint_files(files)).values():
+        if want is not None and entry.is_floating:
+            total += entry.nbytes // entry.itemsize * want
+        else:
+            total += entry.nbytes
+    return total
+
+
+def _itemsize(dtype: Any) -> int:
+    name = str(dtype).removeprefix("torch.")
+    for torch_name, size, floating in DTYPES.values():
+        if torch_name == name and floating:
+            return size
+    known = sorted(n for n, _, f in DTYPES.values() if f)
+    raise ValueError(f"dtype must be a floating point dtype such as {known!r}, got {dtype!r}")

@@ -1,0 +1,442 @@
+"""Fill a module's weights from safetensors files at the speed of the disk.
+
+Each destination tensor is allocated once, on the target device and dtype, and the file's
+bytes are read straight into it with positioned reads (``os.preadv``) of large chunks from a
+few threads; the reads release the GIL, so the threads overlap. No mmap and no second
+full-size copy: the peak is the weights plus one bounce buffer per thread, and only where a
+dtype conversion or an accelerator needs one. On a warm page cache the limit is the page
+faults on the fresh destination; advising transparent huge pages for it (``madvise``) cuts
+them 512-fold (bench/results/load/).
+
+Which thread touches what: the calling thread plans the load, allocates every destination
+and puts the results into the module; the worker threads only write into destinations that
+no one else sees yet, each its own byte range. The module changes only after every read
+succeeded; on any failure it is released (:func:`stageload.release`) instead of being left
+half filled.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ._checkpoint import (
+    DTYPES,
+    CheckpointError,
+    Entry,
+    checkpoint_bytes,
+    checkpoint_files,
+    read_entries,
+)
+from .release import release, unmark_released
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["CheckpointError", "checkpoint_bytes", "from_safetensors", "load_weights"]
+
+Files = str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
+
+#: Bytes per read and per bounce buffer. 16 MiB: large enough for the disk's full speed
+#: and small enough that 4 threads' bounce buffers stay within 64 MiB.
+CHUNK = 16 << 20
+_HUGE = 2 << 20  # x86-64 and arm64 transparent huge page size
+_MADV_HUGEPAGE = 14
+# How destinations on the CPU are allocated: "thp" (torch.empty, huge pages advised) or
+# "plain" (torch.empty as is). The benchmark flips it to measure the difference.
+_ALLOC = "thp"
+
+
+def _default_threads() -> int:
+    # Cold reads want several requests in flight; warm ones are bound by page faults and
+    # copies, which scale with cores. 4 was best on the 2-core bench machine.
+    return max(4, min(8, os.cpu_count() or 4))
+
+
+@dataclass
+class _Target:
+    """One tensor of the module (all the names it goes by, tied ones included)."""
+
+    tensor: torch.Tensor
+    places: list[tuple[nn.Module, str, str]] = field(default_factory=list)  # (sub, slot, key)
+    names: list[str] = field(default_factory=list)
+    persistent: bool = True
+
+
+def load_weights(
+    module: nn.Module,
+    files: Files,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    strict: bool = True,
+    threads: int | None = None,
+) -> int:
+    """Fill every parameter and buffer of ``module`` from safetensors files; return the bytes.
+
+    Args:
+        module: built on the ``meta`` device, or materialised (then each tensor already on
+            the target device and dtype is overwritten in place; others are replaced).
+        files: a ``.safetensors`` file, a sharded ``*.safetensors.index.json``, a folder
+            holding either, or a list of files.
+        device: where the weights go (default CPU). CUDA and MPS go through pinned buffers.
+        dtype: the dtype floating point tensors load as; default: each tensor's dtype in
+            ``module``. Integer and bool tensors keep theirs.
+        strict: missing and unexpected keys are an error (listed together, with the files).
+            Shape mismatches are an error either way.
+        threads: reader threads (default 4 to 8, by core count).
+
+    Tied weights (one tensor under several names) stay one tensor. On failure ``module``
+    is released, so it cannot be used half filled; the error names the file.
+    """
+    import torch
+    from torch import nn
+
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"load_weights() expects an nn.Module, got {type(module).__name__}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive int, got {threads!r}")
+    target_device = torch.device(device) if device is not None else torch.device("cpu")
+    paths = checkpoint_files(files)
+    try:
+        entries = read_entries(paths)
+        targets = _targets(module)
+        plan = _match(targets, entries, paths, strict)
+        with torch.no_grad():
+            results, nbytes = _read_all(plan, target_device, dtype, threads or _default_threads())
+            _install(module, targets, results, target_device, dtype, strict)
+    except BaseException:
+        release(module)
+        raise
+    return nbytes
+
+
+def from_safetensors(
+    build: Callable[[], nn.Module], files: Files, **kwargs: Any
+) -> Callable[[], nn.Module]:
+    """A zero-argument loader for :class:`~stageload.StagedModels`: build, then load.
+
+    ``build()`` runs under ``torch.device("meta")``, so the structure costs no memory and
+    its initialisers draw no random numbers; then :func:`load_weights` fills it from
+    ``files`` (``kwargs``: ``device``, ``dtype``, ``strict``, ``threads``). Buffers that
+    ``build`` computes rather than the checkpoint holding them (non-persistent buffers) have
+    no values on ``meta``: strict mode names them; build such modules yourself and call
+    :func:`load_weights`.
+
+    Example::
+
+        models = StagedModels({"unet": from_safetensors(lambda: UNet(cfg), "unet.safetensors",
+                                                        dtype=torch.bfloat16)}, stages=...)
+    """
+    if not callable(build):
+        raise TypeError(f"build must be a callable that returns an nn.Module, got {build!r}")
+    unknown = set(kwargs) - {"device", "dtype", "strict", "threads"}
+    if unknown:
+        raise TypeError(f"from_safetensors() got unexpected keyword(s) {sorted(unknown)!r}")
+
+    def load() -> nn.Module:
+        import torch
+        from torch import nn
+
+        with torch.device("meta"):
+            module = build()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"build() returned {type(module).__name__}, not an nn.Module")
+        load_weights(module, files, **kwargs)
+        return module
+
+    name = getattr(build, "__qualname__", type(build).__name__)
+    load.__qualname__ = f"from_safetensors({name})"
+    return load
+
+
+# -- planning ---------------------------------------------------------------------------------
+def _targets(module: nn.Module) -> list[_Target]:
+    by_id: dict[int, _Target] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for slot in ("_parameters", "_buffers"):
+            for key, t in getattr(sub, slot).items():
+                if t is None:
+                    continue
+                target = by_id.setdefault(id(t), _Target(t))
+                target.places.append((sub, slot, key))
+                target.names.append(f"{prefix}.{key}" if prefix else key)
+                if slot == "_buffers" and key in sub._non_persistent_buffers_set:
+                    target.persistent = False
+    return list(by_id.values())
+
+
+def _match(
+    targets: list[_Target], entries: dict[str, Entry], paths: list[Path], strict: bool
+) -> list[tuple[_Target, Entry]]:
+    plan: list[tuple[_Target, Entry]] = []
+    used: set[str] = set()
+    missing: list[str] = []
+    mismatched: list[str] = []
+    for target in targets:
+        if not target.persistent:
+            continue
+        found = [n for n in target.names if n in entries]
+        used.update(found)
+        if not found:
+            missing.append(target.names[0])
+            continue
+        entry = entries[found[0]]
+        if entry.shape != tuple(target.tensor.shape):
+            mismatched.append(
+                f"{found[0]}: {list(entry.shape)} in {entry.file.name}, "
+                f"{list(target.tensor.shape)} in the module"
+            )
+            continue
+        plan.append((target, entry))
+    unexpected = [f"{k} ({e.file.name})" for k, e in entries.items() if k not in used]
+    problems = []
+    if mismatched:
+        problems.append(_listing("shape mismatch", mismatched))
+    if strict and missing:
+        problems.append(_listing("missing from the checkpoint", missing))
+    if strict and unexpected:
+        problems.append(_listing("unexpected (not in the module)", unexpected))
+    if problems:
+        where = ", ".join(str(p) for p in paths)
+        raise ValueError(
+            f"the checkpoint does not fit the module ({where}):\n"
+            + "\n".join(problems)
+            + "\nbuild the module with the checkpoint's config, or pass strict=False to skip "
+            "missing and unexpected keys"
+        )
+    return plan
+
+
+def _listing(what: str, names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit]) + (
+        f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+    )
+    return f"  {len(names)} {what}: {shown}"
+
+
+# -- reading ----------------------------------------------------------------------------------
+def _read_all(
+    plan: list[tuple[_Target, Entry]],
+    device: torch.device,
+    dtype: torch.dtype | None,
+    threads: int,
+) -> tuple[dict[int, torch.Tensor], int]:
+    """Allocate every destination and fill it; returns {id(target): tensor}, total bytes."""
+    import torch
+
+    fds: dict[Path, int] = {}
+    results: dict[int, torch.Tensor] = {}
+    jobs: list[tuple[int, Path, int, int, torch.Tensor, int, torch.dtype | None]] = []
+    total = 0
+    try:
+        for target, entry in plan:
+            old = target.tensor
+            want = dtype if dtype is not None and old.is_floating_point() else old.dtype
+            src = getattr(torch, DTYPES[entry.dtype][0])
+            dst = _destination(old, want, device)
+            results[id(target)] = dst
+            total += dst.nbytes
+            if entry.file not in fds:
+                fds[entry.file] = os.open(entry.file, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            # Direct reads need the file's bytes to be the destination's bytes on the CPU.
+            direct = device.type == "cpu" and src == want
+            convert = None if direct else src
+            step = CHUNK - CHUNK % entry.itemsize
+            for start in range(0, entry.nbytes, step):
+                n = min(step, entry.nbytes - start)
+                jobs.append(
+                    (fds[entry.file], entry.file, entry.offset + start, n, dst, start, convert)
+                )
+        jobs.sort(key=lambda j: (str(j[1]), j[2]))  # file order: sequential runs per thread
+        _run(jobs, device, min(threads, max(1, len(jobs))))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return results, total
+
+
+def _run(jobs: list[Any], device: torch.device, threads: int) -> None:
+    """Run every chunk job; stop early on the first error and raise it (with the others)."""
+
+    local = threading.local()
+    stop = threading.Event()
+    pin = device.type in ("cuda", "mps")
+
+    def bounce() -> torch.Tensor:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = _bounce_buffer(pin)
+            local.buf = buf
+        return buf
+
+    def job(fd: int, path: Path, offset: int, n: int, dst: torch.Tensor, at: int, src: Any) -> None:
+        if stop.is_set():
+            return
+        try:
+            if src is None:  # same dtype, on the CPU: straight into the destination
+                _pread_into(fd, path, offset, _memory(dst, at, n))
+                return
+            buf = bounce()
+            _pread_into(fd, path, offset, _memory(buf, 0, n))
+            size = _itemsize(src)
+            first = at // size
+            dst.view(-1)[first : first + n // size].copy_(buf[:n].view(src))
+        except BaseException:
+            stop.set()
+            raise
+
+    if threads == 1:
+        for j in jobs:
+            job(*j)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="stageload-load") as pool:
+        futures = [pool.submit(job, *j) for j in jobs]
+        errors = [f.exception() for f in futures]
+    raised = [e for e in errors if e is not None]
+    if raised:
+        raise raised[0]
+
+
+def _bounce_buffer(pin: bool) -> torch.Tensor:
+    import torch
+
+    if pin:
+        try:
+            return torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:  # no pinning on this backend: pageable memory still works
+            pass
+    return torch.empty(CHUNK, dtype=torch.uint8)
+
+
+def _destination(old: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The tensor the bytes go into: ``old`` itself when it can be overwritten in place."""
+    import torch
+
+    if (
+        not old.is_meta
+        and old.device == device
+        and old.dtype == dtype
+        and old.is_contiguous()
+        and old.storage_offset() == 0
+        and old.untyped_storage().nbytes() == old.nbytes
+    ):
+        return old.detach()
+    dst = torch.empty(old.shape, dtype=dtype, device=device)
+    if device.type == "cpu" and _ALLOC == "thp":
+        _advise_huge_pages(dst.data_ptr(), dst.nbytes)
+    return dst
+
+
+def _memory(t: torch.Tensor, at: int, n: int) -> memoryview:
+    """A writable view of ``n`` bytes of ``t``'s CPU memory from byte ``at``."""
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr() + at)).cast("B")
+
+
+def _pread_into(fd: int, path: Path, offset: int, buf: memoryview) -> None:
+    done, n = 0, len(buf)
+    while done < n:
+        got = _preadv(fd, buf[done:], offset + done)
+        if got == 0:
+            raise CheckpointError(
+                path, f"truncated: the file ended at byte {offset + done}, {n - done} bytes short"
+            )
+        done += got
+
+
+def _preadv(fd: int, buf: memoryview, offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [buf], offset)  # releases the GIL
+    data = os.pread(fd, len(buf), offset)  # Windows: one copy more, still positioned
+    buf[: len(data)] = data
+    return len(data)
+
+
+@functools.cache
+def _madvise() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _advise_huge_pages(ptr: int, nbytes: int) -> None:
+    """Ask for transparent huge pages on the 2 MiB-aligned inside of a fresh allocation.
+
+    One fault then maps 2 MiB instead of 4 KiB. torch does the same under
+    ``THP_MEM_ALLOC_ENABLE=1``, which a library cannot set for its users. Harmless where
+    THP is off (the call fails and is ignored) and for memory that is already touched.
+    """
+    madvise = _madvise()
+    if madvise is None:
+        return
+    start = (ptr + _HUGE - 1) & ~(_HUGE - 1)
+    end = (ptr + nbytes) & ~(_HUGE - 1)
+    if end - start >= _HUGE:
+        madvise(start, end - start, _MADV_HUGEPAGE)
+
+
+# -- installing -------------------------------------------------------------------------------
+def _install(
+    module: nn.Module,
+    targets: list[_Target],
+    results: dict[int, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype | None,
+    strict: bool,
+) -> None:
+    """Put the loaded tensors into the module; one object per tied group keeps it tied."""
+    from torch import nn
+
+    unfilled: list[str] = []
+    for target in targets:
+        old = target.tensor
+        new = results.get(id(target))
+        if new is None:
+            if old.is_meta:
+                unfilled.append(target.names[0])
+                continue
+            want = dtype if dtype is not None and old.is_floating_point() else old.dtype
+            new = old.detach().to(device=device, dtype=want)  # computed buffer: move it
+        if not old.is_meta and new.data_ptr() == old.data_ptr():
+            continue  # filled in place
+        value = (
+            nn.Parameter(new, requires_grad=old.requires_grad)
+            if isinstance(old, nn.Parameter)
+            else new
+        )
+        for sub, slot, key in target.places:
+            getattr(sub, slot)[key] = value
+    if unfilled and strict:
+        raise ValueError(
+            _listing(
+                "tensors still on meta (non-persistent buffers that build() computes)", unfilled
+            )
+            + "\nthe checkpoint cannot hold them; build the module on the CPU and call "
+            "load_weights() on it"
+        )
+    for sub in module.modules():
+        unmark_released(sub)  # a released module filled again is live again
+
+
+@functools.cache
+def _itemsize(dtype: torch.dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,343 @@
+"""load_weights / from_safetensors / checkpoint_bytes against safetensors' own reader."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from stageload import (
+    CheckpointError,
+    ReleasedModuleError,
+    checkpoint_bytes,
+    from_safetensors,
+    load_weights,
+    release,
+)
+from stageload import load as load_mod
+from stageload.release import is_released
+
+
+class Net(nn.Module):
+    """Sizes chosen so that, with a 4 KiB chunk, tensors span several chunks and end mid-chunk."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(97, 33, dtype=dtype)
+        self.proj = nn.Linear(33, 61, dtype=dtype)
+        self.norm = nn.LayerNorm(61, dtype=dtype)
+        self.head = nn.Linear(61, 97, bias=False, dtype=dtype)
+        self.register_buffer("steps", torch.arange(5))  # an int64 buffer in the checkpoint
+
+
+def _random_state(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {k: (v.shape, v.dtype) for k, v in Net().state_dict().items()}
+    out = {}
+    for k, (shape, dt) in shapes.items():
+        if dt.is_floating_point:
+            out[k] = torch.randn(shape, generator=g).to(dtype)
+        else:
+            out[k] = torch.randint(0, 1000, shape, generator=g)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 4 KiB + 8: multi-chunk tensors and odd chunk edges without big files.
+    monkeypatch.setattr(load_mod, "CHUNK", 4104)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[torch.dtype, Path]:
+    folder = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        path = folder / f"{str(dtype).removeprefix('torch.')}.safetensors"
+        save_file(_random_state(dtype), str(path))
+        out[dtype] = path
+    return out
+
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("file_dtype", DTYPES)
+@pytest.mark.parametrize("want", (None, *DTYPES))
+def test_bit_identical_to_load_file(files, file_dtype, want):
+    expected = load_file(str(files[file_dtype]))
+    module = from_safetensors(lambda: Net(file_dtype), files[file_dtype], dtype=want, threads=3)()
+    got = module.state_dict()
+    assert got.keys() == expected.keys()
+    for key, ref in expected.items():
+        if want is not None and ref.is_floating_point():
+            ref = ref.to(want)  # the conversion torch itself does
+        assert got[key].dtype == ref.dtype and torch.equal(got[key], ref), key
+
+
+def test_dtype_none_keeps_the_modules_dtypes(files):
+    # A float32 module filled from a float16 file: load_state_dict's rule, not the file's.
+    module = from_safetensors(Net, files[torch.float16])()
+    assert module.proj.weight.dtype == torch.float32
+    assert torch.equal(
+        module.proj.weight, load_file(str(files[torch.float16]))["proj.weight"].float()
+    )
+
+
+def test_returns_the_bytes_loaded_and_checkpoint_bytes_agrees(files):
+    module = Net().to("meta")
+    nbytes = load_weights(module, files[torch.float32], dtype=torch.bfloat16)
+    assert nbytes == sum(t.nbytes for t in module.state_dict().values())
+    assert checkpoint_bytes(files[torch.float32], torch.bfloat16) == nbytes
+    on_disk = sum(t.nbytes for t in load_file(str(files[torch.float32])).values())
+    assert checkpoint_bytes(files[torch.float32]) == on_disk
+    assert checkpoint_bytes(files[torch.float32], "float16") == nbytes
+
+
+def test_checkpoint_bytes_refuses_a_non_float_dtype(files):
+    with pytest.raises(ValueError, match="floating point dtype"):
+        checkpoint_bytes(files[torch.float32], torch.int8)
+
+
+def test_tied_weights_stay_tied(tmp_path):
+    def build() -> Net:
+        net = Net()
+        net.head.weight = net.emb.weight = nn.Parameter(torch.empty(97, 33))
+        return net
+
+    state = _random_state(torch.float32)
+    state["head.weight"] = state["emb.weight"] = torch.randn(97, 33)
+    path = tmp_path / "tied.safetensors"
+    save_file({k: v for k, v in state.items() if k != "head.weight"}, str(path))  # stored once
+    module = from_safetensors(build, path)()
+    assert module.head.weight is module.emb.weight
+    assert torch.equal(module.emb.weight, state["emb.weight"])
+    # Control: untied, the same checkpoint lacks head.weight, and strict mode says so.
+    with pytest.raises(ValueError, match="1 missing from the checkpoint: head.weight"):
+        from_safetensors(Net, path)()
+
+
+def test_sharded_index_and_folder(tmp_path):
+    state = _random_state(torch.bfloat16)
+    keys = sorted(state)
+    shards = {"a.safetensors": keys[::2], "b.safetensors": keys[1::2]}
+    for name, part in shards.items():
+        save_file({k: state[k] for k in part}, str(tmp_path / name))
+    weight_map = {k: name for name, part in shards.items() for k in part}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for where in (index, tmp_path):
+        module = from_safetensors(lambda: Net(torch.bfloat16), where)()
+        for key, ref in state.items():
+            assert torch.equal(module.state_dict()[key], ref), key
+    # Control: one shard alone misses the other's keys.
+    with pytest.raises(ValueError, match="missing from the checkpoint"):
+        from_safetensors(lambda: Net(torch.bfloat16), tmp_path / "a.safetensors")()
+
+
+def test_strict_lists_every_problem_with_file_names(tmp_path):
+    state = _random_state(torch.float32)
+    del state["norm.bias"]
+    state["extra.weight"] = torch.zeros(3)
+    state["proj.weight"] = torch.zeros(61, 34)
+    path = tmp_path / "bad.safetensors"
+    save_file(state, str(path))
+    module = Net()
+    with pytest.raises(ValueError) as info:
+        load_weights(module, path)
+    text = str(info.value)
+    assert (
+        "1 shape mismatch: proj.weight: [61, 34] in bad.safetensors, [61, 33] in the module" in text
+    )
+    assert "1 missing from the checkpoint: norm.bias" in text
+    assert "1 unexpected (not in the module): extra.weight (bad.safetensors)" in text
+    assert str(path) in text
+    assert is_released(module)  # never left looking valid
+    with pytest.raises(ReleasedModuleError):
+        module.proj(torch.zeros(1, 33))
+
+
+def test_not_strict_skips_missing_and_unexpected_but_not_shapes(tmp_path):
+    state = _random_state(torch.float32)
+    del state["norm.bias"]
+    state["extra.weight"] = torch.zeros(3)
+    path = tmp_path / "partial.safetensors"
+    save_file(state, str(path))
+    module = Net()
+    kept = module.norm.bias.detach().clone()
+    load_weights(module, path, strict=False)
+    assert torch.equal(module.proj.weight, state["proj.weight"])
+    assert torch.equal(module.norm.bias, kept)
+    state["proj.weight"] = torch.zeros(61, 34)
+    save_file(state, str(path))
+    with pytest.raises(ValueError, match="shape mismatch"):
+        load_weights(Net(), path, strict=False)
+
+
+def test_truncated_and_corrupt_files_name_the_file(files, tmp_path):
+    data = files[torch.float16].read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(data[:-10])
+    module = Net()
+    with pytest.raises(CheckpointError, match=r"cut\.safetensors: truncated: tensor '.*' ends at"):
+        load_weights(module, cut)
+    assert is_released(module)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!" + bytes(64))
+    with pytest.raises(CheckpointError, match=r"junk\.safetensors: unreadable header"):
+        load_weights(Net(), junk)
+    with pytest.raises(FileNotFoundError, match="no checkpoint file at"):
+        load_weights(Net(), tmp_path / "nowhere.safetensors")
+
+
+def test_file_shrinking_during_the_read_is_caught(files, tmp_path):
+    # The header was fine when planned; the bytes are gone when read (a copy still running).
+    path = tmp_path / "shrinks.safetensors"
+    path.write_bytes(files[torch.float32].read_bytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.truncate(path, 100)
+        buf = bytearray(64)
+        with pytest.raises(CheckpointError, match="shrinks.safetensors: truncated: the file ended"):
+            load_mod._pread_into(fd, path, 80, memoryview(buf))
+    finally:
+        os.close(fd)
+
+
+def test_loads_in_place_into_a_materialised_module(files):
+    module = Net()
+    before = module.proj.weight.data_ptr()
+    load_weights(module, files[torch.float32])
+    assert module.proj.weight.data_ptr() == before  # same storage, no second copy
+    assert torch.equal(module.proj.weight, load_file(str(files[torch.float32]))["proj.weight"])
+
+
+def test_refills_a_released_module(files):
+    module = from_safetensors(Net, files[torch.float32])()
+    x = torch.randn(2, 33)
+    expected = module.proj(x)
+    release(module)
+    with pytest.raises(ReleasedModuleError):
+        module.proj(x)
+    load_weights(module, files[torch.float32])
+    assert torch.equal(module.proj(x), expected)
+
+
+def test_from_safetensors_draws_no_random_numbers(files):
+    before = torch.get_rng_state()
+    from_safetensors(Net, files[torch.float32])()
+    assert torch.equal(torch.get_rng_state(), before)
+
+    # Control: building for real and then loading runs the initialisers.
+    def plain() -> Net:
+        net = Net()
+        net.load_state_dict(load_file(str(files[torch.float32])))
+        return net
+
+    plain()
+    assert not torch.equal(torch.get_rng_state(), before)
+
+
+def test_meta_buffers_that_build_computes_are_named(tmp_path):
+    class WithTable(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+    path = tmp_path / "t.safetensors"
+    save_file(WithTable().state_dict(), str(path))
+    with pytest.raises(ValueError, match="1 tensors still on meta .*: table"):
+        from_safetensors(WithTable, path)()
+    module = WithTable()  # built for real: the computed buffer is kept
+    load_weights(module, path)
+    assert torch.equal(module.table, torch.arange(4.0))
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="expects an nn.Module"):
+        load_weights("model", "x.safetensors")
+    with pytest.raises(TypeError, match="floating point torch.dtype"):
+        load_weights(Net(), "x.safetensors", dtype=torch.int8)
+    with pytest.raises(ValueError, match="threads must be a positive int"):
+        load_weights(Net(), "x.safetensors", threads=0)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        from_safetensors(Net, "x.safetensors", torch_dtype=torch.float16)
+
+
+_RSS_SCRIPT = """
+import json, sys, torch
+from torch import nn
+from safetensors.torch import load_file
+from stageload import from_safetensors, release
+
+def anon():
+    fields = dict(l.split(":", 1) for l in open("/proc/self/status"))
+    return int(fields["RssAnon"].split()[0]) * 1024
+
+def huge():
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+def build():
+    return nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(4)])  # 64 MiB
+
+out = {}
+a, h = anon(), huge()
+model = from_safetensors(build, sys.argv[1])()
+out["load_weights"] = anon() - a
+out["huge"] = huge() - h
+a = anon()
+release(model)
+out["release"] = a - anon()
+a = anon()
+state = load_file(sys.argv[1])
+out["load_file"] = anon() - a
+print(json.dumps(out))
+"""
+
+
+def test_weights_land_in_anonymous_memory_and_release_returns_it(tmp_path):
+    path = tmp_path / "big.safetensors"
+    size = 4 * 2048 * 2048 * 4
+    save_file({f"{i}.weight": torch.ones(2048, 2048) for i in range(4)}, str(path))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_RSS_SCRIPT), str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    got = json.loads(done.stdout)
+    assert got["load_weights"] >= 0.95 * size, got  # in process memory: no faults later
+    assert got["release"] >= 0.95 * size, got  # and all of it given back
+    # Control: safetensors' load_file maps the file; its pages are file-backed, not anon.
+    assert got["load_file"] < 0.2 * size, got
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and ("[madvise]" in thp.read_text() or "[always]" in thp.read_text()):
+        # Huge pages were advised; the kernel may still fall back under fragmentation.
+        assert got["huge"] >= 0.25 * size, got
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("want", (None, torch.bfloat16))
+def test_loads_to_cuda_through_pinned_buffers(files, want):
+    module = from_safetensors(Net, files[torch.float16], device="cuda", dtype=want)()
+    for key, ref in load_file(str(files[torch.float16])).items():
+        got = module.state_dict()[key]
+        assert got.device.type == "cuda"
+        expected = ref.to(want or torch.float32) if ref.is_floating_point() else ref
+        assert torch.equal(got.cpu(), expected), key
