@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -84,6 +85,7 @@ class StagedPipeline:
         }
         self._lock = threading.RLock()
         self._closed_at: tuple[str | None] | None = None
+        self._pipeline: weakref.ref[Any] | None = None
         self.models = StagedModels(
             {name: self._loader(name) for name in self._skeletons},
             stages=self.plan,
@@ -124,6 +126,12 @@ class StagedPipeline:
         order that does, wrapping around, so a second call of the pipeline starts again at
         ``encode`` and a negative-prompt pass re-enters the stage it needs.
         """
+        if self.models._batch is not None and self._closed_at is None:
+            # A call of map(): wait for the stage outside this lock, which the other calls
+            # of the batch need while this one is parked (see stageload.batch).
+            target = self._next_stage(name)
+            if target is not None:
+                self.models.enter(target)
         with self._lock:
             if self._closed_at is not None:
                 raise ReleasedModuleError(name, self._closed_at[0])
@@ -131,6 +139,19 @@ class StagedPipeline:
             if target is not None and target != self.models.stage:
                 self.models.enter(target)
             self.models[name]
+
+    def map(self, calls: Iterable[Mapping[str, Any]], *, return_exceptions: bool = False) -> list:
+        """Run ``pipe(**kwargs)`` for every dict in ``calls`` stage-major; outputs in order.
+
+        Each component loads once for the whole batch where the plan allows (see
+        :meth:`stageload.StagedModels.map`). Each call gets its own shallow copy of the
+        pipeline and its own copy of the scheduler, since diffusers keeps per-call state
+        on both (``_guidance_scale``, the scheduler's timesteps and step index). With its
+        own ``generator=``, each output equals that call run alone, bit for bit.
+        """
+        from ._batch import run_calls
+
+        return run_calls(self, calls, return_exceptions=return_exceptions)
 
     def move(self, name: str, device: torch.device | None, dtype: torch.dtype | None) -> None:
         """Take ``component.to(device, dtype)``: move it now if loaded, and after each load."""
@@ -321,6 +342,7 @@ def staged_pipeline(
     for name, skeleton in skeletons.items():
         _placeholder.attach(skeleton, _user(state, name), _mover(state, name), device)
     pipe.stageload = state
+    state._pipeline = weakref.ref(pipe)  # for map(); the pipeline owns its stager
     if events is not None:
         summary = "; ".join(f"{s}: {', '.join(n)}" for s, n in state.plan.items())
         events.emit(Event(NOTE, note=f"staged {pipeline_cls.__name__}: {summary}"))
