@@ -37,7 +37,7 @@ def build_fixture(path: Path, gb: float) -> Path:
     if (path / "model_index.json").exists():
         return path
     code = (
-        "import sys, torch; from stageload.diffusers import fixtures as f; "
+        "import sys, torch; from stageload.testing import diffusers as f; "
         f"f.build('qwen-image-2.1', {str(path)!r}, dtype=torch.float16, "
         f"size=f.Size.for_bytes({int(gb * 1e9)}, bytes_per_param=2), vae_dim=16)"
     )
@@ -78,7 +78,7 @@ def _gib(value: float | None) -> str:
 
 def analyse(out: Path, results: dict[str, dict]) -> dict[str, Any]:
     """Per-mode figures from the traces, and the staged peak against its lower bound."""
-    from stageload.trace import load_summary, read_trace
+    from stageload.report.trace import load_summary, read_trace
 
     rows: dict[str, dict[str, Any]] = {}
     for mode, result in results.items():
@@ -115,7 +115,7 @@ def lower_bound(out: Path, results: dict[str, dict]) -> dict[str, Any] | None:
     footprint rose in that stage above where it stood when the stage began (all weights
     were resident then, so the rise is activations and temporaries).
     """
-    from stageload.trace import read_trace, stage_windows
+    from stageload.report.trace import read_trace, stage_windows
 
     if "error" in results["eager"] or "error" in results["staged"]:
         return None
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     analysis = analyse(args.out, results)
     print(write_results(args.out, analysis, meta))
     try:
-        from stageload.plot import plot_traces
+        from stageload.report.plot import plot_traces
 
         traces = [args.out / f"{m}.jsonl" for m in results if "error" not in results[m]]
         plot_traces(traces, args.out / "memory.png")

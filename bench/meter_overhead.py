@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from stageload.meter import MemoryMeter  # noqa: E402
-from stageload.tracefile import read_records  # noqa: E402
+from stageload.meter.tracefile import read_records  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "meter"
 MiB = 1 << 20

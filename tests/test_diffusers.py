@@ -23,8 +23,9 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 from stageload import ListSink, ModelLoadError, ReleasedModuleError  # noqa: E402
-from stageload.diffusers import StagedPipeline, _plan, fixtures, staged_pipeline  # noqa: E402
-from stageload.diffusers.fixtures import Size  # noqa: E402
+from stageload.diffusers import StagedPipeline, _plan, staged_pipeline  # noqa: E402
+from stageload.testing import diffusers as fixtures  # noqa: E402
+from stageload.testing.diffusers import Size  # noqa: E402
 
 diffusers.utils.logging.set_verbosity_error()
 diffusers.utils.logging.disable_progress_bar()
@@ -393,7 +394,7 @@ def test_staged_peak_is_below_eager_by_most_of_the_largest_released_model(
     memory, as on an accelerator or a Mac. Weights mapped from safetensors without a
     conversion stay in the page cache, which the footprint rightly does not count.
     """
-    from stageload.trace import load_summary, read_trace
+    from stageload.report.trace import load_summary, read_trace
 
     family = FAMILIES["qwen-image-2.1"]
     size = Size.for_bytes(150_000_000, bytes_per_param=4)

@@ -38,7 +38,7 @@ from stageload.guard import (
 )
 from stageload.memory import SystemMemory, read_process
 from stageload.memory._linux import read_system as read_linux_system
-from stageload.tracefile import read_records
+from stageload.meter.tracefile import read_records
 
 PY = sys.executable
 SRC = str(Path(__file__).resolve().parents[1] / "src")

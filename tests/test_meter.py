@@ -16,7 +16,7 @@ import pytest
 from stageload.cli import main
 from stageload.events import Event
 from stageload.meter import MemoryMeter
-from stageload.tracefile import read_records
+from stageload.meter.tracefile import read_records
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TESTS = str(Path(__file__).resolve().parent)
@@ -555,9 +555,9 @@ def test_unreadable_footprint_of_a_live_process_is_recorded_not_dropped(
 ) -> None:
     """As root every /proc/PID/status is readable, so the unreadable footprint is faked; the
     process, the writer and the sampler are real. It must not look like 'process gone'."""
-    import stageload.meter_sampler as meter_sampler
+    import stageload.meter.sampler as meter_sampler
     from stageload.memory import ProcessMemory
-    from stageload.tracefile import TraceWriter
+    from stageload.meter.tracefile import TraceWriter
 
     unreadable = ProcessMemory(None, 0, {"footprint": "faked"}, {"footprint": "permission denied"})
     monkeypatch.setattr(meter_sampler, "read_process", lambda pid, tree=False: unreadable)
@@ -572,8 +572,8 @@ def test_unreadable_footprint_of_a_live_process_is_recorded_not_dropped(
 
 
 def test_a_gone_process_writes_no_sample(tmp_path: Path) -> None:
-    from stageload.meter_sampler import Sampler
-    from stageload.tracefile import TraceWriter
+    from stageload.meter.sampler import Sampler
+    from stageload.meter.tracefile import TraceWriter
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # reaped: the pid names no process now

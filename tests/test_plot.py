@@ -11,7 +11,7 @@ import pytest
 
 from fixtures.traces import eager_records, staged_records, write_real_trace, write_trace
 from stageload.cli import main
-from stageload.plot import draw_traces, plot_traces
+from stageload.report.plot import draw_traces, plot_traces
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -68,8 +68,8 @@ def test_without_matplotlib_the_error_says_what_to_install(pair, tmp_path, monke
 
 def test_importing_report_and_plot_stays_light() -> None:
     code = (
-        "import sys, stageload.trace, stageload.report, stageload.plot, "
-        "stageload.commands.report, stageload.commands.plot\n"
+        "import sys, stageload.report.trace, stageload.report.tables, stageload.report.plot, "
+        "stageload.cli.report, stageload.cli.plot\n"
         "heavy = [m for m in ('matplotlib', 'torch', 'numpy') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

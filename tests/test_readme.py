@@ -35,7 +35,7 @@ def test_readme_example_runs_and_prints_what_the_readme_shows():
 
 
 def test_readme_meter_example_writes_a_trace_with_the_events(tmp_path, monkeypatch):
-    from stageload.trace import read_trace
+    from stageload.report.trace import read_trace
 
     first = blocks("python")[0]
     meter = next(b for b in blocks("python") if "MemoryMeter(" in b)

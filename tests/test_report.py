@@ -9,8 +9,8 @@ import pytest
 
 from fixtures.traces import MIB, eager_records, staged_records, write_real_trace, write_trace
 from stageload.cli import main
-from stageload.report import format_report, report_dict, stage_order
-from stageload.trace import load_summary
+from stageload.report.tables import format_report, report_dict, stage_order
+from stageload.report.trace import load_summary
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.traces import MIB, eager_records, staged_records, write_trace
-from stageload.trace import SETUP, TraceError, Window, read_trace, stage_windows, summarize
+from stageload.report.trace import SETUP, TraceError, Window, read_trace, stage_windows, summarize
 
 
 @pytest.fixture

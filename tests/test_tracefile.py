@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from stageload.events import Event
-from stageload.tracefile import FORMAT_VERSION, TraceWriter, read_records
+from stageload.meter.tracefile import FORMAT_VERSION, TraceWriter, read_records
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -147,7 +147,7 @@ def test_threads_never_interleave_lines(tmp_path: Path) -> None:
 _WRITER = textwrap.dedent(
     """
     import sys
-    from stageload.tracefile import TraceWriter
+    from stageload.meter.tracefile import TraceWriter
     path, name, m0 = sys.argv[1], sys.argv[2], float(sys.argv[3])
     with TraceWriter(path, append=True, monotonic0=m0) as trace:
         for i in range(1500):
@@ -182,7 +182,7 @@ def test_two_processes_appending_never_interleave(tmp_path: Path) -> None:
 _KILLED = textwrap.dedent(
     """
     import sys, time
-    from stageload.tracefile import TraceWriter
+    from stageload.meter.tracefile import TraceWriter
     trace = TraceWriter(sys.argv[1])
     trace.start(pid=0)
     for i in range(5):

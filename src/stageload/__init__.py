@@ -7,6 +7,8 @@ below are resolved on first access, so the CLI and the guard start fast.
 from __future__ import annotations
 
 import importlib
+import sys
+from importlib.machinery import ModuleSpec
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -58,6 +60,37 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
+
+
+# Module paths the docs named before the package was split into folders (issue 9), kept
+# importable as aliases of the modules' new homes. A finder, not a stub file at each old
+# path, so that one table lists them and no old file lingers beside its moved contents.
+_MOVED: dict[str, str] = {
+    "stageload.trace": "stageload.report.trace",
+    "stageload.tracefile": "stageload.meter.tracefile",
+    "stageload.plot": "stageload.report.plot",
+    "stageload.diffusers.fixtures": "stageload.testing.diffusers",
+}
+
+
+class _MovedModuleFinder:
+    """Import each old name in ``_MOVED`` as the very module object at its new path."""
+
+    @staticmethod
+    def find_spec(name: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
+        return ModuleSpec(name, _MovedModuleFinder) if name in _MOVED else None
+
+    @staticmethod
+    def create_module(spec: ModuleSpec) -> Any:
+        return importlib.import_module(_MOVED[spec.name])
+
+    @staticmethod
+    def exec_module(module: Any) -> None:
+        pass  # already executed under its new name
+
+
+if not any(f is _MovedModuleFinder for f in sys.meta_path):
+    sys.meta_path.append(_MovedModuleFinder)  # last: real files always win
 
 
 if TYPE_CHECKING:  # let type checkers and IDEs see the real objects

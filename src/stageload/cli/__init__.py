@@ -7,9 +7,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from . import __version__
+from .. import __version__
 
-# Subcommand name -> module in stageload.commands. Order is the order in --help.
+# Subcommand name -> module in stageload.cli. Order is the order in --help.
 COMMANDS: dict[str, str] = {
     "demo": "demo",
     "meter": "meter",
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stageload {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in COMMANDS.items():
-        module = importlib.import_module(f"stageload.commands.{module_name}")
+        module = importlib.import_module(f"stageload.cli.{module_name}")
         cmd = sub.add_parser(
             name,
             help=module.HELP,

@@ -153,8 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli import EXIT_USAGE
     from ..guard import GuardConfig, GuardSetupError, run_guard
+    from . import EXIT_USAGE
 
     command = command_after_dashes(
         args.command, "stageload guard", "stageload guard -- python run.py"

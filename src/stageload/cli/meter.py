@@ -16,7 +16,7 @@ from ..units import format_duration, format_size
 from ._args import command_after_dashes, interval, unwritable_file
 
 if TYPE_CHECKING:
-    from ..trace import Summary
+    from ..report.trace import Summary
 
 HELP = "run a command and record its memory (footprint, swap, available) in a trace"
 
@@ -134,10 +134,10 @@ def summary_line(summary: Summary) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli import EXIT_USAGE
-    from ..guard_proc import exit_status
+    from ..guard.process import exit_status
     from ..meter import MemoryMeter
-    from ..trace import load_summary
+    from ..report.trace import load_summary
+    from . import EXIT_USAGE
 
     command = command_after_dashes(
         args.command, "stageload meter", "stageload meter -o run.jsonl -- python run.py"

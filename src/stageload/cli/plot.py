@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..plot import PlotUnavailableError, plot_traces
-    from ..trace import TraceError
+    from ..report.plot import PlotUnavailableError, plot_traces
+    from ..report.trace import TraceError
 
     if args.dpi <= 0:
         print(f"stageload plot: error: --dpi must be positive, got {args.dpi!r}", file=sys.stderr)

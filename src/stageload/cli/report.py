@@ -31,8 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..report import format_report, report_dict
-    from ..trace import TraceError, load_summary
+    from ..report.tables import format_report, report_dict
+    from ..report.trace import TraceError, load_summary
 
     try:
         summaries = [load_summary(path) for path in args.traces]

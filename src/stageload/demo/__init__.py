@@ -31,13 +31,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .units import format_duration, format_size
+from ..units import format_duration, format_size
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from .staged import StagedModels
+    from ..staged import StagedModels
 
 #: Exit codes of ``stageload demo``.
 EXIT_OK = 0
@@ -246,7 +246,7 @@ def make_models(
 
     ``preserve_rng=False`` is the control that shows why loads must not touch the RNG.
     """
-    from .staged import StagedModels
+    from ..staged import StagedModels
 
     if mode not in MODES:
         raise ValueError(f"unknown demo mode {mode!r}: use 'eager' or 'staged'")
@@ -291,8 +291,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from .events import TeeSink
-    from .meter import MemoryMeter
+    from ..events import TeeSink
+    from ..meter import MemoryMeter
 
     # The same thread count in both runs: BLAS may sum in a different order otherwise.
     torch.set_num_threads(args.threads)
@@ -414,9 +414,9 @@ def run_demo(
     progress: Callable[[str], None] = lambda _: None,
 ) -> DemoResult:
     """Generate or reuse the weights, run eager and staged, compare, report and plot."""
-    from .plot import PlotUnavailableError, plot_traces
-    from .report import report_dict
-    from .trace import load_summary
+    from ..report.plot import PlotUnavailableError, plot_traces
+    from ..report.tables import report_dict
+    from ..report.trace import load_summary
 
     if size not in SIZES:
         raise ValueError(f"unknown demo size {size!r}: use one of {', '.join(sorted(SIZES))}")
@@ -479,8 +479,8 @@ def run_demo(
 
 def format_result(result: DemoResult) -> str:
     """The demo's closing text: per-stage report, peaks compared, where the files are."""
-    from .report import format_report
-    from .trace import load_summary
+    from ..report.tables import format_report
+    from ..report.trace import load_summary
 
     eager, staged = (load_summary(result.traces[m]) for m in MODES)
     lines = [format_report([eager, staged]), ""]
@@ -510,8 +510,3 @@ def _print_to(stream: TextIO) -> Callable[[str], None]:
 
     return say
 
-
-if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        sys.exit(worker_main(sys.argv[2:]))
-    sys.exit("usage: python -m stageload.demo worker MODE ...; for the demo run 'stageload demo'")

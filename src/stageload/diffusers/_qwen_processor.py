@@ -3,7 +3,7 @@
 transformers' video processors need torchvision, which stageload does not depend on. The
 Qwen-Image pipelines read prompts and images only, so the fixtures save this subclass
 instead; diffusers records it under this module's path in ``model_index.json`` and loads it
-back while this module is imported (``stageload.diffusers.fixtures`` imports it).
+back while this module is imported (``stageload.testing.diffusers`` imports it).
 """
 
 from __future__ import annotations

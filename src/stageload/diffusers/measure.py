@@ -80,7 +80,9 @@ def run(
 
     from ..meter import MemoryMeter
     from ..release import module_bytes
-    from . import _dtype_kwarg, _plan, fixtures, staged_pipeline  # noqa: F401 (fixtures: processors)
+
+    # _qwen_processor: loading the Qwen fixtures needs their processor class imported.
+    from . import _dtype_kwarg, _plan, _qwen_processor, staged_pipeline  # noqa: F401
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")

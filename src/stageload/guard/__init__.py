@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Literal, TextIO
 
-from .events import Event
-from .guard_proc import CannotStartError, CommandGroup, exit_status
-from .memory import ProcessMemory, SystemMemory, sample_errors, sample_sources, to_sample
-from .units import format_duration, format_size, parse_percent_or_size, parse_size
+from ..events import Event
+from ..memory import ProcessMemory, SystemMemory, sample_errors, sample_sources, to_sample
+from ..units import format_duration, format_size, parse_percent_or_size, parse_size
+from .process import CannotStartError, CommandGroup, exit_status
 
 #: The guard stopped the command (swap budget or memory floor).
 EXIT_STOPPED = 3
@@ -119,7 +119,7 @@ class Probes:
     @classmethod
     def real(cls) -> Probes:
         """The machine's own counters, through the ``stageload.memory`` readers."""
-        from .memory import read_system
+        from ..memory import read_system
 
         return cls(system=read_system, process=TreeFootprint(), processes=list_processes)
 
@@ -152,7 +152,7 @@ class TreeFootprint:
         self._root, self._pids, self._listed_at = pid, [pid, *children], self.clock()
 
     def __call__(self, pid: int) -> ProcessMemory:
-        from .memory import read_process
+        from ..memory import read_process
 
         if pid != self._root or self.clock() - self._listed_at >= self.relist:
             self._list(pid)
@@ -211,7 +211,7 @@ class GuardConfig:
     busy_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        from .units import parse_duration
+        from ..units import parse_duration
 
         self.command = list(self.command)
         if not self.command:
@@ -703,7 +703,7 @@ class Guard:
     def run(self) -> GuardResult:
         """Admit, run, watch and stop; returns how it ended. Status lines go to ``stderr``."""
         if self.config.trace is not None:
-            from .tracefile import TraceWriter
+            from ..meter.tracefile import TraceWriter
 
             # Opened before waiting: an unwritable path fails now, not after the command
             # started.

@@ -16,11 +16,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .events import Event
-from .memory import read_device, read_process, read_system, sample_errors, sample_sources, to_sample
-from .meter_sampler import Sampler, pid_alive
+from ..events import Event
+from ..memory import (
+    read_device,
+    read_process,
+    read_system,
+    sample_errors,
+    sample_sources,
+    to_sample,
+)
+from ..units import parse_duration
+from .sampler import Sampler, pid_alive
 from .tracefile import TraceWriter
-from .units import parse_duration
 
 #: The ways to take samples: a separate sampler process (default) or a thread in this one.
 SAMPLERS = ("process", "thread")
@@ -293,7 +300,7 @@ class MemoryMeter:
         cmd = [
             sys.executable,
             "-m",
-            "stageload.meter_sampler",
+            "stageload.meter",
             "--path",
             os.path.abspath(self.path),
             "--watch",

@@ -2,13 +2,13 @@
 
 A Python thread takes no sample while native code holds the GIL, so a peak that lives only
 inside one long C call is invisible to it. The sampler process (``python -m
-stageload.meter_sampler``) has its own interpreter and samples regardless. It imports only
-``stageload.memory`` and ``stageload.tracefile`` (psutil, never torch) and starts in about a
+stageload.meter``) has its own interpreter and samples regardless. It imports only
+``stageload.memory`` and ``stageload.meter.tracefile`` (psutil, never torch) and starts in about a
 tenth of a second.
 
 The sampler writes its samples straight into the trace file, and the metered process writes
 its events into the same file: each writer appends whole lines with one ``O_APPEND`` write
-(see ``stageload.tracefile``), so lines never mix. Samples are not sent to the parent
+(see ``stageload.meter.tracefile``), so lines never mix. Samples are not sent to the parent
 through a pipe for it to write: they would die with it, and the samples just before a
 crash (an OOM kill) are the ones that matter most.
 
@@ -42,7 +42,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .memory import read_device, read_process, read_system, sample_errors, to_sample
+from ..memory import read_device, read_process, read_system, sample_errors, to_sample
 from .tracefile import TraceWriter
 
 #: Sample keys read in the process that uses torch.
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m stageload.meter_sampler",
+        prog="python -m stageload.meter",
         description="MemoryMeter's sampler process; started by MemoryMeter, not by hand.",
     )
     parser.add_argument("--path", required=True, help="trace file to append samples to")

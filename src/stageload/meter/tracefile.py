@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .events import Event
+from ..events import Event
 
 #: Version of the trace format written in the start record.
 FORMAT_VERSION = 1
@@ -51,7 +51,7 @@ def _clean(value: Any) -> Any:
 
 def versions() -> dict[str, str]:
     """stageload, Python and (when already imported, never importing it) torch versions."""
-    from . import __version__
+    from .. import __version__
 
     found = {"stageload": __version__, "python": platform.python_version()}
     torch = sys.modules.get("torch")

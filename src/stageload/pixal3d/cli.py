@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..commands._args import interval, unusable_folder, unwritable_file
+from ..cli._args import interval, unusable_folder, unwritable_file
 from .plan import STAGES
 
 EXIT_OK = 0

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .report import column_labels, stage_order
+from .tables import column_labels, stage_order
 from .trace import SETUP, Summary, Trace, read_trace, summarize
 
 if TYPE_CHECKING:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..units import format_duration, format_size
 from .trace import DEVICE_KEYS, Activity, Summary
-from .units import format_duration, format_size
 
 #: What a cell shows for a stage the trace never reached.
 NOT_REACHED = "-"

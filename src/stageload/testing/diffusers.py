@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # The Qwen fixtures save this processor; loading them back needs its module imported.
-from ._qwen_processor import Qwen3VLTextImageProcessor
+from ..diffusers._qwen_processor import Qwen3VLTextImageProcessor
 
 if TYPE_CHECKING:
     import torch
