@@ -33,9 +33,9 @@ from stageload.guard import (
     Probes,
     StopRule,
     _Status,
-    list_processes,
     run_guard,
 )
+from stageload.guard.watch import list_processes
 from stageload.memory import SystemMemory, read_process
 from stageload.memory._linux import read_system as read_linux_system
 from stageload.meter.tracefile import read_records

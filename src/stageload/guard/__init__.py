@@ -5,28 +5,35 @@ machine down.
 processes), starts the command in its own process group, samples memory while it runs, and
 stops the group (SIGTERM, then SIGKILL after a grace period) when swap grows past its budget
 or available memory stays under the floor. It touches nothing outside the group it started.
-Process-group control lives in ``guard_proc``.
+Thresholds, configuration and result live in ``config``, the probes and the stop rule in
+``watch``, process-group control in ``process``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import select
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from types import FrameType
-from typing import Any, Literal, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 from ..events import Event
-from ..memory import ProcessMemory, SystemMemory, sample_errors, sample_sources, to_sample
-from ..units import format_duration, format_size, parse_percent_or_size, parse_size
-from .process import CannotStartError, CommandGroup, exit_status
+from ..memory import SystemMemory, sample_errors, sample_sources, to_sample
+from ..units import format_duration, format_size
+from .config import Amount, GuardConfig, GuardResult, GuardSetupError, Outcome, compile_busy
+from .process import CannotStartError, CommandGroup, exit_reason, exit_status
+from .watch import (
+    POLL_MAX,
+    Probes,
+    StopRule,
+    _SignalCatcher,
+    _Status,
+    guard_and_ancestors,
+    room_note,
+)
 
 #: The guard stopped the command (swap budget or memory floor).
 EXIT_STOPPED = 3
@@ -38,392 +45,10 @@ EXIT_CANNOT_START = 127
 #: Event kind of the guard's decisions in a trace.
 GUARD = "guard"
 
-# Adaptive polling, after earlyoom: sleep for the time memory would take to fill the
-# remaining margin at a fast but plausible rate, clamped. earlyoom assumes 6000 MiB/s for RAM
-# and 800 MiB/s for swap (earlyoom main.c, sleep_time_ms); we keep those rates and clamp
-# to [0.1 s, 0.5 s], so a crossing is seen within one poll and an idle watch costs little.
-POLL_MIN = 0.1
-POLL_MAX = 0.5
-RAM_FILL_RATE = 6000 * 2**20
-SWAP_FILL_RATE = 800 * 2**20
 # Sampling while the group winds down after SIGTERM.
 _STOP_POLL = 0.05
 # How long to wait for the group to vanish after SIGKILL before giving up on it.
 _KILL_WAIT = 5.0
-# How many consecutive samples under --kill-free stop the command.
-KILL_SAMPLES = 2
-
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-# -- thresholds ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Amount:
-    """A memory floor: a percentage of total memory or an absolute number of bytes."""
-
-    kind: Literal["percent", "bytes"]
-    value: float
-
-    @classmethod
-    def parse(cls, text: str | Amount) -> Amount:
-        """``"40%"``/``"40"`` -> percent, ``"12G"`` -> bytes (``units.parse_percent_or_size``)."""
-        if isinstance(text, Amount):
-            return text
-        kind, value = parse_percent_or_size(text)
-        return cls("percent" if kind == "percent" else "bytes", value)
-
-    def floor(self, total: int | None) -> int | None:
-        """The floor in bytes for a machine with ``total`` bytes (None if total is unknown)."""
-        if self.kind == "bytes":
-            return int(self.value)
-        return None if total is None else int(total * self.value / 100)
-
-    def shortfall(self, reading: SystemMemory) -> str | None:
-        """``"available 31% < 40%"`` when the reading is under this floor, else None.
-
-        None also when available memory could not be read; callers report that separately.
-        """
-        if self.kind == "percent":
-            pct = reading.available_percent
-            if pct is None or pct >= self.value:
-                return None
-            return f"available {pct:.0f}% < {self}"
-        if reading.available is None or reading.available >= self.value:
-            return None
-        return f"available {format_size(reading.available, precision=2)} < {self}"
-
-    def __str__(self) -> str:
-        if self.kind == "percent":
-            return f"{self.value:g}%"
-        return format_size(self.value, precision=2)
-
-
-# -- the seam: what the guard reads from the machine ----------------------------------
-
-
-@dataclass(frozen=True)
-class Probes:
-    """The uncontrollable inputs of the guard: memory counters, the process list, the clock.
-
-    Everything else (the command, its group, signals, the trace file) is real. Tests swap a
-    probe to replay recorded counters, e.g. swap growth on a machine without swap.
-    """
-
-    system: Callable[[], SystemMemory]  # memory of the machine (or cgroup)
-    process: Callable[[int], ProcessMemory]  # footprint of a pid's process tree
-    processes: Callable[[], Iterable[tuple[int, str]]]  # (pid, full command line)
-    clock: Callable[[], float] = time.monotonic
-
-    @classmethod
-    def real(cls) -> Probes:
-        """The machine's own counters, through the ``stageload.memory`` readers."""
-        from ..memory import read_system
-
-        return cls(system=read_system, process=TreeFootprint(), processes=list_processes)
-
-
-class TreeFootprint:
-    """Footprint of a process tree, listing the tree at most every ``relist`` seconds.
-
-    ``read_process(pid, tree=True)`` lists descendants with psutil, which reads every
-    process's stat file: about 4 ms per call with 90 processes on this machine, 1% of a core
-    at two samples a second, and more on a busy machine. The guard samples often, so it
-    keeps the list of pids and reads only their own footprints (0.1 ms each) between
-    relistings; a child started since the last listing counts from the next one. A pid that
-    vanished triggers a relisting at once.
-    """
-
-    def __init__(self, relist: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.relist = relist
-        self.clock = clock
-        self._root: int | None = None
-        self._pids: list[int] = []
-        self._listed_at = float("-inf")
-
-    def _list(self, pid: int) -> None:
-        import psutil
-
-        try:
-            children = [c.pid for c in psutil.Process(pid).children(recursive=True)]
-        except psutil.Error:
-            children = []
-        self._root, self._pids, self._listed_at = pid, [pid, *children], self.clock()
-
-    def __call__(self, pid: int) -> ProcessMemory:
-        from ..memory import read_process
-
-        if pid != self._root or self.clock() - self._listed_at >= self.relist:
-            self._list(pid)
-        readings = [read_process(p) for p in self._pids]
-        if any(r.footprint is None for r in readings[1:]):
-            self._list(pid)  # a child exited (or its pid was reused): list the tree again
-            readings = [read_process(p) for p in self._pids]
-        root = readings[0]
-        sources = {k: f"{v} summed over the process tree" for k, v in root.sources.items()}
-        if root.footprint is None:
-            return ProcessMemory(None, 0, sources, dict(root.errors))
-        found = [r.footprint for r in readings if r.footprint is not None]
-        return ProcessMemory(sum(found), len(found), sources, {})
-
-
-def list_processes() -> Iterator[tuple[int, str]]:
-    """(pid, command line) of every process whose command line can be read."""
-    import psutil
-
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info.get("cmdline")
-        if cmdline:  # kernel threads and processes we may not read have none
-            yield proc.pid, " ".join(cmdline)
-
-
-def guard_and_ancestors() -> frozenset[int]:
-    """This process and its ancestors: a --busy pattern that names them must not match."""
-    import psutil
-
-    me = psutil.Process()
-    return frozenset([me.pid, *(p.pid for p in me.parents())])
-
-
-# -- configuration and result ----------------------------------------------------------
-
-
-@dataclass
-class GuardConfig:
-    """What to run and the rules to admit, watch and stop it. Defaults match the CLI.
-
-    Sizes accept ``units`` strings (``"8G"``), floors a percentage or a size, durations
-    seconds or ``units`` strings (``"1m"``). ``poll=None`` polls adaptively.
-    """
-
-    command: Sequence[str]
-    wait_free: Amount | str = "40%"
-    swap_limit: int | str | None = None
-    swap_budget: int | str = "8G"
-    busy: Sequence[str | re.Pattern[str]] = ()
-    quiet_for: float | str = 60.0
-    start_timeout: float | str | None = None
-    kill_free: Amount | str = "10%"
-    poll: float | str | None = None
-    grace: float | str = 5.0
-    trace: str | os.PathLike[str] | None = None
-    busy_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        from ..units import parse_duration
-
-        self.command = list(self.command)
-        if not self.command:
-            raise ValueError("no command given: put it after '--', e.g. -- python run.py")
-        self.wait_free = Amount.parse(self.wait_free)
-        self.kill_free = Amount.parse(self.kill_free)
-        self.swap_limit = None if self.swap_limit is None else parse_size(self.swap_limit)
-        self.swap_budget = parse_size(self.swap_budget)
-        if self.swap_limit is not None and self.swap_limit <= self.swap_budget:
-            # Admission needs swap used + budget < limit, and swap used is never below 0.
-            raise ValueError(
-                f"--swap-limit {format_size(self.swap_limit)} is not above --swap-budget "
-                f"{format_size(self.swap_budget)}, so the command could never start; raise "
-                "--swap-limit or lower --swap-budget (e.g. --swap-limit 16G --swap-budget 4G)"
-            )
-        self.quiet_for = parse_duration(self.quiet_for)
-        self.grace = parse_duration(self.grace)
-        if self.start_timeout is not None:
-            self.start_timeout = parse_duration(self.start_timeout)
-        if self.poll is not None:
-            self.poll = parse_duration(self.poll)
-            if self.poll <= 0:
-                raise ValueError(f"poll interval must be above 0, got {self.poll!r}: e.g. '0.5s'")
-        self.busy_patterns = tuple(compile_busy(p) for p in self.busy)
-
-
-def compile_busy(pattern: str | re.Pattern[str]) -> re.Pattern[str]:
-    """Compile a --busy pattern, with a message that names it when it is not a regex."""
-    if isinstance(pattern, re.Pattern):
-        return pattern
-    try:
-        return re.compile(pattern)
-    except re.error as exc:
-        raise ValueError(
-            f"invalid --busy pattern {pattern!r}: {exc}; it is a Python regular expression "
-            r"searched in full command lines, e.g. 'ffmpeg' or 'python .*train\.py'"
-        ) from None
-
-
-class GuardSetupError(Exception):
-    """The guard could not set up (e.g. the trace file cannot be written); nothing ran."""
-
-
-Outcome = Literal["exited", "stopped", "signalled", "no_room", "cannot_start"]
-
-
-@dataclass
-class GuardResult:
-    """How a guarded run ended. ``exit_code`` is what ``stageload guard`` exits with."""
-
-    exit_code: int
-    outcome: Outcome
-    reason: str
-    waited: float
-    ran: float | None = None
-    peak_footprint: int | None = None
-    swap_growth: int | None = None
-    pid: int | None = None
-
-    def summary(self) -> str:
-        """The final stderr line: waited, ran, peak footprint, swap growth, why it ended."""
-        ran = "did not run" if self.ran is None else f"ran {format_duration(self.ran)}"
-        growth = "-" if self.swap_growth is None else _signed_size(self.swap_growth)
-        return (
-            f"stageload guard: waited {format_duration(self.waited)}, {ran}, "
-            f"peak footprint {format_size(self.peak_footprint)}, swap {growth}; "
-            f"{self.reason} (exit {self.exit_code})"
-        )
-
-
-def _signed_size(n: int) -> str:
-    return ("+" if n >= 0 else "") + format_size(n)
-
-
-# -- rules -----------------------------------------------------------------------------
-
-
-class StopRule:
-    """Decides, one sample at a time, whether the running command must be stopped.
-
-    Swap growth over the value at start beyond ``swap_budget`` stops at once; available
-    memory under ``kill_free`` stops after ``KILL_SAMPLES`` consecutive samples.
-    """
-
-    def __init__(self, kill_free: Amount, swap_budget: int, swap_at_start: int | None) -> None:
-        self.kill_free = kill_free
-        self.swap_budget = swap_budget
-        self.swap_at_start = swap_at_start
-        self.below = 0  # consecutive samples under the floor
-
-    def swap_growth(self, reading: SystemMemory) -> int | None:
-        if reading.swap_used is None or self.swap_at_start is None:
-            return None
-        return reading.swap_used - self.swap_at_start
-
-    def observe(self, reading: SystemMemory) -> str | None:
-        """The reason to stop after this sample, or None to keep running."""
-        growth = self.swap_growth(reading)
-        if growth is not None and growth > self.swap_budget:
-            return (
-                f"swap grew {format_size(growth)} since start, "
-                f"over the budget of {format_size(self.swap_budget)}"
-            )
-        short = self.kill_free.shortfall(reading)
-        if short is None:
-            self.below = 0
-            return None
-        self.below += 1
-        if self.below >= KILL_SAMPLES:
-            return f"{short} for {self.below} samples in a row"
-        return None
-
-    def next_poll(self, reading: SystemMemory, fixed: float | None) -> float:
-        """Seconds to the next sample: ``fixed``, or shorter as the margins shrink."""
-        if fixed is not None:
-            return fixed
-        if self.below:
-            return POLL_MIN  # the confirming sample comes at once
-        waits = [POLL_MAX]
-        floor = self.kill_free.floor(reading.total)
-        if reading.available is not None and floor is not None:
-            waits.append((reading.available - floor) / RAM_FILL_RATE)
-        growth = self.swap_growth(reading)
-        if growth is not None:
-            waits.append((self.swap_budget - growth) / SWAP_FILL_RATE)
-        return min(POLL_MAX, max(POLL_MIN, min(waits)))
-
-
-# -- signals, waiting, status line -----------------------------------------------------
-
-
-class _SignalCatcher:
-    """Catches SIGINT/SIGTERM/SIGHUP while the guard runs; ignored ones stay ignored.
-
-    Each signal is recorded and wakes the guard's ``select`` through a pipe. Outside the
-    main thread Python cannot install handlers, so none are (the caller owns signals then).
-    """
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self.fd: int | None = None
-        self._write_fd: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _SignalCatcher:
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        self.fd, self._write_fd = os.pipe()
-        os.set_blocking(self.fd, False)
-        os.set_blocking(self._write_fd, False)
-        for sig in _SIGNALS:
-            previous = signal.getsignal(sig)
-            if previous == signal.SIG_IGN:
-                continue  # started under nohup (or similar): the user asked to ignore it
-            self._previous[sig] = previous
-            signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received.append(signum)
-        if self._write_fd is not None:
-            with contextlib.suppress(OSError):
-                os.write(self._write_fd, b"\0")
-
-    def drain(self) -> None:
-        if self.fd is not None:
-            with contextlib.suppress(OSError):
-                while os.read(self.fd, 512):
-                    pass
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
-        for fd in (self.fd, self._write_fd):
-            if fd is not None:
-                os.close(fd)
-        self.fd = self._write_fd = None
-
-
-class _Status:
-    """The waiting line on stderr: updated in place on a terminal, one line per change else."""
-
-    def __init__(self, stream: TextIO | None) -> None:
-        self.stream = stream
-        self.tty = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
-        self._key: object = None
-        self._open = False  # a TTY line without its newline yet
-
-    def show(self, key: object, text: str) -> None:
-        if self.stream is None:
-            return
-        if self.tty:
-            self.stream.write(f"\r\x1b[K{text}")
-            self._open = True
-        elif key != self._key:
-            self.stream.write(text + "\n")
-        self._key = key
-        self.stream.flush()
-
-    def line(self, text: str) -> None:
-        """A line of its own, after ending any in-place line."""
-        if self.stream is None:
-            return
-        self.end()
-        self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def end(self) -> None:
-        if self._open and self.stream is not None:
-            self.stream.write("\n")
-            self.stream.flush()
-        self._open = False
 
 
 # -- the guard -------------------------------------------------------------------------
@@ -617,7 +242,7 @@ class Guard:
                 self._start_trace(group, admitted)
             self._emit(
                 f"start: pid {group.pid} after waiting {format_duration(waited)}; "
-                + _room_note(admitted)
+                + room_note(admitted)
             )
             if self.on_start is not None:
                 self.on_start(group)
@@ -630,7 +255,7 @@ class Guard:
                 if group.leader_exited():
                     returncode = group.reap()
                     code, outcome = exit_status(returncode), "exited"
-                    reason = _exit_reason(returncode)
+                    reason = exit_reason(returncode)
                     self._emit(f"exit: {reason}")
                     break
                 stop_reason = rule.observe(reading)
@@ -695,7 +320,7 @@ class Guard:
                 time.sleep(_STOP_POLL)
         with contextlib.suppress(Exception):
             returncode = group.reap(timeout=_KILL_WAIT)
-            self._emit(f"exit: {_exit_reason(returncode)}")
+            self._emit(f"exit: {exit_reason(returncode)}")
         return why + (f" ({killed})" if killed else "")
 
     # entry point -----------------------------------------------------------------------
@@ -731,27 +356,6 @@ class Guard:
                         self._trace.path.unlink()
         self.status.line(result.summary())
         return result
-
-
-def _room_note(reading: SystemMemory) -> str:
-    parts = []
-    if reading.available_percent is not None:
-        parts.append(f"available {reading.available_percent:.0f}%")
-    if reading.available is not None:
-        parts.append(f"{format_size(reading.available)}")
-    if reading.swap_used is not None:
-        parts.append(f"swap used {format_size(reading.swap_used)}")
-    return ", ".join(parts) or "memory unreadable"
-
-
-def _exit_reason(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"command died from {name}"
-    return f"command exited with code {returncode}"
 
 
 def run_guard(
@@ -790,5 +394,6 @@ __all__ = [
     "GuardSetupError",
     "Probes",
     "StopRule",
+    "compile_busy",
     "run_guard",
 ]

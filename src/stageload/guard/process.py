@@ -145,3 +145,14 @@ class CommandGroup:
 def exit_status(returncode: int) -> int:
     """A Popen return code as a shell reports it: 128+N for death by signal N."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def exit_reason(returncode: int) -> str:
+    """How a command ended, in words, from its return code."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"command died from {name}"
+    return f"command exited with code {returncode}"

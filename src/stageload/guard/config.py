@@ -1,0 +1,159 @@
+"""What the guard is told and what it answers: thresholds, the run's configuration, its result.
+
+``Amount`` parses the memory floors, ``GuardConfig`` converts every field at construction
+(see ``stageload.units``), and ``GuardResult`` is how a guarded run ended.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..memory import SystemMemory
+from ..units import format_duration, format_size, parse_percent_or_size, parse_size
+
+# -- thresholds ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Amount:
+    """A memory floor: a percentage of total memory or an absolute number of bytes."""
+
+    kind: Literal["percent", "bytes"]
+    value: float
+
+    @classmethod
+    def parse(cls, text: str | Amount) -> Amount:
+        """``"40%"``/``"40"`` -> percent, ``"12G"`` -> bytes (``units.parse_percent_or_size``)."""
+        if isinstance(text, Amount):
+            return text
+        kind, value = parse_percent_or_size(text)
+        return cls("percent" if kind == "percent" else "bytes", value)
+
+    def floor(self, total: int | None) -> int | None:
+        """The floor in bytes for a machine with ``total`` bytes (None if total is unknown)."""
+        if self.kind == "bytes":
+            return int(self.value)
+        return None if total is None else int(total * self.value / 100)
+
+    def shortfall(self, reading: SystemMemory) -> str | None:
+        """``"available 31% < 40%"`` when the reading is under this floor, else None.
+
+        None also when available memory could not be read; callers report that separately.
+        """
+        if self.kind == "percent":
+            pct = reading.available_percent
+            if pct is None or pct >= self.value:
+                return None
+            return f"available {pct:.0f}% < {self}"
+        if reading.available is None or reading.available >= self.value:
+            return None
+        return f"available {format_size(reading.available, precision=2)} < {self}"
+
+    def __str__(self) -> str:
+        if self.kind == "percent":
+            return f"{self.value:g}%"
+        return format_size(self.value, precision=2)
+
+
+# -- configuration and result ----------------------------------------------------------
+
+
+@dataclass
+class GuardConfig:
+    """What to run and the rules to admit, watch and stop it. Defaults match the CLI.
+
+    Sizes accept ``units`` strings (``"8G"``), floors a percentage or a size, durations
+    seconds or ``units`` strings (``"1m"``). ``poll=None`` polls adaptively.
+    """
+
+    command: Sequence[str]
+    wait_free: Amount | str = "40%"
+    swap_limit: int | str | None = None
+    swap_budget: int | str = "8G"
+    busy: Sequence[str | re.Pattern[str]] = ()
+    quiet_for: float | str = 60.0
+    start_timeout: float | str | None = None
+    kill_free: Amount | str = "10%"
+    poll: float | str | None = None
+    grace: float | str = 5.0
+    trace: str | os.PathLike[str] | None = None
+    busy_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        from ..units import parse_duration
+
+        self.command = list(self.command)
+        if not self.command:
+            raise ValueError("no command given: put it after '--', e.g. -- python run.py")
+        self.wait_free = Amount.parse(self.wait_free)
+        self.kill_free = Amount.parse(self.kill_free)
+        self.swap_limit = None if self.swap_limit is None else parse_size(self.swap_limit)
+        self.swap_budget = parse_size(self.swap_budget)
+        if self.swap_limit is not None and self.swap_limit <= self.swap_budget:
+            # Admission needs swap used + budget < limit, and swap used is never below 0.
+            raise ValueError(
+                f"--swap-limit {format_size(self.swap_limit)} is not above --swap-budget "
+                f"{format_size(self.swap_budget)}, so the command could never start; raise "
+                "--swap-limit or lower --swap-budget (e.g. --swap-limit 16G --swap-budget 4G)"
+            )
+        self.quiet_for = parse_duration(self.quiet_for)
+        self.grace = parse_duration(self.grace)
+        if self.start_timeout is not None:
+            self.start_timeout = parse_duration(self.start_timeout)
+        if self.poll is not None:
+            self.poll = parse_duration(self.poll)
+            if self.poll <= 0:
+                raise ValueError(f"poll interval must be above 0, got {self.poll!r}: e.g. '0.5s'")
+        self.busy_patterns = tuple(compile_busy(p) for p in self.busy)
+
+
+def compile_busy(pattern: str | re.Pattern[str]) -> re.Pattern[str]:
+    """Compile a --busy pattern, with a message that names it when it is not a regex."""
+    if isinstance(pattern, re.Pattern):
+        return pattern
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(
+            f"invalid --busy pattern {pattern!r}: {exc}; it is a Python regular expression "
+            r"searched in full command lines, e.g. 'ffmpeg' or 'python .*train\.py'"
+        ) from None
+
+
+class GuardSetupError(Exception):
+    """The guard could not set up (e.g. the trace file cannot be written); nothing ran."""
+
+
+Outcome = Literal["exited", "stopped", "signalled", "no_room", "cannot_start"]
+
+
+@dataclass
+class GuardResult:
+    """How a guarded run ended. ``exit_code`` is what ``stageload guard`` exits with."""
+
+    exit_code: int
+    outcome: Outcome
+    reason: str
+    waited: float
+    ran: float | None = None
+    peak_footprint: int | None = None
+    swap_growth: int | None = None
+    pid: int | None = None
+
+    def summary(self) -> str:
+        """The final stderr line: waited, ran, peak footprint, swap growth, why it ended."""
+        ran = "did not run" if self.ran is None else f"ran {format_duration(self.ran)}"
+        growth = "-" if self.swap_growth is None else _signed_size(self.swap_growth)
+        return (
+            f"stageload guard: waited {format_duration(self.waited)}, {ran}, "
+            f"peak footprint {format_size(self.peak_footprint)}, swap {growth}; "
+            f"{self.reason} (exit {self.exit_code})"
+        )
+
+
+def _signed_size(n: int) -> str:
+    return ("+" if n >= 0 else "") + format_size(n)
