@@ -5,7 +5,7 @@ drawn from a fixed seed, tokenizers are trained in code on a few sentences, and 
 pipeline is written with ``save_pretrained``. ``Size`` scales the two large models (text
 encoder and denoiser); the same code builds a 1 MB test fixture and a 6 GB benchmark one.
 
-    from stageload.diffusers.fixtures import build, Size
+    from stageload.testing.diffusers import build, Size
     path = build("qwen-image-2.1", tmp_path / "qwen", size=Size.tiny())
 """
 
@@ -20,20 +20,31 @@ from typing import TYPE_CHECKING, Any
 # The Qwen fixtures save this processor; loading them back needs its module imported.
 from ..diffusers._qwen_processor import Qwen3VLTextImageProcessor
 
+# fill_random, SENTENCES and QWEN_SPECIALS are re-exported: they were public here before the
+# tokenizers and weights moved to their own modules.
+from ._components import (
+    _clip_config,
+    _kl_vae,
+    _made,
+    _mrope_section,
+    _rope_axes,
+    _t5_config,
+)
+from ._components import (
+    fill_random as fill_random,
+)
+from ._tokenizers import (
+    QWEN_CHAT_TEMPLATE,
+    clip_tokenizer,
+    qwen_tokenizer,
+    t5_tokenizer,
+)
+from ._tokenizers import QWEN_SPECIALS as QWEN_SPECIALS
+from ._tokenizers import SENTENCES as SENTENCES
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-#: Text the tokenizers are trained on; prompts in tests come from the same words.
-SENTENCES = [
-    "a photo of a cat sitting on a red chair",
-    "an oil painting of a lighthouse by the sea at night",
-    "a capybara wearing a wizard hat, reading a book by candlelight",
-    "a small robot watering plants in a green house",
-    "blurry, low quality, distorted, watermark, text",
-    "Comprehend and analyze the provided prompt.",
-    "the quick brown fox jumps over the lazy dog",
-]
 
 
 @dataclass(frozen=True)
@@ -70,173 +81,6 @@ class Size:
     @property
     def heads(self) -> int:
         return max(1, self.hidden // self.head_dim)
-
-
-# --- weights -------------------------------------------------------------------------------
-
-
-def fill_random(module: nn.Module, seed: int, *, std: float = 0.02) -> nn.Module:
-    """Overwrite every parameter with seeded values: weights ~ N(0, std), biases 0, and
-    1-D norm scales 1, so activations stay finite in any depth (random init of real
-    models is slow and some leave parameters unset). Buffers keep their computed values."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf == "bias":
-                param.zero_()
-            elif param.ndim == 1 and "norm" in name:
-                # Zero-centred norms (weight + 1) take 0; ordinary ones take 1.
-                param.fill_(0.0 if "ZeroCenter" in _owner_class(module, name) else 1.0)
-            else:
-                # Draw in float32 chunk by chunk: one draw per parameter would need a float32
-                # copy of the largest matrix, and the result must not depend on the dtype.
-                flat = param.view(-1)
-                step = 1 << 24
-                for start in range(0, flat.numel(), step):
-                    chunk = torch.randn(min(step, flat.numel() - start), generator=gen) * std
-                    flat[start : start + chunk.numel()] = chunk.to(param.dtype)
-    return module
-
-
-def _owner_class(module: nn.Module, param_name: str) -> str:
-    owner = module.get_submodule(param_name.rsplit(".", 1)[0]) if "." in param_name else module
-    return type(owner).__name__
-
-
-def _empty(factory: Callable[[], nn.Module], dtype: torch.dtype) -> nn.Module:
-    """Build a model without running its (slow, RNG-consuming) initialisation, allocating
-    its parameters in ``dtype`` directly (a 3 GB bf16 model never exists in float32)."""
-    import torch
-
-    with torch.device("meta"):
-        model = factory()
-    twins: dict[int, torch.nn.Parameter] = {}  # tied parameters stay one parameter
-    for sub in model.modules():
-        for key, param in list(sub._parameters.items()):
-            if param is None or not param.is_floating_point():
-                continue
-            if id(param) not in twins:
-                meta = torch.empty_like(param, dtype=dtype)
-                twins[id(param)] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
-            sub._parameters[key] = twins[id(param)]
-    return model.to_empty(device="cpu")
-
-
-def _made(factory: Callable[[], nn.Module], dtype: torch.dtype, seed: int) -> nn.Module:
-    model = _empty(factory, dtype)
-    if hasattr(model, "tie_weights"):  # re-tie what the config ties, whatever to_empty() did
-        model.tie_weights()
-    # Buffers computed in __init__ (rotary frequencies) were lost on meta: recompute them.
-    fresh_buffers = _cpu_buffers(factory)
-    for name, buf in model.named_buffers():
-        if name in fresh_buffers:
-            buf.copy_(fresh_buffers[name].to(buf.dtype))
-    return fill_random(model, seed).eval()
-
-
-def _cpu_buffers(factory: Callable[[], nn.Module]) -> dict[str, torch.Tensor]:
-    """Buffers of a freshly built model, built with parameters on meta (cheap)."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        model = factory()
-    return dict(model.named_buffers())
-
-
-# --- tokenizers ----------------------------------------------------------------------------
-
-
-def _train_bpe(
-    specials: list[str], *, vocab_size: int = 400, end_of_word_suffix: str | None = None
-) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Train a byte-level BPE on SENTENCES; returns (vocab, merges) for a transformers tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    model = (
-        models.BPE(end_of_word_suffix=end_of_word_suffix) if end_of_word_suffix else models.BPE()
-    )
-    tok = Tokenizer(model)
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    extra = {}
-    if end_of_word_suffix:
-        extra["end_of_word_suffix"] = end_of_word_suffix
-        alphabet = alphabet + [c + end_of_word_suffix for c in alphabet]
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials,
-        initial_alphabet=alphabet,
-        show_progress=False,
-        **extra,
-    )
-    tok.train_from_iterator(SENTENCES * 4, trainer)
-    spec = json.loads(tok.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in spec["merges"]]
-    return spec["vocab"], merges
-
-
-def _train_unigram(specials: list[str], *, vocab_size: int = 200) -> list[tuple[str, float]]:
-    """Train a sentencepiece-style Unigram on SENTENCES; returns [(piece, score)] for T5."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.Unigram())
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    trainer = trainers.UnigramTrainer(
-        vocab_size=vocab_size, special_tokens=specials, unk_token="<unk>", show_progress=False
-    )
-    tok.train_from_iterator(SENTENCES * 4, trainer)
-    return [(piece, float(score)) for piece, score in json.loads(tok.to_str())["model"]["vocab"]]
-
-
-def clip_tokenizer(max_length: int = 77) -> Any:
-    from transformers import CLIPTokenizer
-
-    specials = ["<|startoftext|>", "<|endoftext|>"]
-    vocab, merges = _train_bpe(specials, end_of_word_suffix="</w>")
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)
-
-
-def t5_tokenizer(max_length: int = 512) -> Any:
-    from transformers import T5TokenizerFast
-
-    vocab = _train_unigram(["<pad>", "</s>", "<unk>"])
-    return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=max_length)
-
-
-#: Qwen chat markers the Qwen-Image pipelines format prompts with.
-QWEN_SPECIALS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
-
-# The Qwen2-VL chat template, reduced to what text prompts with typed content need.
-QWEN_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def qwen_tokenizer() -> Any:
-    from transformers import Qwen2Tokenizer
-
-    vocab, merges = _train_bpe(QWEN_SPECIALS)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=1024)
-    # Registered as special, so each marker is one token and never split into bytes.
-    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS})
-    return tokenizer
 
 
 # --- pipelines -----------------------------------------------------------------------------
@@ -361,78 +205,6 @@ def build_qwen_image_21(
         transformer=transformer,
     )
     return _save(pipe, path)
-
-
-def _rope_axes(head_dim: int) -> tuple[int, int, int]:
-    """Split ``head_dim`` over (frame, height, width) rotary axes, each even."""
-    frame = max(2, (head_dim // 8) // 2 * 2)
-    rest = head_dim - frame
-    height = rest // 2 // 2 * 2
-    return (frame, height, rest - height)
-
-
-def _mrope_section(head_dim: int) -> list[int]:
-    """Qwen3-VL's multimodal rotary split of head_dim // 2 over (t, h, w)."""
-    half = head_dim // 2
-    t = half - 2 * (3 * half // 8)
-    return [t, 3 * half // 8, 3 * half // 8]
-
-
-def _clip_config(size: Size, tokenizer: Any, *, hidden: int, projection: int | None = None) -> Any:
-    from transformers import CLIPTextConfig
-
-    return CLIPTextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=max(1, size.layers // 2),
-        num_attention_heads=max(1, hidden // size.head_dim),
-        max_position_embeddings=tokenizer.model_max_length,
-        projection_dim=projection or hidden,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|startoftext|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-    )
-
-
-def _t5_config(size: Size, tokenizer: Any, *, umt5: bool = False) -> Any:
-    from transformers import T5Config, UMT5Config
-
-    config_cls = UMT5Config if umt5 else T5Config
-    h = size.hidden
-    return config_cls(
-        vocab_size=len(tokenizer),
-        d_model=h,
-        d_kv=size.head_dim,
-        d_ff=3 * h,
-        num_layers=size.layers,
-        num_heads=size.heads,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=32,
-        feed_forward_proj="gated-gelu",
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.pad_token_id,
-    )
-
-
-def _kl_vae(latent_channels: int, *, seed: int, dtype: torch.dtype, levels: int = 2) -> nn.Module:
-    from diffusers import AutoencoderKL
-
-    return _made(
-        lambda: AutoencoderKL(
-            block_out_channels=(8,) * levels,
-            down_block_types=("DownEncoderBlock2D",) * levels,
-            up_block_types=("UpDecoderBlock2D",) * levels,
-            latent_channels=latent_channels,
-            norm_num_groups=4,
-            layers_per_block=1,
-            shift_factor=0.0609,
-            scaling_factor=1.5035,
-        ),
-        dtype,
-        seed,
-    )
 
 
 def build_flux(path: Path, *, size: Size, seed: int = 0, dtype: torch.dtype | None = None) -> Path:

@@ -1,0 +1,5 @@
+"""Test support shipped for users' own tests: real pipelines built locally with random weights.
+
+``stageload.testing.diffusers`` builds diffusers pipelines (Qwen-Image, Flux, SD3, Wan 2.2)
+with tokenizers trained in code; it needs the ``diffusers`` extra.
+"""
