@@ -1,0 +1,231 @@
+"""Read a JSONL memory trace into a ``Trace``: its samples, events and stage marks.
+
+The format is the contract in ``docs/trace-format.md``. Reading is forgiving where the
+contract says so (a half-written last line, unknown keys and record types) and strict
+elsewhere, so that a file that is not a trace fails with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: The stage name of the time before the first ``stage`` event.
+SETUP = "setup"
+
+#: Sample keys that hold device memory, in the order reports show them.
+DEVICE_KEYS = ("cuda_allocated", "cuda_reserved", "mps_current", "mps_driver")
+
+
+class TraceError(ValueError):
+    """A file could not be read as a trace; the message says which file and why."""
+
+    def __init__(self, path: str | Path, reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One ``sample`` record. Values that could not be read are ``None``."""
+
+    t: float
+    footprint: int | None = None
+    available: int | None = None
+    available_pct: float | None = None
+    swap_used: int | None = None
+    pressure: float | None = None
+    device: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One ``event`` record: an Event from StagedModels or the guard, at ``t`` seconds."""
+
+    t: float
+    kind: str
+    model: str | None = None
+    stage: str | None = None
+    bytes: int | None = None
+    seconds: float | None = None
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One ``mark`` record from ``meter.mark(label)``."""
+
+    t: float
+    label: str
+
+
+@dataclass
+class Trace:
+    """A parsed trace. Samples and events are in time order; records keep file order."""
+
+    path: Path
+    start: dict[str, Any]
+    samples: list[Sample] = field(default_factory=list)
+    events: list[TraceEvent] = field(default_factory=list)
+    marks: list[Mark] = field(default_factory=list)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    end: dict[str, Any] | None = None
+    #: Half-written last lines that were skipped (0 or 1).
+    skipped_lines: int = 0
+    #: The largest ``t`` of any record: where the last window ends.
+    last_t: float = 0.0
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        meta = self.start.get("meta")
+        return meta if isinstance(meta, dict) else {}
+
+    @property
+    def label(self) -> str:
+        """The trace's ``meta.label``, or the file name without its suffix."""
+        label = self.meta.get("label")
+        if isinstance(label, str) and label:
+            return label
+        name = self.path.name
+        for suffix in (".jsonl", ".json", ".trace"):
+            if name.endswith(suffix):
+                return name[: -len(suffix)]
+        return self.path.stem
+
+    @property
+    def complete(self) -> bool:
+        """Whether the trace has its ``end`` record (absent when the run was killed)."""
+        return self.end is not None
+
+
+def _number(value: Any) -> float | None:
+    # bool is an int subclass; a true/false where a number belongs is not a reading.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _int(value: Any) -> int | None:
+    number = _number(value)
+    return None if number is None else int(number)
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def read_trace(path: str | Path) -> Trace:
+    """Read the trace at ``path``.
+
+    Skips a half-written last line and ignores unknown keys and record types. Raises
+    ``TraceError`` for a missing, empty or unreadable file, or one that does not start
+    with a ``start`` record.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TraceError(
+            path,
+            "no such file; give the path of a trace written by "
+            "'stageload meter -o FILE' or MemoryMeter(FILE)",
+        ) from None
+    except IsADirectoryError:
+        raise TraceError(path, "is a directory, not a trace file") from None
+    except UnicodeDecodeError:
+        raise TraceError(path, "is not a text file, so not a JSONL trace") from None
+    except OSError as exc:
+        raise TraceError(path, f"cannot be read: {exc.strerror or exc}") from None
+
+    lines = text.splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
+        raise TraceError(path, "is empty; the run may not have started its meter yet")
+
+    records: list[dict[str, Any]] = []
+    skipped = 0
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                # A killed writer can leave its last line cut short: the contract says skip it.
+                skipped += 1
+                continue
+            raise TraceError(
+                path, f"line {number} is not JSON ({line[:40]!r}); is this a stageload trace?"
+            ) from None
+        if not isinstance(record, dict):
+            raise TraceError(path, f"line {number} is {record!r}, not a JSON object")
+        records.append(record)
+
+    if not records or records[0].get("type") != "start":
+        first = records[0].get("type") if records else None
+        raise TraceError(
+            path,
+            f"does not begin with a 'start' record (first record type: {first!r}); "
+            "traces are written by 'stageload meter', MemoryMeter or 'stageload guard'",
+        )
+
+    trace = Trace(path=path, start=records[0], skipped_lines=skipped)
+    for record in records[1:]:
+        _add_record(trace, record)
+    # Samples come from a sampler process and events from the pipeline, so file order can
+    # interleave slightly; sort by time (stable, so events at one t keep their order).
+    trace.samples.sort(key=lambda s: s.t)
+    trace.events.sort(key=lambda e: e.t)
+    trace.marks.sort(key=lambda m: m.t)
+    return trace
+
+
+def _add_record(trace: Trace, record: dict[str, Any]) -> None:
+    kind = record.get("type")
+    t = _number(record.get("t"))
+    if t is None:
+        # A record without a time cannot be placed; only `start` may lack one.
+        return
+    trace.last_t = max(trace.last_t, float(t))
+    if kind == "sample":
+        device = {k: v for k in DEVICE_KEYS if (v := _int(record.get(k))) is not None}
+        trace.samples.append(
+            Sample(
+                t=float(t),
+                footprint=_int(record.get("footprint")),
+                available=_int(record.get("available")),
+                available_pct=_number(record.get("available_pct")),
+                swap_used=_int(record.get("swap_used")),
+                pressure=_number(record.get("pressure")),
+                device=device,
+            )
+        )
+    elif kind == "event":
+        event_kind = _text(record.get("kind"))
+        if event_kind is None:
+            return
+        trace.events.append(
+            TraceEvent(
+                t=float(t),
+                kind=event_kind,
+                model=_text(record.get("model")),
+                stage=_text(record.get("stage")),
+                bytes=_int(record.get("bytes")),
+                seconds=_number(record.get("seconds")),
+                note=_text(record.get("note")),
+            )
+        )
+    elif kind == "mark":
+        trace.marks.append(Mark(t=float(t), label=str(record.get("label", ""))))
+    elif kind == "error":
+        trace.errors.append(dict(record))
+    elif kind == "end":
+        trace.end = dict(record)
+    # Unknown record types are ignored, as the contract asks.
