@@ -84,7 +84,7 @@ def _interval(value: float | str) -> float:
 def _package_root() -> str:
     # The folder that holds the stageload package, so the sampler imports this same copy
     # (a source checkout on PYTHONPATH or an installed one alike).
-    return str(Path(__file__).resolve().parent.parent)
+    return str(Path(__file__).resolve().parents[2])
 
 
 class MemoryMeter:
