@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -26,7 +24,7 @@ from ..memory import (
     to_sample,
 )
 from ..units import parse_duration
-from .sampler import Sampler, pid_alive
+from .sampler import Channel, Sampler, pid_alive
 from .tracefile import TraceWriter
 
 #: The ways to take samples: a separate sampler process (default) or a thread in this one.
@@ -35,43 +33,6 @@ SAMPLERS = ("process", "thread")
 # A sampler process starts in ~0.1 s; allow for a machine that is swapping hard.
 _START_TIMEOUT = 20.0
 _STOP_TIMEOUT = 10.0
-
-
-class _Channel:
-    """JSON lines to and from the sampler process, reading with a deadline."""
-
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdin is not None and proc.stdout is not None
-        self.proc = proc
-        self._in = proc.stdin
-        self._out = proc.stdout.fileno()
-        self._buffer = b""
-
-    def send(self, message: Mapping[str, Any]) -> None:
-        self._in.write((json.dumps(message) + "\n").encode())
-        self._in.flush()
-
-    def receive(self, timeout: float) -> dict[str, Any] | None:
-        """The next message, or None on timeout or when the sampler closed its stdout."""
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self._out], [], [], left)[0]:
-                return None
-            data = os.read(self._out, 1 << 16)
-            if not data:
-                return None
-            self._buffer += data
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return json.loads(line)
-
-    def close(self) -> None:
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                if stream is not None:
-                    stream.close()
-            except OSError:
-                pass
 
 
 def _interval(value: float | str) -> float:
@@ -136,7 +97,7 @@ class MemoryMeter:
         self.start_record: dict[str, Any] | None = None
         self.end_record: dict[str, Any] | None = None
         self._writer: TraceWriter | None = None
-        self._channel: _Channel | None = None
+        self._channel: Channel | None = None
         self._sampler_pid: int | None = None
         self._sampler_created: float | None = None  # its create time, against pid reuse
         self._thread: threading.Thread | None = None
@@ -318,7 +279,7 @@ class MemoryMeter:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         except OSError as exc:
             return f"cannot start a sampler process: {exc}"
-        channel = _Channel(proc)
+        channel = Channel(proc)
         hello = channel.receive(_START_TIMEOUT)
         try:
             # The started process forks the real sampler off and exits (see _detach).

@@ -37,6 +37,7 @@ import json
 import os
 import select
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -96,6 +97,43 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+class Channel:
+    """MemoryMeter's end of the pipes to the sampler process: JSON lines, read with a deadline."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        self.proc = proc
+        self._in = proc.stdin
+        self._out = proc.stdout.fileno()
+        self._buffer = b""
+
+    def send(self, message: Mapping[str, Any]) -> None:
+        self._in.write((json.dumps(message) + "\n").encode())
+        self._in.flush()
+
+    def receive(self, timeout: float) -> dict[str, Any] | None:
+        """The next message, or None on timeout or when the sampler closed its stdout."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._out], [], [], left)[0]:
+                return None
+            data = os.read(self._out, 1 << 16)
+            if not data:
+                return None
+            self._buffer += data
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return json.loads(line)
+
+    def close(self) -> None:
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                if stream is not None:
+                    stream.close()
+            except OSError:
+                pass
 
 
 def _say(message: Mapping[str, Any]) -> None:
