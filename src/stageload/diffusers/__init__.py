@@ -24,6 +24,7 @@ from ..events import NOTE, Event, EventSink
 from ..release import ReleasedModuleError, release
 from ..staged import StagedModels
 from . import _placeholder
+from ._args import _check_device, _check_pipeline_cls, _resolve_folder
 from ._plan import (
     check_fits,
     check_plan,
@@ -347,83 +348,6 @@ def staged_pipeline(
         summary = "; ".join(f"{s}: {', '.join(n)}" for s, n in state.plan.items())
         events.emit(Event(NOTE, note=f"staged {pipeline_cls.__name__}: {summary}"))
     return pipe
-
-
-def _check_pipeline_cls(pipeline_cls: Any) -> None:
-    """A diffusers pipeline class, or a TypeError that says what was passed instead."""
-    from diffusers import DiffusionPipeline
-
-    if isinstance(pipeline_cls, type) and issubclass(pipeline_cls, DiffusionPipeline):
-        return
-    if isinstance(pipeline_cls, DiffusionPipeline):
-        name = type(pipeline_cls).__name__
-        raise TypeError(
-            f"pipeline_cls must be a pipeline class, got a {name} instance; pass the class "
-            f"itself: staged_pipeline({name}, path)"
-        )
-    what = (
-        f"the class {pipeline_cls.__module__}.{pipeline_cls.__qualname__}, which is not a "
-        f"diffusers.DiffusionPipeline"
-        if isinstance(pipeline_cls, type)
-        else repr(pipeline_cls)
-    )
-    raise TypeError(
-        f"pipeline_cls must be a diffusers pipeline class such as QwenImage21Pipeline "
-        f"(from diffusers import QwenImage21Pipeline), got {what}"
-    )
-
-
-def _check_device(device: Any) -> torch.device:
-    import torch
-
-    if device is None:
-        return torch.device("cpu")
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(
-            f"device must be a torch device such as 'cpu', 'cuda', 'cuda:1' or 'mps', "
-            f"got {device!r}"
-        ) from None
-
-
-def _resolve_folder(pipeline_cls: type, path: Any, kwargs: Mapping[str, Any]) -> Path:
-    """The local checkpoint folder: ``path`` itself, or a hub id's downloaded snapshot."""
-    try:
-        text = os.fspath(path)
-    except TypeError:
-        raise TypeError(
-            f"path must be a folder or a hub id such as 'Qwen/Qwen-Image-2.1', got {path!r}"
-        ) from None
-    folder = Path(text)
-    if folder.is_dir():
-        return folder
-    if folder.exists():
-        raise NotADirectoryError(
-            f"{text!r} is a file; pass the folder that pipeline.save_pretrained() wrote (the "
-            f"one holding model_index.json), or a hub id"
-        )
-    advice = "pass a folder written by pipeline.save_pretrained() or a hub id such as "
-    advice += "'Qwen/Qwen-Image-2.1'"
-    # A hub id is "name" or "owner/name"; anything else, or "models/flux" where ./models is
-    # a folder, is a local path (the hub's own error would only say the id is malformed).
-    local_parent = folder.parent != Path(".") and folder.parent.is_dir()
-    if not _looks_like_hub_id(text) or local_parent:
-        raise FileNotFoundError(f"no folder at {text!r}; {advice}")
-    # A well-formed id: the hub's errors (not cached, offline, gated) name it themselves.
-    download = {k: v for k, v in kwargs.items() if k in ("variant", "revision")}
-    return Path(pipeline_cls.download(text, **download))
-
-
-def _looks_like_hub_id(text: str) -> bool:
-    parts = text.split("/")
-    return (
-        0 < len(parts) <= 2
-        and all(parts)
-        and not text.startswith((".", "~"))
-        and "\\" not in text
-        and ".." not in text
-    )
 
 
 def _dtype_kwarg(torch_dtype: torch.dtype | None) -> dict[str, Any]:
