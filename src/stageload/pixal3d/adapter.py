@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..events import NOTE, STAGE, Event, EventSink
@@ -78,18 +77,6 @@ class RunResult:
     stages: list[str] = field(default_factory=list)
     fingerprints: list[dict[str, Any]] = field(default_factory=list)
     fingerprints_file: Path | None = None
-
-
-def check_device(device: str) -> None:
-    """Refuse a device this machine doesn't have, before anything is built."""
-    kind = torch.device(device).type
-    if kind == "mps" and not torch.backends.mps.is_available():
-        raise PortError(
-            f"device {device!r} is not available here (torch.backends.mps.is_available() "
-            "is False); pass --device cpu"
-        )
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise PortError(f"device {device!r} is not available here; pass --device cpu")
 
 
 class Pixal3DRun:

@@ -122,9 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _fail(f"--fingerprints {opts.fingerprints!r}: {problem}")
 
     from ..staged import ModelLoadError
-    from .adapter import check_device, run
+    from .adapter import run
     from .plan import UnsupportedPipelineError, plan_for
-    from .port import PortError, find_port, import_port
+    from .port import PortError, check_device, find_port, import_port
 
     try:
         port = import_port(find_port(opts.port))

@@ -201,3 +201,17 @@ def find_backbone_class(generate: ModuleType) -> type | None:
     except Exception:
         return None
     return cls if isinstance(cls, type) else None
+
+
+def check_device(device: str) -> None:
+    """Refuse a device this machine doesn't have, before anything is built."""
+    import torch
+
+    kind = torch.device(device).type
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise PortError(
+            f"device {device!r} is not available here (torch.backends.mps.is_available() "
+            "is False); pass --device cpu"
+        )
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise PortError(f"device {device!r} is not available here; pass --device cpu")
