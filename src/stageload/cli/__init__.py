@@ -1,4 +1,9 @@
-"""The ``stageload`` command: argparse subcommands over the library, each returning an exit code."""
+"""The ``stageload`` command: argparse subcommands over the library, each returning an exit code.
+
+One module per subcommand sits beside this one. Each defines ``HELP`` (one line),
+``DESCRIPTION`` (the ``--help`` text), ``add_arguments(parser)`` and ``run(args) -> int``, and
+imports nothing heavy at import time: ``stageload --help`` loads all of them.
+"""
 
 from __future__ import annotations
 
