@@ -14,7 +14,7 @@ import torch
 from fixtures.tiny import load_block, save_block
 from stageload import BatchError, ListSink, StagedModels
 from stageload import batch as batch_module
-from stageload.trace import read_trace, stage_windows
+from stageload.report.trace import read_trace, stage_windows
 
 STAGES = {"encode": ["encoder"], "denoise": ["denoiser"], "decode": ["decoder"]}
 MIB = 2**20

@@ -17,8 +17,8 @@ from torch import nn
 
 from stageload import ListSink, StagedModels
 from stageload.events import Event
+from stageload.meter.tracefile import TraceWriter, read_records
 from stageload.outer import EVENTS_ENV, TRACE_ENV, OuterTrace, export_trace, outer_trace
-from stageload.tracefile import TraceWriter, read_records
 
 STAGES = {"encode": ["encoder"], "decode": ["decoder"]}
 

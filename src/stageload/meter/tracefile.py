@@ -248,7 +248,7 @@ def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Read a trace's records, skipping a half-written last line (a run killed mid-write).
 
     A line that does not parse anywhere else is corruption and raises ``ValueError``.
-    The ``stageload.trace`` module has the full reader and summary; this one is for tests
+    The ``stageload.report.trace`` module has the full reader and summary; this one is for tests
     and tools that only need the raw records.
     """
     text = Path(path).read_text()
