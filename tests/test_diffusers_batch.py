@@ -14,7 +14,8 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 from stageload import BatchError, ListSink  # noqa: E402
-from stageload.diffusers import _batch, fixtures, staged_pipeline  # noqa: E402
+from stageload.diffusers import _batch, staged_pipeline  # noqa: E402
+from stageload.testing import diffusers as fixtures  # noqa: E402
 
 diffusers.utils.logging.set_verbosity_error()
 diffusers.utils.logging.disable_progress_bar()
