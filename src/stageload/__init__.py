@@ -16,8 +16,10 @@ __version__ = "0.1.0"
 # Public name -> submodule that defines it.
 _EXPORTS: dict[str, str] = {
     "StagedModels": "staged",
-    "ReleaseUnlisted": "staged",
-    "ResidencyPolicy": "staged",
+    "ReleaseUnlisted": "policy",
+    "ResidencyPolicy": "policy",
+    "FurthestNextUse": "policy",
+    "rng_free": "policy",
     "ModelLoadError": "staged",
     "BatchError": "batch",
     "preserved_rng": "rng",
@@ -100,6 +102,7 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
     from .hooks import on_call
     from .load import CheckpointError, checkpoint_bytes, from_safetensors, load_weights
     from .meter import MemoryMeter
+    from .policy import FurthestNextUse, ReleaseUnlisted, ResidencyPolicy, rng_free
     from .rng import preserved_rng
-    from .staged import ModelLoadError, ReleaseUnlisted, ResidencyPolicy, StagedModels
+    from .staged import ModelLoadError, StagedModels
     from .units import format_size, parse_size

@@ -12,14 +12,25 @@ RELOAD = "reload"
 RELEASE = "release"
 STAGE = "stage"
 NOTE = "note"
+#: A load run ahead of need in a background thread (``StagedModels(prefetch=...)``), so it
+#: overlaps the current stage's compute; ``note`` names the stage it is for.
+PREFETCH = "prefetch"
+
+#: Why a model was released: the ``reason`` of a ``release`` event.
+REASON_NOT_IN_PLAN = "not in plan"  # the entered stage does not list it (no stage, under a budget)
+REASON_BUDGET = "budget"  # evicted to fit the memory budget: its next use is furthest away
+REASON_EVICT = "evict"  # models.evict(name)
+REASON_CLOSE = "close"  # models.close()
 
 
 @dataclass(frozen=True)
 class Event:
-    """One thing that happened to the models: a load, reload, release, stage change or note.
+    """One thing that happened to the models: a load, reload, prefetch, release, stage change
+    or note.
 
-    ``time`` is ``time.monotonic()`` when the event finished; a sink that writes a trace
-    turns it into seconds since its own start. ``seconds`` is how long the action took.
+    ``reason`` says why a ``release`` happened (``REASON_*`` above). ``time`` is
+    ``time.monotonic()`` when the event finished; a sink that writes a trace turns it into
+    seconds since its own start. ``seconds`` is how long the action took.
     """
 
     kind: str
@@ -28,6 +39,7 @@ class Event:
     bytes: int | None = None
     seconds: float | None = None
     note: str | None = None
+    reason: str | None = None
     time: float = field(default_factory=time.monotonic)
 
     def to_dict(self) -> dict[str, Any]:

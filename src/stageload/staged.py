@@ -1,16 +1,45 @@
-"""StagedModels: load a model when a stage first asks for it, release it when no longer planned."""
+"""StagedModels: load a model when a stage first asks for it, release it when no longer planned.
+
+Threads: one thread drives the stages (``enter``, ``evict``, ``close``) and is the only one
+that releases; a running call's modules are therefore never released under it by another
+thread. Prefetch loads run on one background thread and never release. Every load, on any
+thread, goes through one future per model name, so a model is never loaded twice at once,
+and the registry's lock is never held while a loader runs.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import nullcontext
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext, suppress
+from typing import TYPE_CHECKING, Any
 
-from .events import LOAD, NOTE, RELEASE, RELOAD, STAGE, Event, EventSink
+from .events import (
+    LOAD,
+    NOTE,
+    PREFETCH,
+    REASON_CLOSE,
+    REASON_EVICT,
+    RELEASE,
+    RELOAD,
+    STAGE,
+    Event,
+    EventSink,
+)
 from .outer import outer_trace
+from .policy import (
+    Plan,
+    ReleaseUnlisted,
+    ResidencyPolicy,
+    check_plan,
+    check_sizes,
+    choose_policy,
+    over_budget,
+    parse_budget,
+    prefetchable,
+)
 from .release import is_released, module_bytes, release
 from .rng import preserved_rng
 
@@ -18,6 +47,9 @@ if TYPE_CHECKING:
     from torch import nn
 
     from .batch import Batch
+
+# Plan, ReleaseUnlisted and ResidencyPolicy live in policy.py; importable from here as before.
+__all__ = ["ModelLoadError", "Plan", "ReleaseUnlisted", "ResidencyPolicy", "StagedModels"]
 
 #: The name of the time before the first stage is entered.
 SETUP = "setup"
@@ -37,40 +69,32 @@ class ModelLoadError(RuntimeError):
         )
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What a residency policy may look at: the stage plan and what is known of the models."""
+def _check_module(name: str, module: object) -> Exception | None:
+    """What is wrong with a loader's result, if anything."""
+    from torch import nn
 
-    stages: Mapping[str, tuple[str, ...]]
-    pinned: frozenset[str]
-    sizes: Mapping[str, int] = field(default_factory=dict)  # bytes at the last load
-
-
-class ResidencyPolicy(Protocol):
-    """Decides what stays in memory. StagedModels asks it on every ``enter``.
-
-    The default releases what the entered stage does not list. A memory-budget policy
-    (keep while it fits, evict the model whose next use is furthest away) plugs in here.
-    """
-
-    def to_release(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
-        """Names of loaded models to release on entering ``stage``."""
-        ...
-
-    def to_prefetch(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
-        """Names to load right after entering ``stage``, before anyone asks."""
-        ...
+    if not isinstance(module, nn.Module):
+        return TypeError(
+            f"the loader for {name!r} returned {type(module).__module__}."
+            f"{type(module).__qualname__}, not a torch.nn.Module; make it return the "
+            f"model itself (e.g. `return MyModel.from_pretrained(path)`)"
+        )
+    if is_released(module):
+        return ValueError(
+            f"the loader for {name!r} returned a module that was already released; "
+            f"it must build a new module on every call instead of caching one"
+        )
+    return None
 
 
-class ReleaseUnlisted:
-    """Release every loaded model that the entered stage does not list (pinned ones stay)."""
+class _Job:
+    """One load in progress: the future its waiters share, and the thread running it."""
 
-    def to_release(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
-        wanted = set(plan.stages[stage]) | plan.pinned
-        return [name for name in loaded if name not in wanted]
-
-    def to_prefetch(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
-        return []
+    def __init__(self, name: str, background: bool, purpose: str | None = None) -> None:
+        self.name = name
+        self.background = background
+        self.purpose = purpose  # the stage a prefetch is for
+        self.future: Future[nn.Module] = Future()
 
 
 class StagedModels(Mapping[str, "nn.Module"]):
@@ -87,6 +111,13 @@ class StagedModels(Mapping[str, "nn.Module"]):
         models.enter("decode")       # encoder released here
         y = models["decoder"](h)
 
+    ``budget`` (bytes, ``"12G"``, ``"80%"`` or ``"auto"``) keeps models across stages while
+    they fit and evicts by furthest next use (:class:`~stageload.policy.FurthestNextUse`);
+    ``sizes`` gives each model's bytes before its first load (else learned then).
+    ``prefetch=True`` loads the next stage's models in a background thread, for loaders
+    marked :func:`~stageload.policy.rng_free`; ``prefetch=["name", ...]`` opts named models
+    in instead (their loaders must draw no random numbers: see docs/residency.md).
+
     ``in``, ``len()`` and iterating names never load; ``models.values()`` and
     ``dict(models)`` do, as for any mapping.
     """
@@ -100,66 +131,54 @@ class StagedModels(Mapping[str, "nn.Module"]):
         events: EventSink | None = None,
         preserve_rng: bool = True,
         policy: ResidencyPolicy | None = None,
+        budget: int | str | None = None,
+        prefetch: bool | Iterable[str] = False,
+        sizes: Mapping[str, int | str] | None = None,
     ) -> None:
         self._loaders = dict(loaders)
-        for name, loader in self._loaders.items():
-            if not callable(loader):
-                raise TypeError(
-                    f"loader for {name!r} must be a zero-argument callable that returns an "
-                    f"nn.Module, got {loader!r}"
-                )
-        if isinstance(stages, (str, bytes)) or not isinstance(stages, Mapping):
-            raise TypeError(
-                f"stages must map each stage name to the models it uses, e.g. "
-                f"{{'encode': ['text_encoder']}}; got {stages!r}"
-            )
-        plan: dict[str, tuple[str, ...]] = {}
-        for stage, names in stages.items():
-            if isinstance(names, str):
-                raise TypeError(
-                    f"stage {stage!r} lists {names!r} as a string; use a list: [{names!r}]"
-                )
-            plan[stage] = tuple(names)
+        self._plan = check_plan(self._loaders, stages, pinned)
         self._pinned = frozenset(pinned)
-        known = ", ".join(sorted(self._loaders)) or "(none)"
-        for stage, names in plan.items():
-            for name in names:
-                if name not in self._loaders:
-                    raise ValueError(
-                        f"stage {stage!r} lists model {name!r}, which has no loader; "
-                        f"models with loaders: {known}"
-                    )
-        for name in self._pinned:
-            if name not in self._loaders:
-                raise ValueError(
-                    f"pinned model {name!r} has no loader; models with loaders: {known}"
-                )
-        self._plan = plan
         self._sink = events
         # Under `stageload meter` or `guard --trace`, events also go to that tool's trace
         # (STAGELOAD_TRACE; see stageload.outer), alongside the sink given here.
         self._outer = outer_trace()
         self.preserve_rng = preserve_rng
-        self.policy: ResidencyPolicy = policy if policy is not None else ReleaseUnlisted()
+        self._given_sizes = check_sizes(sizes, self._loaders)
+        self._prefetchable = prefetchable(prefetch, self._loaders)
+        self.prefetch = bool(self._prefetchable) or prefetch is True
+        self.budget: int | None = None if budget is None else parse_budget(budget)
+        self.policy: ResidencyPolicy = choose_policy(policy, self.budget, self.prefetch)
         self._models: dict[str, nn.Module] = {}
         self._sizes: dict[str, int] = {}
         self._ever_loaded: set[str] = set()
         self._stage: str | None = None
         self._noted: set[str] = set()
-        self._loading: list[str] = []  # loads in progress in the lock's thread, outermost first
+        self._over_noted = False  # the over-budget note was given in this stage
+        self._jobs: dict[str, _Job] = {}  # loads in flight (or failed prefetches not yet seen)
+        self._local = threading.local()  # .loading: this thread's nested loads, outermost first
+        self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()
         self._batch: Batch | None = None  # set by map() while its calls run
 
     # -- mapping -------------------------------------------------------------------------
     def __getitem__(self, name: str) -> nn.Module:
+        if name not in self._loaders:
+            raise KeyError(f"no model named {name!r}; known models: {', '.join(self._loaders)}")
         with self._lock:
-            if name not in self._loaders:
-                raise KeyError(f"no model named {name!r}; known models: {', '.join(self._loaders)}")
             module = self._models.get(name)
-            if module is None:
-                module = self._load(name)
+            job = None if module is not None else self._jobs.get(name)
+            run = False
+            if module is None and job is None:
+                job, run = self._start(name, background=self._in_background()), True
+            elif job is not None and name in self._loading():
+                self._cycle_error(name)
+        if job is not None:
+            if run:
+                self._run(job)
+            module = self._wait(job)
+        with self._lock:
             self._note_unplanned(name)
-            return module
+        return module
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._loaders)
@@ -191,6 +210,12 @@ class StagedModels(Mapping[str, "nn.Module"]):
     def pinned(self) -> frozenset[str]:
         return self._pinned
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Bytes per model: measured at its last load, else as given in ``sizes=``."""
+        with self._lock:
+            return {**self._given_sizes, **self._sizes}
+
     def loaded(self) -> list[str]:
         """Names of the models in memory now, in load order."""
         with self._lock:
@@ -202,27 +227,48 @@ class StagedModels(Mapping[str, "nn.Module"]):
     # -- stage changes -------------------------------------------------------------------
     def enter(self, stage: str) -> None:
         """Enter ``stage``: release what the residency policy says (by default, every
-        loaded model the stage does not list, except pinned ones). Re-entering the
-        current stage does nothing."""
+        loaded model the stage does not list, except pinned ones), then start what it
+        says to load ahead. Background loads still running are waited for first, so
+        releases never race them. Re-entering the current stage does nothing."""
         if stage not in self._plan:
             raise KeyError(f"unknown stage {stage!r}; known stages: {', '.join(self._plan)}")
         batch = self._batch
         if batch is not None:
             # A call of map() waits here, outside the lock, until the batch is in ``stage``.
             batch.park(stage)
+        if stage == self._stage:
+            return
+        self._wait_background()
         with self._lock:
-            if stage == self._stage:
-                return
             self._stage = stage
             self._noted.clear()
+            self._over_noted = False
             self._emit(Event(STAGE, stage=stage))
             plan = self._plan_view()
-            loaded = list(self._models)
-            for name in self.policy.to_release(stage, loaded, plan):
-                self._release(name, stage)
-            for name in self.policy.to_prefetch(stage, list(self._models), plan):
-                if name not in self._models:
-                    self._load(name)
+            why = getattr(self.policy, "why", None)
+            for name in self.policy.to_release(stage, list(self._models), plan):
+                reason = why(name, stage, plan) if why is not None else None
+                self._release(name, stage, reason)
+            self._check_budget(stage)
+            ahead = [
+                n
+                for n in self.policy.to_prefetch(stage, list(self._models), self._plan_view())
+                if n not in self._models and n not in self._jobs
+            ]
+            jobs = []
+            if self.prefetch:
+                order = list(self._plan)
+                purpose = order[(order.index(stage) + 1) % len(order)]
+                for name in ahead:
+                    if name in self._prefetchable:
+                        jobs.append(self._start(name, background=True, purpose=purpose))
+                if jobs and self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="stageload-prefetch")
+                for job in jobs:
+                    self._executor.submit(self._run_background, job)  # type: ignore[union-attr]
+        if not self.prefetch:  # a custom policy's loads ahead, on this thread as before
+            for name in ahead:
+                self[name]
 
     def map(
         self, fn: Callable[[Any], Any], items: Iterable[Any], *, return_exceptions: bool = False
@@ -252,16 +298,22 @@ class StagedModels(Mapping[str, "nn.Module"]):
         """Release one model now; returns the bytes freed (0 if it was not loaded)."""
         if name not in self._loaders:
             raise KeyError(f"no model named {name!r}; known models: {', '.join(self._loaders)}")
+        self._wait_background()
         with self._lock:
             if name not in self._models:
                 return 0
-            return self._release(name, self._stage)
+            return self._release(name, self._stage, REASON_EVICT)
 
     def close(self) -> None:
         """Release every loaded model, most recently loaded first."""
+        self._wait_background()
         with self._lock:
+            self._jobs = {n: j for n, j in self._jobs.items() if not j.future.done()}
             for name in reversed(list(self._models)):
-                self._release(name, self._stage)
+                self._release(name, self._stage, REASON_CLOSE)
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
 
     def __enter__(self) -> StagedModels:
         return self
@@ -271,7 +323,12 @@ class StagedModels(Mapping[str, "nn.Module"]):
 
     # -- internals -----------------------------------------------------------------------
     def _plan_view(self) -> Plan:
-        return Plan(stages=self._plan, pinned=self._pinned, sizes=dict(self._sizes))
+        return Plan(
+            stages=self._plan,
+            pinned=self._pinned,
+            sizes={**self._given_sizes, **self._sizes},
+            prefetchable=self._prefetchable,
+        )
 
     def _emit(self, event: Event) -> None:
         if self._sink is not None:
@@ -279,58 +336,126 @@ class StagedModels(Mapping[str, "nn.Module"]):
         if self._outer is not None:
             self._outer.emit(event)
 
-    def _load(self, name: str) -> nn.Module:
-        from torch import nn
+    def _loading(self) -> list[str]:
+        if not hasattr(self._local, "loading"):
+            self._local.loading = []
+        return self._local.loading
 
-        stage = self._stage
-        if name in self._loading:
-            # A loader may use another model (models["backbone"]), but a cycle would recurse
-            # until RecursionError, wrapped in one ModelLoadError per level.
-            cycle = " -> ".join([*self._loading[self._loading.index(name) :], name])
-            raise RuntimeError(
-                f"the loader for {name!r} needs {name!r} itself ({cycle}); a loader must "
-                f"build its model, not ask the registry for it"
-            )
-        guard = preserved_rng() if self.preserve_rng else nullcontext()
+    def _in_background(self) -> bool:
+        return getattr(self._local, "background", False)
+
+    def _cycle_error(self, name: str) -> None:
+        # A loader may use another model (models["backbone"]), but a cycle would wait on
+        # its own future forever.
+        loading = self._loading()
+        cycle = " -> ".join([*loading[loading.index(name) :], name])
+        raise RuntimeError(
+            f"the loader for {name!r} needs {name!r} itself ({cycle}); a loader must "
+            f"build its model, not ask the registry for it"
+        )
+
+    def _start(self, name: str, *, background: bool, purpose: str | None = None) -> _Job:
+        """Register a load (lock held): from now on, others asking for ``name`` wait."""
+        job = _Job(name, background, purpose)
+        self._jobs[name] = job
+        return job
+
+    def _run_background(self, job: _Job) -> None:
+        self._local.background = True
+        with suppress(Exception):  # kept in the job's future; raised at first use
+            self._run(job)
+
+    def _wait_background(self) -> None:
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if j.background]
+        for job in jobs:
+            job.future.exception()  # waits; a failure is raised at first use, not here
+
+    def _wait(self, job: _Job) -> nn.Module:
+        """The job's module; a failed load raises ModelLoadError here (once, for a prefetch)."""
+        try:
+            return job.future.result()
+        except Exception as exc:
+            with self._lock:
+                if self._jobs.get(job.name) is job:
+                    del self._jobs[job.name]  # seen: the next access loads again
+            raise ModelLoadError(job.name, self._stage, exc) from exc
+
+    def _run(self, job: _Job) -> None:
+        """Run ``job``'s loader on this thread, without the lock, and install its module."""
+        name, stage = job.name, self._stage
+        # preserved_rng() only works on the thread that draws: in the background it would
+        # restore a stale state over the main thread's draws (hence rng_free loaders only).
+        guard = preserved_rng() if self.preserve_rng and not job.background else nullcontext()
+        loading = self._loading()
         start = time.perf_counter()
-        self._loading.append(name)
+        loading.append(name)
         try:
             with guard:
                 module = self._loaders[name]()
         except Exception as exc:
+            self._failed(job, stage, exc)
             raise ModelLoadError(name, stage, exc) from exc
         finally:
-            self._loading.pop()
+            loading.pop()
+        problem = _check_module(name, module)
+        if problem is not None:
+            self._failed(job, stage, problem)
+            raise problem
         seconds = time.perf_counter() - start
-        if not isinstance(module, nn.Module):
-            raise TypeError(
-                f"the loader for {name!r} returned {type(module).__module__}."
-                f"{type(module).__qualname__}, not a torch.nn.Module; make it return the "
-                f"model itself (e.g. `return MyModel.from_pretrained(path)`)"
+        with self._lock:
+            # Count only what this load added: a backbone that another loaded model already
+            # holds (see share()) is not counted twice.
+            nbytes = module_bytes(module, exclude=self._models.values())
+            kind = PREFETCH if job.background else RELOAD if name in self._ever_loaded else LOAD
+            self._models[name] = module
+            self._sizes[name] = nbytes
+            self._ever_loaded.add(name)
+            del self._jobs[name]
+            note = f"for stage {job.purpose!r}" if job.purpose else None
+            self._emit(
+                Event(kind, model=name, stage=stage, bytes=nbytes, seconds=seconds, note=note)
             )
-        if is_released(module):
-            raise ValueError(
-                f"the loader for {name!r} returned a module that was already released; "
-                f"it must build a new module on every call instead of caching one"
-            )
-        # Count only what this load added: a backbone that another loaded model already
-        # holds (see share()) is not counted twice.
-        nbytes = module_bytes(module, exclude=self._models.values())
-        kind = RELOAD if name in self._ever_loaded else LOAD
-        self._models[name] = module
-        self._sizes[name] = nbytes
-        self._ever_loaded.add(name)
-        self._emit(Event(kind, model=name, stage=stage, bytes=nbytes, seconds=seconds))
-        return module
+            if not job.background:
+                self._check_budget(stage, after=name)
+        job.future.set_result(module)
 
-    def _release(self, name: str, stage: str | None) -> int:
+    def _failed(self, job: _Job, stage: str | None, exc: Exception) -> None:
+        with self._lock:
+            if not job.background:
+                del self._jobs[job.name]  # the registry is left as it was
+            else:  # kept until first use, which raises it
+                self._emit(
+                    Event(
+                        NOTE,
+                        model=job.name,
+                        stage=stage,
+                        note=f"prefetch of {job.name!r} failed ({type(exc).__name__}: {exc}); "
+                        f"its first use raises ModelLoadError",
+                    )
+                )
+        job.future.set_exception(exc)
+
+    def _release(self, name: str, stage: str | None, reason: str | None = None) -> int:
         module = self._models.pop(name)
         keep: list[Any] = list(self._models.values())  # storage they share must survive
         start = time.perf_counter()
         nbytes = release(module, name=name, stage=stage, keep=keep)
         seconds = time.perf_counter() - start
-        self._emit(Event(RELEASE, model=name, stage=stage, bytes=nbytes, seconds=seconds))
+        self._emit(
+            Event(RELEASE, model=name, stage=stage, bytes=nbytes, seconds=seconds, reason=reason)
+        )
         return nbytes
+
+    def _check_budget(self, stage: str | None, after: str | None = None) -> None:
+        """A ``note`` when what must stay exceeds the budget: the stage runs anyway."""
+        if self.budget is None or stage is None or self._over_noted:
+            return
+        resident = set(self._models) | (set() if after else set(self._plan[stage]))
+        over = over_budget(stage, resident, self._plan_view().sizes, self.budget, after)
+        if over is not None:
+            self._over_noted = True
+            self._emit(Event(NOTE, stage=stage, bytes=over[0], note=over[1]))
 
     def _note_unplanned(self, name: str) -> None:
         if name in self._pinned or name in self._noted:

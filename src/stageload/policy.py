@@ -1,0 +1,427 @@
+"""Residency policies: which loaded models stay, which go, and what to load ahead.
+
+``StagedModels`` asks its policy on every ``enter(stage)``. The default,
+:class:`ReleaseUnlisted`, releases what the entered stage does not list. Under a memory
+budget, :class:`FurthestNextUse` keeps models while they fit and, when something must go,
+evicts the model whose next use is furthest away (Belady's rule; the plan is known, and
+calls of a pipeline cycle through it). With prefetch on, it also names the next stage's
+models to load in a background thread while the current stage computes.
+
+Prefetching runs a loader on another thread, where ``preserved_rng()`` cannot help: torch's
+global generator is process-wide, so restoring it there would undo the main thread's draws.
+Only loaders that draw no random numbers may run there. Mark them with :func:`rng_free`
+(the fast loader ``stageload.load.from_safetensors`` does), or list models in
+``StagedModels(prefetch=[...])`` to opt them in yourself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from .events import REASON_BUDGET, REASON_NOT_IN_PLAN
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: The attribute :func:`rng_free` sets on a loader. ``loader.draws_random = False`` is the
+#: whole contract: anyone may set it without importing stageload.
+RNG_FREE_ATTR = "draws_random"
+
+#: What ``budget="auto"`` keeps free for working memory (activations, temporaries): this
+#: share of the memory the process may use, and never less than ``AUTO_RESERVE_MIN``.
+AUTO_RESERVE_SHARE = 0.10
+AUTO_RESERVE_MIN = 1 << 30
+
+
+def rng_free(loader: F) -> F:
+    """Declare that ``loader`` draws no random numbers, so it may be prefetched.
+
+    Sets ``loader.draws_random = False`` and returns the loader (usable as a decorator).
+    A loader qualifies when it builds its model without running random initialisers (on
+    ``meta``, or with ``init=False``-style constructors) and only copies weights in, and
+    when every model it asks the registry for qualifies too. Objects that take no
+    attributes (bound methods) are wrapped in a function that does.
+    """
+    try:
+        setattr(loader, RNG_FREE_ATTR, False)
+        return loader
+    except (AttributeError, TypeError):
+        pass
+
+    def load() -> Any:
+        return loader()
+
+    load.__qualname__ = getattr(loader, "__qualname__", "load")
+    setattr(load, RNG_FREE_ATTR, False)
+    return load  # type: ignore[return-value]
+
+
+def is_rng_free(loader: object) -> bool:
+    """True when ``loader`` is marked as drawing no random numbers (see :func:`rng_free`)."""
+    return getattr(loader, RNG_FREE_ATTR, True) is False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a residency policy may look at: the stage plan and what is known of the models.
+
+    ``stages`` is in pipeline order; calls cycle through it. ``sizes`` holds bytes per
+    model: measured at its last load, else given as ``StagedModels(sizes=...)``; a model
+    missing from it has an unknown size. ``prefetchable`` names the models that may be
+    loaded in the background.
+    """
+
+    stages: Mapping[str, tuple[str, ...]]
+    pinned: frozenset[str]
+    sizes: Mapping[str, int] = field(default_factory=dict)
+    prefetchable: frozenset[str] = frozenset()
+
+
+class ResidencyPolicy(Protocol):
+    """Decides what stays in memory. StagedModels asks it on every ``enter``.
+
+    A policy may also define ``why(name, stage, plan) -> str``: the reason recorded in
+    the ``release`` event of a model it released (``"not in plan"``, ``"budget"``).
+    """
+
+    def to_release(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
+        """Names of loaded models to release on entering ``stage``."""
+        ...
+
+    def to_prefetch(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
+        """Names to load right after entering ``stage``, before anyone asks: in a
+        background thread when the registry prefetches, else right away."""
+        ...
+
+
+class ReleaseUnlisted:
+    """Release every loaded model that the entered stage does not list (pinned ones stay)."""
+
+    def to_release(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
+        wanted = set(plan.stages[stage]) | plan.pinned
+        return [name for name in loaded if name not in wanted]
+
+    def to_prefetch(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
+        return []
+
+    def why(self, name: str, stage: str, plan: Plan) -> str:
+        return REASON_NOT_IN_PLAN
+
+
+class FurthestNextUse:
+    """Keep models while they fit in ``budget`` bytes; evict by furthest next use.
+
+    On entering a stage, only what must go so that the stage's models fit is released.
+    Victims, in order:
+
+    1. models no stage lists (loaded by an unplanned access): needed by no later stage;
+    2. the model whose next use is furthest away, the plan taken as a cycle (the stage
+       after the last is the first: calls of a pipeline repeat it);
+    3. among equally far models, the smaller first (cheaper to reload: a load reads its
+       bytes).
+
+    Then victims that turn out not to be needed (a far small model taken before a near
+    large one that alone frees enough) are kept again, nearest first. The entered
+    stage's models and pinned ones never go. A model of unknown size counts as 0 bytes
+    until its first load measures it.
+
+    With ``prefetch``, after entering stage ``s`` the next stage's models that fit beside
+    what stays are named for a background load. To make room, it releases early only the
+    models that entering the next stage would evict anyway, so prefetching never costs
+    a load that the budget alone would not.
+    """
+
+    def __init__(self, budget: int, *, prefetch: bool = False) -> None:
+        if budget <= 0:
+            raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
+        self.budget = budget
+        self.prefetch = prefetch
+
+    def __repr__(self) -> str:
+        return f"FurthestNextUse(budget={self.budget!r}, prefetch={self.prefetch!r})"
+
+    # -- the protocol --------------------------------------------------------------------
+    def to_release(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
+        victims = self.victims(stage, loaded, plan)
+        if not self.prefetch:
+            return victims
+        staying = [n for n in loaded if n not in victims]
+        early, _ = self._prefetch_plan(stage, staying, plan)
+        return victims + early
+
+    def to_prefetch(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
+        if not self.prefetch:
+            return []
+        _, names = self._prefetch_plan(stage, loaded, plan)
+        return names
+
+    def why(self, name: str, stage: str, plan: Plan) -> str:
+        listed = any(name in names for names in plan.stages.values())
+        return REASON_BUDGET if listed else REASON_NOT_IN_PLAN
+
+    # -- the rule ------------------------------------------------------------------------
+    def victims(
+        self,
+        stage: str,
+        loaded: Sequence[str],
+        plan: Plan,
+        *,
+        protect: frozenset[str] = frozenset(),
+    ) -> list[str]:
+        """The loaded models to release so that ``stage``'s models fit, in eviction order."""
+        needed = plan.stages[stage]
+        resident = list(dict.fromkeys([*loaded, *needed]))
+        excess = _total(resident, plan.sizes) - self.budget
+        if excess <= 0:
+            return []
+        keep = set(needed) | plan.pinned | protect
+        order = list(plan.stages)
+        position = {name: i for i, name in enumerate(loaded)}
+        candidates = sorted(
+            (n for n in loaded if n not in keep),
+            key=lambda n: (
+                -next_use(n, stage, plan.stages, order),
+                plan.sizes.get(n, 0),
+                position[n],
+            ),
+        )
+        chosen: list[str] = []
+        freed = 0
+        for name in candidates:
+            if freed >= excess:
+                break
+            chosen.append(name)
+            freed += plan.sizes.get(name, 0)
+        # Keep again what the later, larger victims made unnecessary (nearest use first).
+        for name in reversed(list(chosen)):
+            size = plan.sizes.get(name, 0)
+            if freed - size >= excess:
+                chosen.remove(name)
+                freed -= size
+        return chosen
+
+    def _prefetch_plan(
+        self, stage: str, loaded: Sequence[str], plan: Plan
+    ) -> tuple[list[str], list[str]]:
+        """(models to release early, models to prefetch) for the stage after ``stage``."""
+        order = list(plan.stages)
+        nxt = order[(order.index(stage) + 1) % len(order)]
+        current = plan.stages[stage]
+        wanted = [
+            n
+            for n in plan.stages[nxt]
+            if n not in loaded and n not in current and n in plan.prefetchable
+        ]
+        # A model of unknown size cannot be shown to fit: it loads on demand the first time.
+        wanted = [n for n in wanted if n in plan.sizes]
+        if nxt == stage or not wanted:
+            return [], []
+        resident = list(dict.fromkeys([*loaded, *current]))
+        # What entering the next stage will evict anyway; what is in use now must wait.
+        future = self.victims(nxt, resident, plan)
+        early = [n for n in future if n not in current and n not in plan.pinned]
+        staying = [n for n in resident if n not in early]
+        room = self.budget - _total(staying, plan.sizes)
+        names: list[str] = []
+        for name in wanted:
+            size = plan.sizes[name]
+            if size > room:
+                break  # keep plan order: a later model must not overtake an earlier one
+            names.append(name)
+            room -= size
+        if not names:
+            return [], []
+        return [n for n in early if n in loaded], names
+
+
+def next_use(
+    name: str, stage: str, stages: Mapping[str, Sequence[str]], order: Sequence[str]
+) -> float:
+    """Stages from ``stage`` until ``name`` is used again, the plan taken as a cycle.
+
+    0 when ``stage`` lists it; ``inf`` when no stage does.
+    """
+    start = order.index(stage)
+    for step in range(len(order)):
+        if name in stages[order[(start + step) % len(order)]]:
+            return step
+    return float("inf")
+
+
+def _total(names: Sequence[str], sizes: Mapping[str, int]) -> int:
+    return sum(sizes.get(n, 0) for n in names)
+
+
+def parse_budget(value: int | str) -> int:
+    """A memory budget in bytes from ``12884901888``, ``"12G"``, ``"80%"`` or ``"auto"``.
+
+    ``"80%"`` is a share of the memory this process may use (the machine's, or its memory
+    cgroup's limit when lower). ``"auto"`` is the memory available now (cgroup-aware, as
+    ``stageload.memory.read_system`` reads it) minus a reserve for working memory:
+    ``AUTO_RESERVE_SHARE`` of the total, at least ``AUTO_RESERVE_MIN``.
+    """
+    from .units import parse_size
+
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(
+            f"budget must be bytes (int), a size like '12G', a share like '80%' or 'auto'; "
+            f"got {value!r}"
+        )
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text == "auto" or (text is not None and text.endswith("%")):
+        from .memory import read_system
+
+        system = read_system()
+        if text == "auto":
+            if system.available is None or system.total is None:
+                why = system.errors.get("available") or system.errors.get("total") or "unknown"
+                raise ValueError(
+                    f"budget='auto' needs the available memory, which cannot be read here "
+                    f"({why}); pass a size instead, e.g. budget='12G'"
+                )
+            reserve = max(AUTO_RESERVE_MIN, int(system.total * AUTO_RESERVE_SHARE))
+            budget = system.available - reserve
+            if budget <= 0:
+                raise ValueError(
+                    f"budget='auto' leaves nothing: {system.available} bytes available, "
+                    f"{reserve} kept for working memory; free memory or pass a size"
+                )
+            return budget
+        try:
+            share = float(text[:-1])  # type: ignore[index]
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 100:
+            raise ValueError(
+                f"invalid budget {value!r}: a share is between 0% and 100%, e.g. '80%'"
+            )
+        if system.total is None:
+            raise ValueError(
+                f"budget={value!r} needs the total memory, which cannot be read here "
+                f"({system.errors.get('total', 'unknown')}); pass a size, e.g. budget='12G'"
+            )
+        return int(system.total * share / 100)
+    try:
+        budget = parse_size(value)
+    except ValueError:
+        raise ValueError(
+            f"invalid budget {value!r}: use bytes, a size like '12G', a share like '80%', or 'auto'"
+        ) from None
+    if budget <= 0:
+        raise ValueError(f"budget must be positive, got {value!r}; e.g. budget='12G'")
+    return budget
+
+
+def check_sizes(
+    sizes: Mapping[str, int | str] | None, loaders: Mapping[str, Any]
+) -> dict[str, int]:
+    """``StagedModels(sizes=...)`` as bytes per model, or a clear error."""
+    from .units import parse_size
+
+    if sizes is None:
+        return {}
+    if not isinstance(sizes, Mapping):
+        raise TypeError(
+            f"sizes must map model names to bytes, e.g. {{'vae': '160M'}}; got {sizes!r}"
+        )
+    known = ", ".join(sorted(loaders)) or "(none)"
+    out = {}
+    for name, size in sizes.items():
+        if name not in loaders:
+            raise ValueError(f"sizes names {name!r}, which has no loader; models: {known}")
+        out[name] = parse_size(size)
+    return out
+
+
+def prefetchable(
+    prefetch: bool | Iterable[str] | None, loaders: Mapping[str, Any]
+) -> frozenset[str]:
+    """The models ``StagedModels(prefetch=...)`` may load in the background.
+
+    ``True``: those whose loader is marked :func:`rng_free`. A list: exactly those named
+    (the caller vouches that their loaders draw no random numbers).
+    """
+    if prefetch is True:
+        return frozenset(n for n, loader in loaders.items() if is_rng_free(loader))
+    if prefetch is False or prefetch is None:
+        return frozenset()
+    if isinstance(prefetch, str) or not isinstance(prefetch, Iterable):
+        raise TypeError(
+            f"prefetch must be True, False or a list of model names, e.g. ['vae']; got {prefetch!r}"
+        )
+    names = frozenset(prefetch)
+    known = ", ".join(sorted(loaders)) or "(none)"
+    for name in names:
+        if name not in loaders:
+            raise ValueError(f"prefetch names {name!r}, which has no loader; models: {known}")
+    return names
+
+
+def check_plan(
+    loaders: Mapping[str, Any], stages: Mapping[str, Iterable[str]], pinned: Iterable[str]
+) -> dict[str, tuple[str, ...]]:
+    """``StagedModels``' loaders, stages and pinned models checked; the plan as tuples."""
+    for name, loader in loaders.items():
+        if not callable(loader):
+            raise TypeError(
+                f"loader for {name!r} must be a zero-argument callable that returns an "
+                f"nn.Module, got {loader!r}"
+            )
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Mapping):
+        raise TypeError(
+            f"stages must map each stage name to the models it uses, e.g. "
+            f"{{'encode': ['text_encoder']}}; got {stages!r}"
+        )
+    plan: dict[str, tuple[str, ...]] = {}
+    for stage, names in stages.items():
+        if isinstance(names, str):
+            raise TypeError(f"stage {stage!r} lists {names!r} as a string; use a list: [{names!r}]")
+        plan[stage] = tuple(names)
+    known = ", ".join(sorted(loaders)) or "(none)"
+    for stage, names in plan.items():
+        for name in names:
+            if name not in loaders:
+                raise ValueError(
+                    f"stage {stage!r} lists model {name!r}, which has no loader; "
+                    f"models with loaders: {known}"
+                )
+    for name in pinned:
+        if name not in loaders:
+            raise ValueError(f"pinned model {name!r} has no loader; models with loaders: {known}")
+    return plan
+
+
+def choose_policy(
+    policy: ResidencyPolicy | None, budget: int | None, prefetch: bool
+) -> ResidencyPolicy:
+    """The policy ``StagedModels`` uses: the one given, else one for its budget."""
+    if budget is not None and policy is not None:
+        raise ValueError(
+            "pass budget= or policy=, not both: budget= builds the FurthestNextUse policy"
+        )
+    if prefetch and budget is None and policy is None:
+        raise ValueError(
+            "prefetch needs a budget: it loads the next stage's models only where they fit "
+            "beside the current ones; pass budget='auto' or a size such as budget='12G'"
+        )
+    if policy is not None:
+        return policy
+    return ReleaseUnlisted() if budget is None else FurthestNextUse(budget, prefetch=prefetch)
+
+
+def over_budget(
+    stage: str, resident: Iterable[str], sizes: Mapping[str, int], budget: int, after: str | None
+) -> tuple[int, str] | None:
+    """(bytes over, note) when ``resident`` models exceed ``budget`` in ``stage``, else None."""
+    from .units import format_size
+
+    total = _total(list(resident), sizes)
+    if total <= budget:
+        return None
+    what = f"after loading {after!r}" if after else "its models"
+    return total - budget, (
+        f"stage {stage!r} holds {format_size(total)} with {what}, over the budget of "
+        f"{format_size(budget)} by {format_size(total - budget)}; it runs anyway (give "
+        f"sizes= to plan ahead, or raise the budget)"
+    )
