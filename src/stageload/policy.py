@@ -16,6 +16,7 @@ Only loaders that draw no random numbers may run there. Mark them with :func:`rn
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -126,10 +127,11 @@ class FurthestNextUse:
     stage's models and pinned ones never go. A model of unknown size counts as 0 bytes
     until its first load measures it.
 
-    With ``prefetch``, after entering stage ``s`` the next stage's models that fit beside
-    what stays are named for a background load. To make room, it releases early only the
-    models that entering the next stage would evict anyway, so prefetching never costs
-    a load that the budget alone would not.
+    With ``prefetch``, after entering a stage, the next stage's models that fit beside the
+    current stage's models are named for a background load, in plan order. To make room,
+    other models are released early by the same rule, seen from the next stage. That can
+    cost a load the budget alone would not (a model kept for later goes now), in exchange
+    for a load that overlaps the current stage's compute.
     """
 
     def __init__(self, budget: int, *, prefetch: bool = False) -> None:
@@ -177,29 +179,18 @@ class FurthestNextUse:
             return []
         keep = set(needed) | plan.pinned | protect
         order = list(plan.stages)
-        position = {name: i for i, name in enumerate(loaded)}
-        candidates = sorted(
-            (n for n in loaded if n not in keep),
-            key=lambda n: (
-                -next_use(n, stage, plan.stages, order),
-                plan.sizes.get(n, 0),
-                position[n],
-            ),
-        )
-        chosen: list[str] = []
-        freed = 0
-        for name in candidates:
-            if freed >= excess:
-                break
-            chosen.append(name)
-            freed += plan.sizes.get(name, 0)
-        # Keep again what the later, larger victims made unnecessary (nearest use first).
-        for name in reversed(list(chosen)):
-            size = plan.sizes.get(name, 0)
-            if freed - size >= excess:
+        size = {n: plan.sizes.get(n, 0) for n in loaded}
+        far = {n: next_use(n, stage, plan.stages, order) for n in loaded if n not in keep}
+        # Models no stage lists cost no reload: they go first of all.
+        chosen = sorted((n for n in far if far[n] == float("inf")), key=lambda n: size[n])
+        for name in list(chosen):
+            if excess <= 0:
                 chosen.remove(name)
-                freed -= size
-        return chosen
+            excess -= size[name] if name in chosen else 0
+        if excess <= 0:
+            return chosen
+        planned = [n for n in far if far[n] != float("inf")]
+        return chosen + _fewest_furthest(planned, far, size, excess)
 
     def _prefetch_plan(
         self, stage: str, loaded: Sequence[str], plan: Plan
@@ -218,9 +209,9 @@ class FurthestNextUse:
         if nxt == stage or not wanted:
             return [], []
         resident = list(dict.fromkeys([*loaded, *current]))
-        # What entering the next stage will evict anyway; what is in use now must wait.
-        future = self.victims(nxt, resident, plan)
-        early = [n for n in future if n not in current and n not in plan.pinned]
+        # Room beside the current stage's models (in use now): evict others by the same
+        # rule, seen from the next stage.
+        early = self.victims(nxt, resident, plan, protect=frozenset(current))
         staying = [n for n in resident if n not in early]
         room = self.budget - _total(staying, plan.sizes)
         names: list[str] = []
@@ -233,6 +224,38 @@ class FurthestNextUse:
         if not names:
             return [], []
         return [n for n in early if n in loaded], names
+
+
+def _fewest_furthest(
+    names: list[str], far: Mapping[str, float], size: Mapping[str, int], excess: int
+) -> list[str]:
+    """Victims among ``names`` freeing ``excess`` bytes: the fewest models (each one is a
+    reload later), of those sets the one whose next uses are furthest away (Belady), then
+    the one with fewer bytes (cheaper to reload). Equal sizes make this plain Belady."""
+    by_distance = sorted(names, key=lambda n: (-far[n], size[n]))
+    if len(names) > _EXACT_UP_TO:  # too many to try every set: furthest first, greedily
+        chosen, freed = [], 0
+        for name in by_distance:
+            if freed >= excess:
+                break
+            chosen.append(name)
+            freed += size[name]
+        return chosen
+    for count in range(1, len(names) + 1):
+        best: tuple[Any, ...] | None = None
+        for group in itertools.combinations(by_distance, count):
+            if sum(size[n] for n in group) < excess:
+                continue
+            key = (sorted((far[n] for n in group), reverse=True), -sum(size[n] for n in group))
+            if best is None or key > best[0]:
+                best = (key, list(group))
+        if best is not None:
+            return best[1]
+    return by_distance  # even all of them do not make it fit: the stage runs over budget
+
+
+#: Up to this many candidates, every set of victims is considered.
+_EXACT_UP_TO = 12
 
 
 def next_use(
