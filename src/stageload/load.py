@@ -158,6 +158,9 @@ def from_safetensors(
 
     name = getattr(build, "__qualname__", type(build).__name__)
     load.__qualname__ = f"from_safetensors({name})"
+    # Built on meta and filled by reads: it draws no random numbers, so StagedModels may
+    # prefetch it on a background thread (stageload.policy.rng_free).
+    load.draws_random = False  # type: ignore[attr-defined]
     return load
 
 
