@@ -88,3 +88,77 @@ def test_arguments_that_print_alike_but_differ_are_not_shared():
         assert Factory.make([1, 2]) is Factory.make([1, 2])  # short reprs still compare
         options = {1: "a", "x": {2}}
         assert Factory.make(options=options) is Factory.make(options=dict(options))
+
+
+def test_a_backbone_released_with_one_stage_is_rebuilt_for_the_next():
+    """The README's case: extractors in different stages that share one backbone. Leaving
+    the first stage releases the backbone with its extractor; the second extractor must get
+    a fresh one, not the released one back."""
+    import torch
+
+    from stageload import StagedModels
+
+    def extractor() -> Extractor:
+        return Extractor()
+
+    Backbone.built = 0
+    x = torch.randn(2, 8)
+    with share(Backbone, "from_pretrained"):
+        models = StagedModels(
+            {"e1": extractor, "e2": extractor},
+            stages={"s1": ["e1"], "s2": ["e2"], "both": ["e1", "e2"]},
+        )
+        models.enter("s1")
+        models["e1"].backbone(x)
+        models.enter("s2")  # releases e1, and with it the backbone it built
+        models["e2"].backbone(x)  # ReleasedModuleError blaming 'e1' before the fix
+        assert Backbone.built == 2
+        models.enter("both")  # e2 stays; e1 comes back and shares e2's backbone
+        assert models["e1"].backbone is models["e2"].backbone
+        models["e1"].backbone(x)
+        assert Backbone.built == 2
+        models.close()
+
+
+def test_share_blocks_that_exit_out_of_order_leave_the_class_as_it_was():
+    original = vars(Backbone)["from_pretrained"]
+    outer, inner = share(Backbone, "from_pretrained"), share(Backbone, "from_pretrained")
+    outer_cache = outer.__enter__()
+    inner_cache = inner.__enter__()
+    first = Backbone.from_pretrained("dinov3")
+    assert list(outer_cache.values()) == [first] and list(inner_cache.values()) == [first]
+    outer.__exit__(None, None, None)  # out of order: the inner block is still open
+    assert Backbone.from_pretrained("dinov3") is first  # still shared by the inner block
+    inner.__exit__(None, None, None)
+    assert vars(Backbone)["from_pretrained"] is original
+    assert Backbone.from_pretrained("dinov3") is not Backbone.from_pretrained("dinov3")
+
+
+def test_concurrent_identical_calls_build_once():
+    """A prefetch thread and the caller asking for the same backbone at once: one build."""
+    import threading
+    import time
+
+    calls, entered, proceed = [], threading.Event(), threading.Event()
+
+    class Factory:
+        @classmethod
+        def make(cls, name):
+            calls.append(name)
+            entered.set()
+            proceed.wait(10)
+            return object()
+
+    results = []
+    with share(Factory, "make"):
+        threads = [threading.Thread(target=lambda: results.append(Factory.make("x")))]
+        threads[0].start()
+        entered.wait(10)
+        threads.append(threading.Thread(target=lambda: results.append(Factory.make("x"))))
+        threads[1].start()
+        time.sleep(0.2)  # give the second caller time to (wrongly) start a build of its own
+        proceed.set()
+        for thread in threads:
+            thread.join(10)
+    assert calls == ["x"]
+    assert len(results) == 2 and results[0] is results[1]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from .release import is_released
 
 _MISSING = object()
 
@@ -48,6 +51,81 @@ def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     return (freeze(args), freeze(kwargs))
 
 
+class _Slot:
+    """Every active ``share()`` of one ``owner.attr``: one wrapper on the owner, one cache
+    per block, innermost last. Blocks may exit in any order; the owner gets its own
+    attribute back when the last one exits, so no stale wrapper is left behind."""
+
+    def __init__(self, owner: Any, attr: str, own: Any, original: Any) -> None:
+        self.owner = owner
+        self.attr = attr
+        self.own = own  # the owner's own attribute before the first block (or _MISSING)
+        self.original = original  # what the wrapper calls to build
+        self.caches: list[dict[Hashable, Any]] = []
+        self.installed: Any = None  # the value set on the owner
+        self.lock = threading.Lock()  # guards caches and building, never held while building
+        # key -> (thread id, done): one build per key at a time, so a prefetch thread and
+        # the caller never build the same instance twice.
+        self.building: dict[Hashable, tuple[int, threading.Event]] = {}
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        key = _key(args, kwargs)
+        me = threading.get_ident()
+        while True:
+            with self.lock:
+                if not self.caches:  # every block exited but another wrapper calls ours
+                    return_plain = True
+                    break
+                return_plain = False
+                value = self._cached(key)
+                if value is not _MISSING:
+                    return value
+                builder = self.building.get(key)
+                if builder is None or builder[0] == me:
+                    # Nobody builds it, or this thread does and the factory calls itself
+                    # with the same arguments: build here (waiting would deadlock).
+                    done = threading.Event()
+                    self.building.setdefault(key, (me, done))
+                    break
+            # Another thread is building it (a prefetch): wait, then take what it built.
+            builder[1].wait()
+        if return_plain:
+            return self.original(*args, **kwargs)
+        try:
+            value = self.original(*args, **kwargs)
+            with self.lock:
+                for cache in self.caches:
+                    cache[key] = value
+        finally:
+            with self.lock:
+                if self.building.get(key, (me, None))[1] is done:
+                    del self.building[key]
+            done.set()
+        return value
+
+    def _cached(self, key: Hashable) -> Any:
+        """The live shared value for ``key`` or ``_MISSING``; forgets a released one."""
+        for cache in reversed(self.caches):
+            value = cache.get(key, _MISSING)
+            if value is _MISSING:
+                continue
+            if is_released(value):
+                # Released with the model that held it: its weights are on meta. Never hand
+                # it out again; the next identical call builds a fresh one to share.
+                for other in self.caches:
+                    if other.get(key, _MISSING) is value:
+                        del other[key]
+                return _MISSING
+            for other in self.caches:  # an inner block also sees what an outer one shared
+                other.setdefault(key, value)
+            return value
+        return _MISSING
+
+
+_slots: dict[tuple[int, str], _Slot] = {}
+_slots_lock = threading.Lock()
+
+
 @contextmanager
 def share(owner: Any, attr: str) -> Iterator[dict[Hashable, Any]]:
     """Within the block, identical calls of ``owner.attr(...)`` return one shared instance.
@@ -60,8 +138,31 @@ def share(owner: Any, attr: str) -> Iterator[dict[Hashable, Any]]:
 
     Calls are identical when their arguments are equal (unhashable ones compare by
     ``repr``, or by identity where the repr is abbreviated, as for large arrays).
-    Yields the cache, so callers can see what was shared.
+    A shared instance that was released (:func:`stageload.release`, e.g. with the first
+    model that held it) is never handed out again: the next identical call builds a fresh
+    one, which later identical calls share. Blocks on the same ``owner.attr`` may nest and
+    exit in any order. Yields the cache, so callers can see what was shared.
     """
+    cache: dict[Hashable, Any] = {}
+    with _slots_lock:
+        slot = _slots.get((id(owner), attr))
+        if slot is None:
+            slot = _install(owner, attr)
+            _slots[(id(owner), attr)] = slot
+        with slot.lock:
+            slot.caches.append(cache)
+    try:
+        yield cache
+    finally:
+        with _slots_lock:
+            with slot.lock:
+                slot.caches.remove(cache)
+            if not slot.caches:
+                del _slots[(id(owner), attr)]
+                _uninstall(slot)
+
+
+def _install(owner: Any, attr: str) -> _Slot:
     try:
         original = getattr(owner, attr)
     except AttributeError:
@@ -69,22 +170,24 @@ def share(owner: Any, attr: str) -> Iterator[dict[Hashable, Any]]:
     if not callable(original):
         raise TypeError(f"{owner!r}.{attr} is not callable: {original!r}")
     own = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-    cache: dict[Hashable, Any] = {}
+    slot = _Slot(owner, attr, own, original)
 
     @functools.wraps(original)
     def shared(*args: Any, **kwargs: Any) -> Any:
-        key = _key(args, kwargs)
-        if key not in cache:
-            cache[key] = original(*args, **kwargs)
-        return cache[key]
+        return slot.call(args, kwargs)
 
     # On a class, a plain function would bind to instances; staticmethod keeps the
     # already-bound original (e.g. a classmethod) callable both ways.
-    setattr(owner, attr, staticmethod(shared) if isinstance(owner, type) else shared)
-    try:
-        yield cache
-    finally:
-        if own is _MISSING:
-            delattr(owner, attr)
-        else:
-            setattr(owner, attr, own)
+    slot.installed = staticmethod(shared) if isinstance(owner, type) else shared
+    setattr(owner, attr, slot.installed)
+    return slot
+
+
+def _uninstall(slot: _Slot) -> None:
+    owner, attr = slot.owner, slot.attr
+    if hasattr(owner, "__dict__") and vars(owner).get(attr, _MISSING) is not slot.installed:
+        return  # someone wrapped ours since: leave theirs; ours now just calls through
+    if slot.own is _MISSING:
+        delattr(owner, attr)
+    else:
+        setattr(owner, attr, slot.own)
