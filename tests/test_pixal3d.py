@@ -343,3 +343,35 @@ def test_an_input_that_is_not_an_image_fails_in_one_line(stub, tmp_path, capsys)
     err = capsys.readouterr().err
     assert err.startswith("stageload-pixal3d: error: the run failed: ") and "notes.png" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_each_loader_works_alone_in_any_order_and_again(stub, image, tmp_path):
+    """A residency policy may load in any order: the shared backbone and NAF load on their
+    own, an extractor loads without its shared parts (and without loading them as
+    entries), and the background remover loads again after a release."""
+    port = import_port(stub)
+    built = port.backbone_class.built
+    with Pixal3DRun(port, port_args(port, image, tmp_path / "o.glb")) as staged:
+        models = staged.models
+        backbone = models["image_cond_backbone"]  # before any extractor
+        naf = models["image_cond_naf"]
+        extractor = models["image_cond_model_tex_1024"]
+        assert extractor.model is backbone and extractor.upsampler is naf  # shared
+        assert port.backbone_class.built == built + 1
+        models.close()
+        assert models["image_cond_model_shape_512"] is not None
+        assert models.loaded() == ["image_cond_model_shape_512"]  # loaded nothing else
+        assert not models["image_cond_model_shape_512"].model.patch_embed.weight.is_meta
+        for _ in range(2):  # the remover again after its release
+            remover = models["rembg_model"]
+            assert not next(remover.parameters()).is_meta
+            models.evict("rembg_model")
+
+
+def test_a_run_processes_a_second_image(stub, image, tmp_path, eager_hashes):
+    port = import_port(stub)
+    with Pixal3DRun(port, port_args(port, image, tmp_path / "o.glb")) as staged:
+        first = staged.execute()
+        second = staged.execute()
+    assert [r["sha256"] for r in first.fingerprints] == eager_hashes
+    assert [r["sha256"] for r in second.fingerprints[4:]] == eager_hashes

@@ -66,6 +66,15 @@ class ExtractorRecipe:
 
         return record
 
+    def build_bare(self, build: Callable[..., Any]) -> Any:
+        """Build the extractor without replaying what ``init_pipeline`` did to it."""
+        return build(*self._args, **self._kwargs)
+
+    def nafs(self) -> list[NafRecipe]:
+        """The NAF upsamplers ``init_pipeline`` attached to this extractor."""
+        values = [v for _, _, args, kwargs in self._ops for v in (*args, *kwargs.values())]
+        return [v for v in values if isinstance(v, NafRecipe)]
+
     def build(self, build: Callable[..., Any], naf: Callable[[NafRecipe], Any]) -> Any:
         """Build the extractor with ``build`` and replay the recorded operations on it,
         with each recorded NAF replaced by ``naf(recipe)``."""
@@ -97,6 +106,11 @@ class Holder(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.obj(*args, **kwargs)
+
+    @staticmethod
+    def wrap(obj: Any) -> nn.Module:
+        """``obj`` itself if it is a module, else a Holder of it."""
+        return obj if isinstance(obj, nn.Module) else Holder(obj)
 
 
 def unwrap(module: nn.Module) -> Any:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +28,6 @@ from torch import nn
 
 from ..events import NOTE, STAGE, Event, EventSink
 from ..hooks import on_call
-from ..release import is_released
 from ..share import share
 from ..staged import Plan, ReleaseUnlisted, StagedModels
 from ._parts import ExtractorRecipe, Holder, LazyEntry, NafRecipe, Unloaded, build_on_device
@@ -60,11 +59,21 @@ class StopRun(BaseException):  # noqa: N818 - a signal, not an error
 
 class SharedPartsLast(ReleaseUnlisted):
     """Release the extractors before the backbone and NAF they share, so each release
-    event counts the bytes it frees itself."""
+    event counts the bytes it frees itself; on entering an extractor's stage, load the
+    shared parts it uses first, so they are entries of their own that outlive it.
+
+    ``parts`` maps each stage to the shared parts its extractor uses.
+    """
+
+    def __init__(self, parts: Mapping[str, Sequence[str]] | None = None) -> None:
+        self.parts = {stage: tuple(names) for stage, names in (parts or {}).items()}
 
     def to_release(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
         names = super().to_release(stage, loaded, plan)
         return sorted(names, key=lambda name: name in (BACKBONE, NAF))  # stable sort
+
+    def to_prefetch(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
+        return [n for n in self.parts.get(stage, ()) if n in plan.stages[stage] and n not in loaded]
 
 
 @dataclass
@@ -124,9 +133,7 @@ class Pixal3DRun:
         self._stack = ExitStack()
         self._extractor_stage: dict[int, str] = {}
         self._backbone_cache: dict[Any, Any] = {}
-        self._naf_cache: dict[Any, Any] = {}
-        self._rembg: Any = None
-        self._built: dict[str, nn.Module] = {}  # what each loader returned last
+        self._rembg: Any = None  # the remover the port built, until its first load
         try:
             if load == "staged":
                 self.pipeline = self._build_staged()
@@ -175,21 +182,29 @@ class Pixal3DRun:
                 "this port differs from the one stageload.pixal3d was written for"
             )
 
+        # Each loader builds its model on its own, so a residency policy may load them in
+        # any order and a run may process several images. Identical from_pretrained and
+        # _load_naf calls return one live instance (share() rebuilds a released one).
+        self._backbone_cache = self._stack.enter_context(
+            share(port.backbone_class, "from_pretrained")
+        )
+        self._stack.enter_context(share(gen, "_load_naf"))
         loaders: dict[str, Callable[[], nn.Module]] = {}
         for name, placeholder in found.items():
             loaders[name] = functools.partial(self._load_model, name, from_pretrained, placeholder)
         for attr, recipe in recipes.items():
             loaders[attr] = functools.partial(self._load_extractor, attr, recipe, build_extractor)
-        # Identical from_pretrained / _load_naf calls return one instance for the whole run.
-        self._backbone_cache = self._stack.enter_context(
-            share(port.backbone_class, "from_pretrained")
-        )
-        self._naf_cache = self._stack.enter_context(share(gen, "_load_naf"))
-        loaders[BACKBONE] = functools.partial(self._load_shared, BACKBONE, self._backbone_cache)
-        loaders[NAF] = functools.partial(self._load_shared, NAF, self._naf_cache)
+        loaders[BACKBONE] = functools.partial(self._load_backbone, recipes, build_extractor)
+        nafs = [naf for recipe in recipes.values() for naf in recipe.nafs()]
+        loaders[NAF] = functools.partial(self._load_nafs, nafs)
         self._rembg = getattr(pipeline, "rembg_model", None)
         if self._rembg is not None:
-            loaders[REMBG] = self._load_rembg
+            loaders[REMBG] = functools.partial(self._load_rembg, _rebuilder(self._rembg, pipeline))
+        # The shared parts each extractor stage loads first (the ss extractor has no NAF).
+        parts = {
+            EXTRACTOR_STAGES[attr]: (BACKBONE, NAF) if recipe.nafs() else (BACKBONE,)
+            for attr, recipe in recipes.items()
+        }
 
         stages = {s: tuple(n for n in names if n in loaders) for s, names in self.plan.items()}
         self.models = StagedModels(
@@ -197,7 +212,7 @@ class Pixal3DRun:
             stages=stages,
             events=self.events,
             preserve_rng=self.preserve_rng,
-            policy=SharedPartsLast(),
+            policy=SharedPartsLast(parts),
         )
         pipeline.models = self.models
         for attr in recipes:
@@ -220,51 +235,67 @@ class Pixal3DRun:
 
         model, why = build_on_device(build, self.device, on_device=self.on_device)
         self._note_fallback(name, why)
-        self._built[name] = model.eval()
-        return model
+        return model.eval()
 
     def _load_extractor(
         self, name: str, recipe: ExtractorRecipe, build: Callable[..., Any]
     ) -> nn.Module:
-        for cache in (self._backbone_cache, self._naf_cache):  # a released part is rebuilt
-            for key in [k for k, v in cache.items() if isinstance(v, nn.Module) and is_released(v)]:
-                del cache[key]
+        # The backbone and NAF come from share(): the live ones if their entries are
+        # loaded (the policy loads them first), otherwise fresh ones.
         extractor, why = build_on_device(
             lambda: recipe.build(build, self._naf), self.device, on_device=self.on_device
         )
         self._note_fallback(name, why)
-        module = extractor if isinstance(extractor, nn.Module) else Holder(extractor)
-        inside = {id(m) for m in module.modules()}
-        for part, cache in ((BACKBONE, self._backbone_cache), (NAF, self._naf_cache)):
-            if any(isinstance(v, nn.Module) and id(v) in inside for v in cache.values()):
-                self.models[part]  # type: ignore[index]  # held alongside: this extractor's release keeps it
-        self._built[name] = module
-        return module
+        return extractor if isinstance(extractor, nn.Module) else Holder(extractor)
 
     def _naf(self, recipe: NafRecipe) -> Any:
         return self.port.generate._load_naf(*recipe.args, **recipe.kwargs)  # shared
 
-    def _load_shared(self, name: str, cache: dict[Any, Any]) -> nn.Module:
-        live = [v for v in cache.values() if isinstance(v, nn.Module) and not is_released(v)]
-        if not live:
-            raise RuntimeError(
-                f"{name!r} is built by the first feature extractor that uses it, not on its "
-                "own; use one of pipeline.image_cond_model_* first"
+    def _load_backbone(
+        self, recipes: Mapping[str, ExtractorRecipe], build: Callable[..., Any]
+    ) -> nn.Module:
+        """The backbone(s) the extractors share. Only an extractor's constructor knows how
+        it calls ``from_pretrained``, so build each bare extractor (shared calls return the
+        live backbone or build it once) and keep the backbones found inside."""
+        found: dict[int, nn.Module] = {}
+        for name, recipe in recipes.items():
+            shell, why = build_on_device(
+                lambda recipe=recipe: recipe.build_bare(build),
+                self.device,
+                on_device=self.on_device,
             )
-        self._built[name] = live[0] if len(live) == 1 else nn.ModuleList(live)
-        return self._built[name]
+            self._note_fallback(name, why)
+            inside = {id(m) for m in Holder.wrap(shell).modules()}
+            for value in list(self._backbone_cache.values()):
+                if isinstance(value, nn.Module) and id(value) in inside:
+                    found.setdefault(id(value), value)
+            del shell  # its own small parts go; the backbone stays in share()'s cache
+        if not found:
+            raise RuntimeError(
+                "building the feature extractors called no "
+                f"{self.port.backbone_class.__qualname__}.from_pretrained: this port builds "
+                "its backbone another way than the one stageload.pixal3d was written for"
+            )
+        backbones = list(found.values())
+        return backbones[0] if len(backbones) == 1 else nn.ModuleList(backbones)
 
-    def _load_rembg(self) -> nn.Module:
+    def _load_nafs(self, recipes: Sequence[NafRecipe]) -> nn.Module:
+        """The NAF upsampler(s) the extractors share, built from their recorded arguments."""
+        nafs: dict[int, nn.Module] = {}
+        for recipe in recipes:
+            naf = self._naf(recipe)
+            nafs.setdefault(id(naf), Holder.wrap(naf))
+        if len(nafs) == 1:
+            return next(iter(nafs.values()))
+        return nn.ModuleList(nafs.values())
+
+    def _load_rembg(self, rebuild: Callable[[], Any]) -> nn.Module:
+        # The first load takes the remover the port built; later ones (a second image)
+        # build it again, since the release left the first on meta.
         rembg, self._rembg = self._rembg, None
         if rembg is None:
-            raise RuntimeError(
-                "the background remover was built by the port's from_pretrained and released "
-                "after preprocess; stageload cannot build it again. Call preprocess_image "
-                "only in the preprocess stage"
-            )
-        module = rembg if isinstance(rembg, nn.Module) else Holder(rembg)
-        self._built[REMBG] = module.to(self.device)
-        return module
+            rembg = rebuild()
+        return Holder.wrap(rembg).to(self.device)
 
     def _note_fallback(self, name: str, why: str | None) -> None:
         if why is not None:
@@ -396,3 +427,22 @@ def run(port: Port, args: Any, **options: Any) -> RunResult:
     """Build, execute and close one :class:`Pixal3DRun`; ``options`` as its constructor."""
     with Pixal3DRun(port, args, **options) as pixal3d_run:
         return pixal3d_run.execute()
+
+
+def _rebuilder(rembg: Any, pipeline: Any) -> Callable[[], Any]:
+    """How to build the background remover again once released. The port builds it in
+    ``from_pretrained`` as ``getattr(rembg, spec["name"])(**spec["args"])`` with the spec
+    from ``pipeline.json``, kept in ``pipeline._pretrained_args["rembg_model"]``."""
+    spec = getattr(pipeline, "_pretrained_args", {}).get("rembg_model")
+    cls = type(rembg)
+
+    def rebuild() -> Any:
+        if not isinstance(spec, dict):
+            raise RuntimeError(
+                "the background remover was released after an earlier image, and "
+                "pipeline._pretrained_args has no 'rembg_model' spec to build it again; "
+                "this port differs from the one stageload.pixal3d was written for"
+            )
+        return cls(**spec.get("args", {}))
+
+    return rebuild
