@@ -67,23 +67,23 @@ print(freed, before - after, weight.untyped_storage().nbytes())
     assert held_bytes == 0  # the held tensor's storage is empty too
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_hundred_load_release_cycles_do_not_leak(tmp_path):
-    out = run_script(
-        RESIDENT
-        + f"""
+LEAK_LOOP = """
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from stageload import StagedModels
 from fixtures.tiny import big_model
-path = {str(tmp_path / "m.safetensors")!r}
-save_file(big_model(128 * 2**20).state_dict(), path)
+path, leak, cycles = {path!r}, {leak!r}, {cycles!r}
+save_file(big_model(32 * 2**20).state_dict(), path)
+kept = []
 
 def load():
     with torch.device("meta"):
-        model = big_model(128 * 2**20)
-    from safetensors.torch import load_file
-    model.load_state_dict(load_file(path), assign=True)
+        model = big_model(32 * 2**20)
+    # Every byte into anonymous memory: load_state_dict copies into the fresh storage.
+    # (assign=True would keep safetensors' file-backed mmap, which RssAnon never shows.)
+    model.to_empty(device="cpu").load_state_dict(load_file(path))
+    if leak:  # the control: a loader that keeps a copy of its weights
+        kept.append([t.clone() for t in model.state_dict().values()])
     return model
 
 models = StagedModels({{"m": load}}, stages={{"use": ["m"], "idle": []}})
@@ -91,14 +91,39 @@ def cycle():
     models.enter("use"); models["m"]; models.enter("idle")
 cycle()
 start = resident()
-for _ in range(99):
+for _ in range(cycles - 1):
     cycle()
 print(start, resident())
-""",
-        timeout=300,
-    )
+"""
+
+
+def leak_loop(tmp_path: Path, *, leak: bool, cycles: int) -> tuple[int, int]:
+    """Anonymous resident memory after the first and after the last load/release cycle."""
+    path = str(tmp_path / f"m-{leak}.safetensors")
+    out = run_script(RESIDENT + LEAK_LOOP.format(path=path, leak=leak, cycles=cycles), 300)
     start, end = map(int, out.split())
-    assert end <= start * 1.10, f"resident memory grew from {start >> 20} MiB to {end >> 20} MiB"
+    return start, end
+
+
+def grew(start: int, end: int) -> str | None:
+    """The leak check: why it failed, or None."""
+    if end <= start * 1.10:
+        return None
+    return f"resident memory grew from {start >> 20} MiB to {end >> 20} MiB"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_hundred_load_release_cycles_do_not_leak(tmp_path):
+    start, end = leak_loop(tmp_path, leak=False, cycles=100)
+    assert grew(start, end) is None, grew(start, end)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_the_leak_check_catches_a_loader_that_keeps_its_weights(tmp_path):
+    """Control: the same loop and check with a leaking loader must fail. Five cycles are
+    enough (each keeps 32 MiB) and keep the test's memory small."""
+    start, end = leak_loop(tmp_path, leak=True, cycles=5)
+    assert grew(start, end) is not None, (start, end)
 
 
 def test_calling_released_module_or_submodule_raises_clear_error():
