@@ -17,10 +17,12 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+from ._errors import PicklableError
+
 _RELEASED_ATTR = "_stageload_released"
 
 
-class ReleasedModuleError(RuntimeError):
+class ReleasedModuleError(PicklableError, RuntimeError):
     """A module was called after its weights were released."""
 
     def __init__(self, name: str | None, stage: str | None) -> None:

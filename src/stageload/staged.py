@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext, suppress
 from typing import TYPE_CHECKING, Any
 
+from ._errors import PicklableError
 from .events import (
     LOAD,
     NOTE,
@@ -57,7 +58,7 @@ SETUP = "setup"
 Loader = Callable[[], "nn.Module"]
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(PicklableError, RuntimeError):
     """A loader raised. The registry is left as it was; the cause is chained."""
 
     def __init__(self, name: str, stage: str | None, cause: BaseException) -> None:
