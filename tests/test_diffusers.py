@@ -505,3 +505,36 @@ def test_staged_on_cuda_equals_eager_and_gives_device_memory_back(built: Any, na
     assert torch.equal(_call(pipe, family), expected)
     pipe.stageload.close()
     assert torch.cuda.memory_allocated() - base < 2**20
+
+
+class _HookedModel(diffusers.ModelMixin, diffusers.ConfigMixin):
+    """A model whose constructor registers a forward hook, as some diffusers models do."""
+
+    @diffusers.configuration_utils.register_to_config
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+        self.fired: list[str] = []
+        self.proj.register_forward_hook(lambda m, a, out: self.fired.append("model"))
+
+    def forward(self, x: Any) -> Any:
+        return self.proj(x)
+
+
+def test_a_hook_the_constructor_registers_fires_once_after_many_loads(tmp_path: Path) -> None:
+    """Filling a placeholder replaces the model's own hooks instead of adding to them (a
+    constructor's hook fired k+1 times after the k-th load); the user's hook stays."""
+    from stageload import release
+    from stageload.diffusers._placeholder import build_skeleton, fill
+
+    _HookedModel(width=4).save_pretrained(tmp_path)
+    skeleton = build_skeleton(_HookedModel, tmp_path, torch.float32)
+    user: list[str] = []
+    skeleton.proj.register_forward_hook(lambda m, a, out: user.append("user"))
+    for _ in range(3):
+        fill(skeleton, _HookedModel.from_pretrained(tmp_path))
+        loaded_fired = skeleton.fired  # the loaded model's own list, taken by the fill
+        skeleton(torch.zeros(1, 4))
+        assert loaded_fired == ["model"] and user == ["user"]
+        user.clear()
+        release(skeleton)

@@ -41,7 +41,9 @@ MOVE_ATTR = "_stageload_move"
 _SNAPSHOT_ATTR = "_stageload_snapshot"
 
 # nn.Module's hook registries. The skeleton's dict objects are kept (RemovableHandles point
-# at them by weakref) and the loaded model's hooks, if any, are added to them.
+# at them by weakref). A fill takes out the hooks the model itself registered (its
+# constructor, on the skeleton or the last load) and adds the loaded model's; hooks the
+# pipeline or the user registered on the skeleton stay.
 _HOOK_DICTS = (
     "_forward_hooks",
     "_forward_hooks_with_kwargs",
@@ -56,9 +58,19 @@ _HOOK_DICTS = (
     "_load_state_dict_post_hooks",
 )
 _SLOTS = ("_parameters", "_buffers")
+# Per submodule: hook registry name -> keys of the hooks the model registered itself.
+_MODEL_HOOKS_ATTR = "_stageload_model_hooks"
 # Set on the skeleton by us or by stageload.release; never taken from a loaded model.
 _OWN = frozenset(
-    {USE_ATTR, DEVICE_ATTR, MOVE_ATTR, _SNAPSHOT_ATTR, "_hf_hook", "_stageload_released"}
+    {
+        USE_ATTR,
+        DEVICE_ATTR,
+        MOVE_ATTR,
+        _SNAPSHOT_ATTR,
+        _MODEL_HOOKS_ATTR,
+        "_hf_hook",
+        "_stageload_released",
+    }
 )
 _NOT_PLAIN = frozenset({*_HOOK_DICTS, *_SLOTS, "_modules", "forward", *_OWN})
 
@@ -263,9 +275,13 @@ def _fill_module(dst: nn.Module, src: nn.Module, memo: dict[int, nn.Module]) -> 
     for slot in _SLOTS:
         d[slot].clear()
         d[slot].update(s[slot])
+    model_hooks = d.get(_MODEL_HOOKS_ATTR, {})
     for name in _HOOK_DICTS:
+        for key in model_hooks.get(name, ()):
+            d.get(name, {}).pop(key, None)  # the last load's (or the build's) own hooks
         if name in s and s[name]:
             d.setdefault(name, type(s[name])()).update(s[name])
+    d[_MODEL_HOOKS_ATTR] = _hook_keys(s)
     # The snapshot holds each attribute as the last load (or the build) gave it; a value on
     # the placeholder that differs was set since, by the pipeline or the user: keep it.
     snapshot = d.get(_SNAPSHOT_ATTR, {})
@@ -295,9 +311,14 @@ def _plain(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k not in _NOT_PLAIN}
 
 
+def _hook_keys(d: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
+    return {name: tuple(d[name]) for name in _HOOK_DICTS if d.get(name)}
+
+
 def _snapshot_all(model: nn.Module) -> None:
     for sub in model.modules():
         sub.__dict__[_SNAPSHOT_ATTR] = _plain(sub.__dict__)
+        sub.__dict__[_MODEL_HOOKS_ATTR] = _hook_keys(sub.__dict__)
 
 
 def attach(
