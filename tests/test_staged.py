@@ -260,3 +260,23 @@ def test_loader_may_use_another_model_but_a_cycle_is_one_clear_error():
     assert models.loaded() == ["backbone", "head"]
     models.enter("run")  # the registry still works: nothing half-loaded is left behind
     assert models["backbone"] is head[0]
+
+
+def test_a_release_that_frees_nothing_says_who_still_holds_the_model():
+    """A model that lives on inside another loaded one frees 0 bytes on release: the event
+    says which model still holds it and how much, instead of a bare 0."""
+    backbone = nn.Linear(256, 256)  # 257 KiB, held by both models below
+    sink = ListSink()
+    models = StagedModels(
+        {"backbone": lambda: backbone, "head": lambda: nn.Sequential(backbone, nn.Linear(256, 4))},
+        stages={"both": ["backbone", "head"], "head": ["head"], "none": []},
+        events=sink,
+    )
+    models.enter("both")
+    models["backbone"], models["head"]
+    models.enter("head")
+    models.enter("none")
+    (kept, freed) = sink.kinds("release")
+    assert (kept.model, kept.bytes) == ("backbone", 0)
+    assert kept.note == "257.0 KiB of its weights stay, still held by 'head'"
+    assert freed.model == "head" and freed.bytes > 257 * 1024 and freed.note is None

@@ -52,21 +52,21 @@ def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
                 yield b
 
 
+def storage_sizes(module: nn.Module) -> dict[tuple[str, int], int]:
+    """Each storage a module's parameters and buffers hold (not on meta): key -> bytes."""
+    return {
+        _storage_key(t): t.untyped_storage().nbytes() for t in _tensors(module) if not t.is_meta
+    }
+
+
 def module_bytes(module: nn.Module, *, exclude: Iterable[nn.Module] = ()) -> int:
     """Bytes held by a module's parameters and buffers, counting shared storage once.
 
     Storage that a module in ``exclude`` also holds is not counted: a load then reports
     only what it added, and a release what it freed.
     """
-    held = {_storage_key(t) for other in exclude for t in _tensors(other) if not t.is_meta}
-    seen: dict[tuple[str, int], int] = {}
-    for t in _tensors(module):
-        if t.is_meta:
-            continue
-        key = _storage_key(t)
-        if key not in held:
-            seen[key] = t.untyped_storage().nbytes()
-    return sum(seen.values())
+    held = {key for other in exclude for key in storage_sizes(other)}
+    return sum(n for key, n in storage_sizes(module).items() if key not in held)
 
 
 def is_released(module: nn.Module) -> bool:
