@@ -107,6 +107,21 @@ def test_meter_records_samples_events_marks_and_end(tmp_path: Path, sampler: str
         assert _gone(start["sampler_pid"])
 
 
+@pytest.mark.parametrize("sampler", ["process", "thread"])
+def test_stop_takes_a_closing_sample_in_both_modes(tmp_path: Path, sampler: str) -> None:
+    """With an interval longer than the run, the samples are the first one and the closing
+    one taken at stop, after the last mark: the process sampler used to skip the latter."""
+    path = tmp_path / "run.jsonl"
+    with MemoryMeter(path, 60, sampler=sampler) as meter:
+        assert meter.sampler == sampler
+        meter.mark("last")
+    records = read_records(path)
+    samples = [r for r in records if r["type"] == "sample"]
+    (mark,) = [r for r in records if r["type"] == "mark"]
+    assert len(samples) == records[-1]["samples"] == 2
+    assert samples[0]["t"] <= mark["t"] <= samples[1]["t"] <= records[-1]["t"]
+
+
 @needs_proc
 def test_sampler_process_is_outside_the_measured_tree_and_loads_no_torch(tmp_path: Path) -> None:
     import psutil

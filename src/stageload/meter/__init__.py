@@ -24,7 +24,7 @@ from ..memory import (
     to_sample,
 )
 from ..units import parse_duration
-from .sampler import Channel, Sampler, pid_alive
+from .sampler import Channel, Messages, Sampler, pid_alive
 from .tracefile import TraceWriter
 
 #: The ways to take samples: a separate sampler process (default) or a thread in this one.
@@ -181,8 +181,9 @@ class MemoryMeter:
             )
         if self._channel is not None:
             self._relay_device()
-            self._channel.send({"go": writer.monotonic0, "pid": self.pid})
-            if self._channel.receive(_START_TIMEOUT) is None:
+            self._channel.send(Messages.go(writer.monotonic0, self.pid))
+            reply = self._channel.receive(_START_TIMEOUT)
+            if reply is None or Messages.READY not in reply:
                 # Started, then failed before its first sample: measure from here instead.
                 self._kill_sampler()
                 self.sampler = "thread"
@@ -286,13 +287,13 @@ class MemoryMeter:
             code = proc.wait(timeout=_START_TIMEOUT)
         except subprocess.TimeoutExpired:
             code = None
-        if hello is None or "hello" not in hello:
+        if hello is None or Messages.HELLO not in hello:
             proc.kill()
             proc.wait()
             channel.close()
             return f"the sampler process did not start (exit code {code})"
         self._channel = channel
-        self._sampler_pid = int(hello["hello"])
+        self._sampler_pid = int(hello[Messages.HELLO])
         self._sampler_created = _create_time(self._sampler_pid)
         return None
 
@@ -306,7 +307,7 @@ class MemoryMeter:
         if not values:
             return True
         try:
-            self._channel.send({"device": values})
+            self._channel.send(Messages.device(values))
         except OSError as exc:
             self._writer.error("sampler", f"the sampler process is gone: {exc}")
             return False
@@ -322,16 +323,16 @@ class MemoryMeter:
         assert channel is not None and self._writer is not None
         reply = None
         try:
-            channel.send({"stop": True})
+            channel.send(Messages.stop(final=True))  # a closing sample, as the thread takes
             reply = channel.receive(_STOP_TIMEOUT)
         except OSError:
             pass
         channel.close()
-        if reply is None or "samples" not in reply:
+        if reply is None or Messages.SAMPLES not in reply:
             self._writer.error("sampler", "the sampler process did not report at stop")
             self._kill_sampler()
             return _count_samples(self.path)
-        return int(reply["samples"])
+        return int(reply[Messages.SAMPLES])
 
     def _kill_sampler(self) -> None:
         if self._channel is not None:

@@ -13,17 +13,19 @@ through a pipe for it to write: they would die with it, and the samples just bef
 crash (an OOM kill) are the ones that matter most.
 
 Protocol with the parent (``MemoryMeter``), over the sampler's stdin and stdout, one JSON
-object per line:
+object per line. Both sides build and read messages only through :class:`Messages` below,
+so the two cannot drift apart:
 
-- sampler -> parent ``{"hello": PID}`` once it is running (detached, see below);
-- parent -> sampler ``{"go": MONOTONIC0, "pid": PID}`` once the start record is written:
-  the ``time.monotonic()`` that ``t = 0`` stands for and the process to measure (not known
-  at spawn time: ``stageload meter`` starts the sampler before the command, so that the
-  first sample comes right after the command starts);
-- sampler -> parent ``{"ready": true}`` after its first sample;
-- parent -> sampler ``{"device": {...}}`` device memory read in the parent (only the
-  process that uses torch can read it); merged into later samples;
-- parent -> sampler ``{"stop": true, "final": bool}``; sampler -> parent ``{"samples": N}``.
+- sampler -> parent ``hello(pid)`` once it is running (detached, see below);
+- parent -> sampler ``go(monotonic0, pid)`` once the start record is written: the
+  ``time.monotonic()`` that ``t = 0`` stands for and the process to measure (not known at
+  spawn time: ``stageload meter`` starts the sampler before the command, so that the first
+  sample comes right after the command starts);
+- sampler -> parent ``ready()`` after its first sample;
+- parent -> sampler ``device(values)``: device memory read in the parent (only the process
+  that uses torch can read it); merged into later samples;
+- parent -> sampler ``stop(final=True)``: take a closing sample (as the thread sampler
+  does), then stop; sampler -> parent ``samples(n)``.
 
 End of file on stdin means the parent is gone: the sampler exits at once, writing nothing
 more. It also checks every tick that the parent (``--watch``) is still alive, because a
@@ -48,6 +50,41 @@ from .tracefile import TraceWriter
 
 #: Sample keys read in the process that uses torch.
 DEVICE_KEYS = ("cuda_allocated", "cuda_reserved", "mps_current", "mps_driver")
+
+
+class Messages:
+    """The parent-sampler protocol: each message's builder, and the key that names it."""
+
+    HELLO = "hello"
+    GO = "go"
+    READY = "ready"
+    DEVICE = "device"
+    STOP = "stop"
+    SAMPLES = "samples"
+
+    @staticmethod
+    def hello(pid: int) -> dict[str, Any]:
+        return {Messages.HELLO: pid}
+
+    @staticmethod
+    def go(monotonic0: float, pid: int) -> dict[str, Any]:
+        return {Messages.GO: monotonic0, "pid": pid}
+
+    @staticmethod
+    def ready() -> dict[str, Any]:
+        return {Messages.READY: True}
+
+    @staticmethod
+    def device(values: Mapping[str, Any]) -> dict[str, Any]:
+        return {Messages.DEVICE: {k: v for k, v in values.items() if k in DEVICE_KEYS}}
+
+    @staticmethod
+    def stop(*, final: bool) -> dict[str, Any]:
+        return {Messages.STOP: True, "final": final}
+
+    @staticmethod
+    def samples(n: int) -> dict[str, Any]:
+        return {Messages.SAMPLES: n}
 
 
 class Sampler:
@@ -180,16 +217,16 @@ def _detach() -> None:
 def run(args: argparse.Namespace) -> int:
     """The sampler process's main loop; see the module docstring for the protocol."""
     control = _Control(sys.stdin.fileno())
-    _say({"hello": os.getpid()})
+    _say(Messages.hello(os.getpid()))
     # Wait for "go": the parent writes the start record first, so it stays the first line.
     while True:
         messages = control.wait(60.0)
         if control.eof or not messages and not pid_alive(args.watch):
             return 0
-        go = [m for m in messages if "go" in m]
+        go = [m for m in messages if Messages.GO in m]
         if go:
             break
-    writer = TraceWriter(args.path, append=True, monotonic0=float(go[0]["go"]))
+    writer = TraceWriter(args.path, append=True, monotonic0=float(go[0][Messages.GO]))
     sampler = Sampler(writer, int(go[0]["pid"]), tree=args.tree)
     device: dict[str, Any] = {}
     next_tick = time.monotonic()
@@ -197,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     while True:
         sampler.sample(device)
         if first:
-            _say({"ready": True})
+            _say(Messages.ready())
             first = False
         next_tick += args.interval
         now = time.monotonic()
@@ -205,13 +242,13 @@ def run(args: argparse.Namespace) -> int:
             next_tick = now + args.interval
         while (timeout := next_tick - time.monotonic()) > 0:
             for message in control.wait(timeout):
-                if "device" in message:
-                    device = {k: v for k, v in message["device"].items() if k in DEVICE_KEYS}
-                if message.get("stop"):
+                if Messages.DEVICE in message:
+                    device = Messages.device(message[Messages.DEVICE])[Messages.DEVICE]
+                if message.get(Messages.STOP):
                     if message.get("final"):
                         sampler.sample(device)
                     writer.close()
-                    _say({"samples": writer.samples})
+                    _say(Messages.samples(writer.samples))
                     return 0
             if control.eof:  # the parent is gone (or closed the pipe): stop writing now
                 return 0
