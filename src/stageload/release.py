@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import gc
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -67,6 +67,25 @@ def module_bytes(module: nn.Module, *, exclude: Iterable[nn.Module] = ()) -> int
     """
     held = {key for other in exclude for key in storage_sizes(other)}
     return sum(n for key, n in storage_sizes(module).items() if key not in held)
+
+
+def held_elsewhere(module: nn.Module, others: Mapping[str, nn.Module]) -> str | None:
+    """Why releasing ``module`` beside ``others`` frees less than it holds: how much of its
+    storage the named modules still hold (a shared backbone, a submodule), or None."""
+    from .units import format_size
+
+    mine = storage_sizes(module)
+    holders: list[str] = []
+    shared: set[tuple[str, int]] = set()
+    for name, other in others.items():
+        common = mine.keys() & storage_sizes(other).keys()
+        if common:
+            holders.append(repr(name))
+            shared |= common
+    if not shared:
+        return None
+    kept = format_size(sum(mine[key] for key in shared))
+    return f"{kept} of its weights stay, still held by {', '.join(holders)}"
 
 
 def is_released(module: nn.Module) -> bool:

@@ -41,9 +41,8 @@ from .policy import (
     parse_budget,
     prefetchable,
 )
-from .release import is_released, module_bytes, release, storage_sizes
+from .release import held_elsewhere, is_released, module_bytes, release
 from .rng import preserved_rng
-from .units import format_size
 
 if TYPE_CHECKING:
     from torch import nn
@@ -441,7 +440,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
     def _release(self, name: str, stage: str | None, reason: str | None = None) -> int:
         module = self._models.pop(name)
         keep: list[Any] = list(self._models.values())  # storage they share must survive
-        note = self._held_note(module) if self._sink is not None else None
+        note = held_elsewhere(module, self._models) if self._sink is not None else None
         start = time.perf_counter()
         nbytes = release(module, name=name, stage=stage, keep=keep)
         seconds = time.perf_counter() - start
@@ -467,22 +466,6 @@ class StagedModels(Mapping[str, "nn.Module"]):
         if over is not None:
             self._over_noted = True
             self._emit(Event(NOTE, stage=stage, bytes=over[0], note=over[1]))
-
-    def _held_note(self, module: nn.Module) -> str | None:
-        """Why a release frees less than the model holds: which loaded models still hold
-        part of it (a shared backbone, a submodule), and how much."""
-        mine = storage_sizes(module)
-        holders: list[str] = []
-        shared: set[tuple[str, int]] = set()
-        for other, held in self._models.items():
-            common = mine.keys() & storage_sizes(held).keys()
-            if common:
-                holders.append(repr(other))
-                shared |= common
-        if not shared:
-            return None
-        kept = format_size(sum(mine[key] for key in shared))
-        return f"{kept} of its weights stay, still held by {', '.join(holders)}"
 
     def _note_unplanned(self, name: str) -> None:
         if name in self._pinned or name in self._noted:
