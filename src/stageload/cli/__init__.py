@@ -21,6 +21,8 @@ COMMANDS: dict[str, str] = {
     "report": "report",
     "plot": "plot",
     "guard": "guard",
+    "run": "run",
+    "queue": "queue",
 }
 
 #: Exit code for bad command-line usage, as argparse uses.

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from ..units import parse_size
 from ._args import amount, command_after_dashes, duration, size
+
+if TYPE_CHECKING:
+    from ..guard import GuardConfig
 
 HELP = "run a command only when memory is free, and stop it before it swaps the machine down"
 
@@ -152,8 +156,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def config_from_args(args: argparse.Namespace, command: list[str]) -> GuardConfig:
+    """The ``GuardConfig`` the guard options in ``args`` describe (``stageload run`` takes
+    the same options). ``ValueError`` for flags that are each fine but not together."""
+    from ..guard import GuardConfig
+
+    return GuardConfig(
+        command,
+        wait_free=args.wait_free,
+        swap_limit=args.swap_limit,
+        swap_budget=args.swap_budget,
+        busy=args.busy,
+        quiet_for=args.quiet_for,
+        start_timeout=args.start_timeout,
+        kill_free=args.kill_free,
+        poll=args.poll,
+        grace=args.grace,
+        trace=args.trace,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    from ..guard import GuardConfig, GuardSetupError, run_guard
+    from ..guard import GuardSetupError, run_guard
     from . import EXIT_USAGE
 
     command = command_after_dashes(
@@ -162,19 +186,7 @@ def run(args: argparse.Namespace) -> int:
     if command is None:
         return EXIT_USAGE
     try:
-        config = GuardConfig(
-            command,
-            wait_free=args.wait_free,
-            swap_limit=args.swap_limit,
-            swap_budget=args.swap_budget,
-            busy=args.busy,
-            quiet_for=args.quiet_for,
-            start_timeout=args.start_timeout,
-            kill_free=args.kill_free,
-            poll=args.poll,
-            grace=args.grace,
-            trace=args.trace,
-        )
+        config = config_from_args(args, command)
     except ValueError as exc:  # flags that are each fine but cannot work together
         print(f"stageload guard: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

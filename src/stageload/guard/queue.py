@@ -1,0 +1,285 @@
+"""The machine-wide queue's state: lanes in a folder, and tickets held by live clients.
+
+The two rules that decide who starts (fairness between owners, memory) are in ``rules``.
+
+There is no daemon. Each lane is a folder under the state directory (``~/.stageload/`` or
+``$STAGELOAD_HOME``)::
+
+    lanes/<lane>/lock           flock'ed (LOCK_EX) for every read-decide-write of the lane
+    lanes/<lane>/seq            the last ticket number given out
+    lanes/<lane>/owners.json    owner -> wall time of their latest start in the lane
+    lanes/<lane>/tickets/N.json one per client, flock'ed by that client while it lives
+    lanes/<lane>/history.jsonl  one line per finished run (``history``)
+    lanes/<lane>/traces/        the runs' meter traces
+
+A client holds ``LOCK_EX`` on its own ticket's open file for as long as it lives; the
+kernel drops that lock when the process dies, however it dies. Whoever reads the lane
+(another client, ``stageload queue``) does so under the lane lock and treats a ticket whose
+lock it can take as dead and removes it, so a client killed with SIGKILL leaves nothing
+that holds up the others. A ticket is created and locked under the lane lock, so no reader
+sees one that is not locked yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+#: Environment variable that moves the state directory from ``~/.stageload``.
+HOME_ENV = "STAGELOAD_HOME"
+#: Environment variable for how often a waiting client looks again (a duration).
+POLL_ENV = "STAGELOAD_QUEUE_POLL"
+#: Default seconds between a waiting client's looks at its lane.
+POLL_DEFAULT = 0.5
+#: The lane ``stageload run`` joins unless told otherwise.
+DEFAULT_LANE = "ram"
+
+_LANE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+NeedSource = Literal["declared", "learned", "unknown"]
+
+
+class QueueSetupError(Exception):
+    """The state directory or a lane cannot be used; nothing was queued or run."""
+
+
+def check_lane(name: str) -> str:
+    """``name`` if it is a valid lane name, else ``ValueError`` saying what is allowed."""
+    if not isinstance(name, str) or not _LANE_RE.fullmatch(name):
+        raise ValueError(
+            f"invalid lane name {name!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, e.g. 'ram' or 'gpu-0'"
+        )
+    return name
+
+
+def check_owner(name: str) -> str:
+    """``name`` if it is a usable owner name (printable, 1-64 characters), else ValueError."""
+    if not isinstance(name, str) or not 0 < len(name) <= 64 or not name.isprintable():
+        raise ValueError(
+            f"invalid owner {name!r}: give 1-64 printable characters, e.g. --who alice"
+        )
+    return name
+
+
+def default_owner() -> str:
+    """The user name, as ``--who`` defaults to it."""
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (containers): the uid still tells owners apart
+        return f"uid{os.getuid()}"
+
+
+def state_dir(home: str | os.PathLike[str] | None = None) -> Path:
+    """``home``, else ``$STAGELOAD_HOME``, else ``~/.stageload``."""
+    if home is not None:
+        return Path(home)
+    env = os.environ.get(HOME_ENV, "")
+    return Path(env) if env else Path.home() / ".stageload"
+
+
+def poll_interval(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds between a waiting client's looks: ``$STAGELOAD_QUEUE_POLL`` or 0.5."""
+    from ..units import parse_duration
+
+    text = (os.environ if environ is None else environ).get(POLL_ENV, "")
+    if not text:
+        return POLL_DEFAULT
+    try:
+        seconds = parse_duration(text)
+    except ValueError as exc:
+        raise ValueError(f"{POLL_ENV}: {exc}") from None
+    if seconds <= 0:
+        raise ValueError(f"{POLL_ENV} must be above 0, got {text!r}; e.g. '0.5' or '100ms'")
+    return seconds
+
+
+# -- tickets ---------------------------------------------------------------------------
+
+
+@dataclass
+class Ticket:
+    """One client's place in a lane, as stored in its ticket file.
+
+    ``state``: ``waiting``; ``admitted`` once the queue let it go (the guard may still wait
+    for its own admission); ``running`` once the command started (``pid`` is set).
+    ``need`` is bytes, or None when unknown (the command runs alone).
+    """
+
+    seq: int
+    owner: str
+    command: list[str]
+    need: int | None
+    need_source: NeedSource
+    client_pid: int
+    enqueued: float  # wall-clock times (time.time()), comparable between processes
+    state: Literal["waiting", "admitted", "running"] = "waiting"
+    admitted: float | None = None
+    started: float | None = None
+    pid: int | None = None
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Ticket:
+        return cls(**json.loads(data))
+
+
+class HeldTicket:
+    """This client's ticket: the open, locked file and its contents. Rewrite under the lane
+    lock (``save``); ``remove`` at the end (the kernel releases the lock if we die first)."""
+
+    def __init__(self, path: Path, fd: int, ticket: Ticket) -> None:
+        self.path, self.fd, self.ticket = path, fd, ticket
+
+    def save(self) -> None:
+        data = self.ticket.to_bytes()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data, 0)
+
+    def remove(self) -> None:
+        if self.fd < 0:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        os.close(self.fd)  # closing the last descriptor drops the flock
+        self.fd = -1
+
+
+# -- a lane ----------------------------------------------------------------------------
+
+
+class Lane:
+    """A lane's folder and the operations on it; methods marked *locked* need ``locked()``."""
+
+    def __init__(self, home: str | os.PathLike[str] | None, name: str) -> None:
+        self.home = state_dir(home)
+        self.name = check_lane(name)
+        self.dir = self.home / "lanes" / self.name
+        self.tickets_dir = self.dir / "tickets"
+        self.traces_dir = self.dir / "traces"
+        self.history_path = self.dir / "history.jsonl"
+
+    def create(self) -> Lane:
+        """Make the lane's folders; ``QueueSetupError`` naming the folder if that fails."""
+        for folder in (self.tickets_dir, self.traces_dir):
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise QueueSetupError(_folder_error(self.home, folder, exc)) from None
+        if not os.access(self.dir, os.W_OK) or not os.access(self.tickets_dir, os.W_OK):
+            raise QueueSetupError(
+                f"state folder {str(self.dir)!r} is not writable; set {HOME_ENV} to a folder "
+                "you can write, e.g. STAGELOAD_HOME=/tmp/stageload"
+            )
+        return self
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the lane lock (milliseconds: read, decide, write; never while waiting)."""
+        try:
+            fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise QueueSetupError(_folder_error(self.home, self.dir, exc)) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def enqueue(self, owner: str, command: Sequence[str], need: int | None,
+                need_source: NeedSource) -> HeldTicket:  # fmt: skip
+        """*locked*: a new ticket at the end of the lane, locked by this process."""
+        seq = self._next_seq()
+        path = self.tickets_dir / f"{seq:012d}.json"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and ours: cannot be taken
+        ticket = Ticket(seq, owner, list(command), need, need_source, os.getpid(), time.time())
+        held = HeldTicket(path, fd, ticket)
+        held.save()
+        return held
+
+    def tickets(self) -> list[Ticket]:
+        """*locked*: the live tickets in ticket order; dead ones are removed on the way."""
+        try:
+            names = sorted(os.listdir(self.tickets_dir))
+        except FileNotFoundError:
+            return []
+        found = []
+        for name in names:
+            path = self.tickets_dir / name
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # its client just removed it
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    # Held: its client lives. It writes only under the lane lock we hold.
+                    found.append(Ticket.from_bytes(os.pread(fd, 1 << 20, 0)))
+                else:
+                    # Nobody holds it: the client died (SIGKILL, crash) without removing it.
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+            except (ValueError, TypeError):
+                continue  # not a ticket of ours; leave it
+            finally:
+                os.close(fd)
+        return found
+
+    def owner_starts(self) -> dict[str, float]:
+        """*locked*: owner -> wall time of their latest start in this lane."""
+        try:
+            data = json.loads((self.dir / "owners.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+        return {k: float(v) for k, v in data.items() if isinstance(v, (int, float))}
+
+    def record_start(self, owner: str, when: float) -> None:
+        """*locked*: remember that ``owner`` started a command at ``when``."""
+        starts = self.owner_starts()
+        starts[owner] = when
+        _write_atomic(self.dir / "owners.json", json.dumps(starts).encode())
+
+    def _next_seq(self) -> int:
+        path = self.dir / "seq"
+        try:
+            seq = int(path.read_text()) + 1
+        except (FileNotFoundError, ValueError):
+            seq = 1
+        _write_atomic(path, str(seq).encode())
+        return seq
+
+
+def list_lanes(home: str | os.PathLike[str] | None = None) -> list[str]:
+    """Names of the lanes that exist under the state directory, sorted."""
+    try:
+        names = os.listdir(state_dir(home) / "lanes")
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(n for n in names if _LANE_RE.fullmatch(n))
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)  # a reader sees the old file or the new one, never half
+
+
+def _folder_error(home: Path, folder: Path, exc: OSError) -> str:
+    return (
+        f"cannot use state folder {str(folder)!r}: {exc.strerror or exc}; set {HOME_ENV} to a "
+        f"writable folder (now {str(home)!r}), e.g. STAGELOAD_HOME=/tmp/stageload"
+    )
