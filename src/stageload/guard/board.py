@@ -13,7 +13,7 @@ from typing import Any
 
 from ..units import format_duration, format_size
 from .history import read_records
-from .queue import Lane, list_lanes, state_dir
+from .queue import Lane, QueueSetupError, _folder_error, list_lanes, state_dir
 from .rules import decide, fair_order, finite, running_view
 
 
@@ -82,6 +82,14 @@ def snapshot(
 ) -> dict[str, Any]:
     """The whole document ``stageload queue --json`` prints: one entry per lane (all lanes
     that exist, or just ``lane``)."""
+    root = state_dir(home)
+    try:
+        if not root.stat().st_mode & 0o040000:  # S_IFDIR
+            raise NotADirectoryError(20, "Not a directory")
+    except FileNotFoundError:
+        pass  # nothing queued yet: empty lanes
+    except OSError as exc:
+        raise QueueSetupError(_folder_error(root, root, exc)) from None
     names = [lane] if lane is not None else list_lanes(home)
     return {
         "state_dir": str(state_dir(home)),

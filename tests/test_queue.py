@@ -1,0 +1,378 @@
+"""Tests for the machine-wide queue (``stageload run``, ``stageload queue``) with real clients.
+
+Every client is a real ``python -m stageload run`` process in a state directory of its own
+(``STAGELOAD_HOME`` in ``tmp_path``), polling every 50 ms (``STAGELOAD_QUEUE_POLL``). The
+commands are ``sh`` one-liners that append to a log and wait for a file to appear, so the
+tests order events by files, never by timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from stageload.cli import main
+from stageload.guard.board import snapshot
+from stageload.guard.history import learned_need, read_records
+from stageload.guard.queue import Ticket
+from stageload.guard.rules import Running, decide, fair_order
+from stageload.memory import read_system
+
+PY = sys.executable
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+GiB = 1 << 30
+MiB = 1 << 20
+# Guard flags for every run: no extra floor (the queue's memory rule is under test), quick
+# samples, a short grace.
+FLAGS = ["--wait-free", "0", "--poll", "0.05", "--grace", "1"]
+
+Spawn = Callable[..., subprocess.Popen[bytes]]
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh state directory, also for the in-process ``main`` and ``snapshot`` calls."""
+    path = tmp_path / "state"
+    monkeypatch.setenv("STAGELOAD_HOME", str(path))
+    monkeypatch.setenv("STAGELOAD_QUEUE_POLL", "0.05")
+    return path
+
+
+@pytest.fixture
+def spawn(request: pytest.FixtureRequest, home: Path) -> Callable[..., subprocess.Popen[bytes]]:
+    """Start ``stageload run ARGS`` as a real client; kill its whole session at teardown."""
+
+    def start(*args: str) -> subprocess.Popen[bytes]:
+        env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.Popen(
+            [PY, "-m", "stageload", "run", *FLAGS, *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+
+        def cleanup() -> None:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+        request.addfinalizer(cleanup)
+        return proc
+
+    return start
+
+
+def wait_until(check: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def lane(home: Path, name: str = "ram") -> dict[str, Any]:
+    return snapshot(home, name)["lanes"][0]
+
+
+def finish(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=timeout)
+    text = err.decode()
+    assert "Traceback" not in text, text
+    return proc.returncode, text
+
+
+def log_lines(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+def gate(log: Path, name: str, go: Path) -> list[str]:
+    """A command that logs ``name``, waits for ``go`` to exist, then logs ``name-end``."""
+    wait = f"while [ ! -e {go} ]; do sleep 0.02; done"
+    script = f"echo {name} >> {log}; {wait}; echo {name}-end >> {log}"
+    return ["--", "sh", "-c", script]
+
+
+def echo(log: Path, name: str) -> list[str]:
+    return ["--", "sh", "-c", f"echo {name} >> {log}"]
+
+
+# -- the rules as functions ------------------------------------------------------------
+
+
+def _ticket(seq: int, owner: str, need: int | None = None) -> Ticket:
+    return Ticket(seq, owner, ["x", str(seq)], need, "declared", 1, 0.0)
+
+
+def test_fair_order_takes_turns_by_oldest_start_and_keeps_each_owners_order() -> None:
+    waiting = [_ticket(1, "a"), _ticket(2, "a"), _ticket(3, "b"), _ticket(4, "c"),
+               _ticket(5, "b"), _ticket(6, "c")]  # fmt: skip
+    order = fair_order(waiting, {"c": 100.0})
+    # a and b never started: first, by their oldest ticket; c started at 100.
+    assert [t.seq for t in order] == [1, 3, 4, 2, 5, 6]
+    # Control: the latest starts decide, not the tickets: c oldest now.
+    order = fair_order(waiting, {"a": 300.0, "b": 200.0, "c": 100.0})
+    assert [t.seq for t in order] == [4, 3, 1, 6, 5, 2]
+
+
+def test_memory_rule_counts_what_running_commands_may_still_take() -> None:
+    running = [Running(_ticket(1, "a", need=6 * GiB), use=4 * GiB)]
+    # available 5G already excludes a's 4G; a may take 2G more: room 3G.
+    assert decide(3 * GiB, running, 5 * GiB).ok
+    no = decide(3 * GiB + 1, running, 5 * GiB)
+    assert (no.ok, no.why, no.room) == (False, "memory", 3 * GiB)
+    # A command over its need reserves nothing more (its excess is already not available).
+    assert decide(5 * GiB, [Running(_ticket(1, "a", need=GiB), use=2 * GiB)], 5 * GiB).ok
+    # Unknown needs run alone, both ways; an empty lane admits anything.
+    assert decide(None, running, 100 * GiB).why == "busy"
+    assert decide(MiB, [Running(_ticket(1, "a"), use=0)], 100 * GiB).why == "busy"
+    assert decide(None, [], None).ok
+
+
+def test_learned_need_is_the_highest_recent_peak_of_the_same_argv() -> None:
+    runs = [{"command": ["a"], "peak_footprint": p} for p in (900, 100, 200, 300, 400, 500)]
+    runs.append({"command": ["a", "x"], "peak_footprint": 10**9})
+    runs.append({"command": ["a"], "peak_footprint": 0})  # no reading: ignored
+    assert learned_need(runs, ["a"]) == 500  # 900 is older than the last 5
+    assert learned_need(runs, ["b"]) is None
+
+
+# -- real clients ----------------------------------------------------------------------
+
+
+def test_three_owners_take_fair_turns_in_a_one_at_a_time_lane(
+    home: Path, tmp_path: Path, spawn: Spawn
+) -> None:
+    """Commands never seen run alone, so the lane holds one at a time. c's gate runs; then
+    a1 a2 b1 c1 b2 c2 queue in that order: a and b never started, so they go first, and c,
+    whose start is older than theirs, before a's second."""
+    log, go = tmp_path / "log", tmp_path / "go"
+    held = spawn("--who", "c", *gate(log, "gate", go))
+    wait_until(lambda: log_lines(log) == ["gate"], "the gate to start")
+    clients = []
+    for i, (owner, name) in enumerate(
+        [("a", "a1"), ("a", "a2"), ("b", "b1"), ("c", "c1"), ("b", "b2"), ("c", "c2")], 1
+    ):
+        clients.append(spawn("--who", owner, *echo(log, name)))
+        wait_until(lambda i=i: len(lane(home)["waiting"]) == i, f"{i} waiting")
+    waiting = lane(home)["waiting"]
+    assert [w["why"] for w in waiting] == ["busy"] + ["turn"] * 5
+    go.touch()
+    for proc in [held, *clients]:
+        assert finish(proc)[0] == 0
+    assert log_lines(log) == ["gate", "gate-end", "a1", "b1", "c1", "a2", "b2", "c2"]
+    assert [r["owner"] for r in read_records(home / "lanes/ram/history.jsonl")] == list("cabcabc")
+
+
+def test_declared_needs_run_together_when_they_fit(
+    home: Path, tmp_path: Path, spawn: Spawn
+) -> None:
+    """Two commands declaring 1G each: each waits for the other to have started."""
+    available = read_system().available
+    if available is None or available < 3 * GiB:
+        pytest.skip(f"needs 3 GiB available, have {available}")
+    a, b, log = tmp_path / "a", tmp_path / "b", tmp_path / "log"
+    meet = "touch {me}; while [ ! -e {other} ]; do sleep 0.02; done; echo {name} >> {log}"
+    first = spawn("--memory", "1G", "--", "sh", "-c",
+                  meet.format(me=a, other=b, name="a", log=log))
+    second = spawn("--memory", "1G", "--", "sh", "-c",
+                   meet.format(me=b, other=a, name="b", log=log))
+    assert finish(first)[0] == 0 and finish(second)[0] == 0
+    assert sorted(log_lines(log)) == ["a", "b"]
+
+
+def test_needs_over_half_of_available_run_one_after_the_other(
+    home: Path, tmp_path: Path, spawn: Spawn
+) -> None:
+    available = read_system().available
+    assert available is not None
+    need = str(int(available * 0.6))
+    log, go = tmp_path / "log", tmp_path / "go"
+    first = spawn("--memory", need, *gate(log, "first", go))
+    wait_until(lambda: log_lines(log) == ["first"], "the first to start")
+    second = spawn("--memory", need, *echo(log, "second"))
+    waiting = wait_until(lambda: lane(home)["waiting"], "the second to queue")
+    assert waiting[0]["why"] == "memory", waiting
+    assert log_lines(log) == ["first"]
+    go.touch()
+    assert finish(first)[0] == 0 and finish(second)[0] == 0
+    assert log_lines(log) == ["first", "first-end", "second"]
+
+
+def test_learned_need_is_used_on_the_second_run(
+    home: Path, tmp_path: Path, spawn: Spawn
+) -> None:
+    """First run: never seen, alone. Second run: its learned peak fits beside a running 1G
+    command, so it starts there; a command never seen waits ('busy') beside the same one."""
+    log, go = tmp_path / "log", tmp_path / "go"
+    learn = ["--", "sh", "-c", f"sleep 0.3; echo learned >> {log}"]
+    assert finish(spawn(*learn))[0] == 0
+    (first,) = read_records(home / "lanes/ram/history.jsonl")
+    assert first["need_source"] == "unknown" and first["peak_footprint"] > 0
+    held = spawn("--memory", "1G", *gate(log, "held", go))
+    wait_until(lambda: "held" in log_lines(log), "the 1G command to start")
+    assert finish(spawn(*learn))[0] == 0  # done while 'held' still runs
+    assert held.poll() is None
+    second = read_records(home / "lanes/ram/history.jsonl")[-1]
+    assert (second["need_source"], second["need"]) == ("learned", first["peak_footprint"])
+    # Control: a command line never seen before does not start beside 'held'.
+    unseen = spawn(*echo(log, "unseen"))
+    waiting = wait_until(lambda: lane(home)["waiting"], "the unseen command to queue")
+    assert (waiting[0]["why"], waiting[0]["need_source"]) == ("busy", "unknown")
+    go.touch()
+    assert finish(held)[0] == 0 and finish(unseen)[0] == 0
+    assert log_lines(log) == ["learned", "held", "learned", "held-end", "unseen"]
+
+
+def test_sigkill_of_clients_leaves_nothing_stale(
+    home: Path, tmp_path: Path, spawn: Spawn, request: pytest.FixtureRequest
+) -> None:
+    """A waiting client killed with SIGKILL disappears from the lane and the next one goes
+    on; so does the ticket of a client killed while its command runs."""
+    log, go = tmp_path / "log", tmp_path / "go"
+    held = spawn("--who", "a", *gate(log, "held", go))
+    wait_until(lambda: log_lines(log) == ["held"], "the first to start")
+    doomed = spawn("--who", "b", *echo(log, "doomed"))
+    wait_until(lambda: len(lane(home)["waiting"]) == 1, "b to queue")
+    after = spawn("--who", "c", *echo(log, "after"))
+    wait_until(lambda: len(lane(home)["waiting"]) == 2, "c to queue")
+    # Control: live clients' tickets stay, however often the lane is read.
+    assert [w["owner"] for w in lane(home)["waiting"]] == ["b", "c"]
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait(10)
+    assert [w["owner"] for w in lane(home)["waiting"]] == ["c"]
+    # The running client crashes: its command is orphaned (killed at teardown), its place
+    # freed, and c starts.
+    (running,) = lane(home)["running"]
+    orphan = psutil.Process(running["pid"])
+    request.addfinalizer(lambda: _kill_session(orphan))
+    held.send_signal(signal.SIGKILL)
+    held.wait(10)
+    assert finish(after)[0] == 0
+    assert log_lines(log) == ["held", "after"]
+    assert os.listdir(home / "lanes/ram/tickets") == []
+
+
+def _kill_session(proc: psutil.Process) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_exit_codes_pass_through(
+    home: Path, tmp_path: Path, spawn: Spawn, capfd: pytest.CaptureFixture[str]
+) -> None:
+    run = ["run", *FLAGS, "--"]
+    assert main([*run, "sh", "-c", "exit 7"]) == 7
+    assert main([*run, "sh", "-c", "kill -9 $$"]) == 128 + 9
+    assert main([*run, str(tmp_path / "no-such-command")]) == 127
+    assert main(["run", *FLAGS, "--kill-free", "100%", "--", "sleep", "5"]) == 3
+    # --start-timeout covers the wait in the queue: 4, and the command never ran.
+    log, go = tmp_path / "log", tmp_path / "go"
+    held = spawn(*gate(log, "held", go))
+    wait_until(lambda: log_lines(log) == ["held"], "the first to start")
+    assert main(["run", *FLAGS, "--start-timeout", "0.3", *echo(log, "late")]) == 4
+    go.touch()
+    assert finish(held)[0] == 0
+    assert log_lines(log) == ["held", "held-end"]
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "no turn after" in err
+    outcomes = [r["exit_code"] for r in read_records(home / "lanes/ram/history.jsonl")]
+    assert outcomes == [7, 137, 3, 0]  # runs that started; 127 and 4 never did
+
+
+def test_queue_json_shows_running_and_waiting(
+    home: Path, tmp_path: Path, spawn: Spawn, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log, go = tmp_path / "log", tmp_path / "go"
+    held = spawn("--who", "alice", "--memory", "1G", *gate(log, "held", go))
+    wait_until(lambda: log_lines(log) == ["held"], "alice's command to start")
+    waiter = spawn("--who", "bob", *echo(log, "bob"))
+    wait_until(lambda: lane(home)["waiting"], "bob to queue")
+    assert main(["queue", "--json", "--history", "5"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (the_lane,) = doc["lanes"]
+    (running,) = the_lane["running"]
+    assert (running["owner"], running["need"], running["need_source"]) == ("alice", GiB, "declared")
+    assert running["state"] == "running" and running["memory_now"] > 0
+    assert running["command"][:2] == ["sh", "-c"]
+    (waiting,) = the_lane["waiting"]
+    assert (waiting["position"], waiting["owner"], waiting["why"]) == (1, "bob", "busy")
+    assert main(["queue"]) == 0
+    text = capsys.readouterr().out
+    assert "running  alice" in text and "#1 waiting (busy)  bob" in text
+    go.touch()
+    assert finish(held)[0] == 0 and finish(waiter)[0] == 0
+    assert main(["queue", "--json", "--history", "5"]) == 0
+    done = json.loads(capsys.readouterr().out)["lanes"][0]
+    assert done["running"] == [] and done["waiting"] == []
+    assert [h["owner"] for h in done["history"]] == ["alice", "bob"]
+    assert all(Path(h["trace"]).is_file() for h in done["history"])
+
+
+def test_the_command_gets_the_trace_path_for_its_events(home: Path, tmp_path: Path) -> None:
+    """The run's trace is the outer trace (stageload.outer) of the command's StagedModels."""
+    from stageload import outer
+
+    if not hasattr(outer, "command_env"):
+        pytest.skip("the guard does not export STAGELOAD_TRACE yet (branch events, issue 15)")
+    out = tmp_path / "out"
+    script = f'echo "${outer.TRACE_ENV}" > {out}'
+    assert main(["run", *FLAGS, "--", "sh", "-c", script]) == 0
+    (record,) = read_records(home / "lanes/ram/history.jsonl")
+    assert out.read_text().strip() == record["trace"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--lane", "a/b"], "invalid lane name 'a/b'"),
+        (["--memory", "12Q"], "invalid --memory '12Q'"),
+        (["--who", ""], "invalid owner ''"),
+    ],
+)
+def test_bad_input_gives_one_clear_line(
+    args: list[str], message: str, home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["run", *args, "--", "true"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert [line for line in err.splitlines() if "error:" in line] == [
+        line for line in err.splitlines() if message in line
+    ]
+    assert "Traceback" not in err
+
+
+def test_unusable_state_directory_gives_one_line_and_runs_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("STAGELOAD_HOME", str(blocker / "state"))
+    ran = tmp_path / "ran"
+    assert main(["run", *FLAGS, "--", "touch", str(ran)]) == 2
+    assert main(["queue", "--lane", "ram"]) == 2
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 2 and all("cannot use state folder" in line for line in err), err
+    assert "STAGELOAD_HOME" in err[0]
+    assert not ran.exists()
+
+
+def test_help_states_the_rules(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = capsys.readouterr().out
+    assert "least" in text or "oldest" in text
+    assert "need <= available" in text and "runs alone" in text and "--swap-budget" in text
