@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "GuardConfig": "guard",
     "GuardResult": "guard",
     "run_guard": "guard",
+    "run_queued": "guard.runner",
     "parse_size": "units",
     "format_size": "units",
     "load_weights": "load",
@@ -99,6 +100,7 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
     from .batch import BatchError
     from .events import Event, EventSink, ListSink, TeeSink
     from .guard import GuardConfig, GuardResult, run_guard
+    from .guard.runner import run_queued
     from .hooks import on_call
     from .load import CheckpointError, checkpoint_bytes, from_safetensors, load_weights
     from .meter import MemoryMeter
