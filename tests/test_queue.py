@@ -376,3 +376,41 @@ def test_help_states_the_rules(capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     assert "least" in text or "oldest" in text
     assert "need <= available" in text and "runs alone" in text and "--swap-budget" in text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memory cgroups are Linux only")
+def test_memory_admission_under_a_real_cgroup_limit(
+    home: Path, tmp_path: Path, spawn: Spawn, request: pytest.FixtureRequest
+) -> None:
+    """Clients inside a 1 GiB memory cgroup see its limit as their available memory: one
+    600M need fits, a second waits ('memory'). Control: the same two outside run together."""
+    from stageload.testing.cgroup import cgroup_or_skip
+
+    cg = cgroup_or_skip(GiB)
+    request.addfinalizer(cg.remove)
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def inside(*args: str) -> subprocess.Popen[bytes]:
+        argv = [PY, "-m", "stageload", "run", *FLAGS, "--lane", "small", *args]
+        proc = cg.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        request.addfinalizer(lambda: (proc.poll() is None and proc.kill(), proc.wait(10)))
+        return proc
+
+    log, go = tmp_path / "log", tmp_path / "go"
+    first = inside("--memory", "600M", *gate(log, "first", go))
+    wait_until(lambda: log_lines(log) == ["first"], "the first to start in the cgroup")
+    second = inside("--memory", "600M", *echo(log, "second"))
+    assert second.stderr is not None
+    line = second.stderr.readline().decode()
+    assert "waiting in lane 'small' (memory): need 600.0 MiB" in line, line
+    go.touch()
+    assert finish(first)[0] == 0 and finish(second)[0] == 0
+    assert log_lines(log) == ["first", "first-end", "second"]
+    # Control: outside the cgroup the machine has room for both.
+    log, go = tmp_path / "log2", tmp_path / "go2"
+    held = spawn("--memory", "600M", *gate(log, "first", go))
+    wait_until(lambda: log_lines(log) == ["first"], "the first to start outside")
+    assert finish(spawn("--memory", "600M", *echo(log, "second")))[0] == 0
+    go.touch()
+    assert finish(held)[0] == 0
+    assert log_lines(log) == ["first", "second", "first-end"]

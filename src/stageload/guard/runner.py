@@ -77,7 +77,10 @@ class QueuedRun:
             tickets = self.lane.tickets()
             waiting = [t for t in tickets if t.state == "waiting"]
             order = fair_order(waiting, self.lane.owner_starts())
-            position = next(i for i, t in enumerate(order) if t.seq == held.ticket.seq)
+            mine = [i for i, t in enumerate(order) if t.seq == held.ticket.seq]
+            if not mine:  # only a hand can remove a live ticket
+                raise QueueSetupError(f"ticket {str(held.path)!r} was removed while waiting")
+            position = mine[0]
             if position > 0:
                 ahead = order[position - 1]
                 return Decision(
