@@ -9,13 +9,19 @@ import pickle
 import pytest
 
 from stageload import ModelLoadError, ReleasedModuleError
+from stageload.guard.process import CannotStartError
 from stageload.pixal3d.plan import UnsupportedPipelineError
+from stageload.report.plot import PlotUnavailableError
+from stageload.report.records import TraceError
 
 ERRORS = [
     ReleasedModuleError("e1", "s2"),
     ReleasedModuleError(None, None),
     ModelLoadError("unet", "denoise", OSError(2, "No such file", "/w.safetensors")),
     UnsupportedPipelineError("1536_cascade"),
+    TraceError("/tmp/run.jsonl", "line 3 is not JSON"),
+    CannotStartError(["no-such-command", "-x"], FileNotFoundError(2, "No such file")),
+    PlotUnavailableError(),
 ]
 
 
@@ -24,7 +30,11 @@ def test_exceptions_survive_a_pickle_round_trip(error):
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is type(error)
     assert str(back) == str(error) and back.args == error.args
-    assert vars(back) == vars(error)  # the fields: name, stage, path, ...
+    fields = {k: v for k, v in vars(error).items() if not isinstance(v, BaseException)}
+    assert {k: v for k, v in vars(back).items() if k in fields} == fields  # name, stage, ...
+    for key, cause in vars(error).items():  # a cause compares by type and text
+        if isinstance(cause, BaseException):
+            assert (type(vars(back)[key]), str(vars(back)[key])) == (type(cause), str(cause))
 
 
 def test_without_reduce_an_exception_with_fields_does_not_unpickle():

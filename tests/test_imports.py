@@ -43,3 +43,27 @@ def test_public_names_resolve():
     for name in stageload.__all__:
         assert getattr(stageload, name) is not None
     assert callable(stageload.release) and callable(stageload.share)
+
+
+def test_the_public_api_is_one_list_and_the_type_checking_mirror_matches_it():
+    """``_EXPORTS`` is the one definition; the TYPE_CHECKING imports (for type checkers,
+    which cannot run it) must name exactly the same things from the same modules."""
+    import ast
+    from pathlib import Path
+
+    import stageload
+
+    tree = ast.parse(Path(stageload.__file__).read_text())
+    (block,) = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING"
+    ]
+    mirrored = {
+        alias.name: node.module
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert mirrored == stageload._EXPORTS
+    assert stageload.__all__ == sorted([*stageload._EXPORTS, "__version__"])

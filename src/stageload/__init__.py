@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# Public name -> submodule that defines it.
+# The public API, defined once: public name -> submodule that defines it. ``__all__``,
+# ``__dir__`` and the lazy ``__getattr__`` all read it; the TYPE_CHECKING imports at the
+# end mirror it for type checkers (tests/test_imports.py checks that they match).
 _EXPORTS: dict[str, str] = {
     "StagedModels": "staged",
     "ReleaseUnlisted": "policy",
@@ -24,6 +26,10 @@ _EXPORTS: dict[str, str] = {
     "BatchError": "batch",
     "preserved_rng": "rng",
     "on_call": "hooks",
+    "share": "share",
+    "release": "release",
+    "ReleasedModuleError": "release",
+    "return_memory_to_os": "release",
     "Event": "events",
     "EventSink": "events",
     "ListSink": "events",
@@ -41,24 +47,30 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "load",
 }
 
-# These two share their module's name, so they are imported eagerly: otherwise importing
-# the submodule (e.g. by StagedModels) would bind ``stageload.release`` to the module.
-# Both modules import torch only inside their functions.
-from .release import ReleasedModuleError, release, return_memory_to_os  # noqa: E402
-from .share import share  # noqa: E402
+__all__ = sorted([*_EXPORTS, "__version__"])
 
-__all__ = sorted(
-    [*_EXPORTS, "ReleasedModuleError", "release", "return_memory_to_os", "share", "__version__"]
-)
+
+def _export_from(module: str) -> None:
+    imported = importlib.import_module(f".{module}", __name__)
+    for name, home in _EXPORTS.items():
+        if home == module:
+            globals()[name] = getattr(imported, name)
+
+
+# A submodule named like a public name (``release``, ``share``) is imported now: importing
+# it later (e.g. by StagedModels) would bind ``stageload.release`` to the module instead of
+# the function. Both import torch only inside their functions.
+for _module in sorted({home for home in _EXPORTS.values() if home in _EXPORTS}):
+    _export_from(_module)
+del _module
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'stageload' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # cache: later lookups skip __getattr__
-    return value
+    _export_from(module)  # caches every name of that module: later lookups skip this
+    return globals()[name]
 
 
 def __dir__() -> list[str]:
@@ -105,6 +117,8 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
     from .load import CheckpointError, checkpoint_bytes, from_safetensors, load_weights
     from .meter import MemoryMeter
     from .policy import FurthestNextUse, ReleaseUnlisted, ResidencyPolicy, rng_free
+    from .release import ReleasedModuleError, release, return_memory_to_os
     from .rng import preserved_rng
+    from .share import share
     from .staged import ModelLoadError, StagedModels
     from .units import format_size, parse_size

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..guard.process import EXIT_CANNOT_START
 from ..units import format_duration, format_size
 from ._args import command_after_dashes, interval, unwritable_file
 
@@ -42,9 +43,6 @@ Examples:
   stageload meter -o staged.jsonl --label staged -- python run.py
   stageload report eager.jsonl staged.jsonl
 """
-
-#: Exit code when the command could not be started, as shells use.
-EXIT_CANNOT_START = 127
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ from ..events import Event
 from ..memory import SystemMemory, sample_errors, sample_sources, to_sample
 from ..units import format_duration, format_size
 from .config import Amount, GuardConfig, GuardResult, GuardSetupError, Outcome, compile_busy
-from .process import CannotStartError, CommandGroup, exit_reason, exit_status
+from .process import EXIT_CANNOT_START, CannotStartError, CommandGroup, exit_reason, exit_status
 from .watch import (
     POLL_MAX,
     Probes,
@@ -39,8 +39,6 @@ from .watch import (
 EXIT_STOPPED = 3
 #: The guard never found room to start the command before ``--start-timeout``.
 EXIT_NO_ROOM = 4
-#: The command could not be started (not found, not executable).
-EXIT_CANNOT_START = 127
 
 #: Event kind of the guard's decisions in a trace.
 GUARD = "guard"

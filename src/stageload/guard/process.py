@@ -17,8 +17,13 @@ from collections.abc import Sequence
 
 import psutil
 
+from .._errors import PicklableError
 
-class CannotStartError(Exception):
+#: The command could not be started (not found, not executable), as a shell exits.
+EXIT_CANNOT_START = 127
+
+
+class CannotStartError(PicklableError, Exception):
     """The command could not be started (not found, not executable, ...); ``cause`` says why."""
 
     def __init__(self, argv: Sequence[str], cause: OSError) -> None:

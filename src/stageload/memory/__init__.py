@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 
 from ._device import read_device
-from ._types import DeviceMemory, ProcessMemory, SystemMemory
+from ._types import DEVICE_KEYS, DeviceMemory, ProcessMemory, SystemMemory
 
 if sys.platform.startswith("linux"):
     from . import _linux as _backend
@@ -28,6 +28,7 @@ else:
     from . import _unsupported as _backend
 
 __all__ = [
+    "DEVICE_KEYS",
     "SAMPLE_KEYS",
     "DeviceMemory",
     "ProcessMemory",
@@ -50,10 +51,7 @@ SAMPLE_KEYS: dict[str, str] = {
     "available_pct": "available_percent",
     "swap_used": "swap_used",
     "pressure": "pressure",
-    "cuda_allocated": "cuda_allocated",
-    "cuda_reserved": "cuda_reserved",
-    "mps_current": "mps_current",
-    "mps_driver": "mps_driver",
+    **{key: key for key in DEVICE_KEYS},
 }
 
 

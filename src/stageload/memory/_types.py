@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -53,3 +53,9 @@ class DeviceMemory:
     mps_driver: int | None = None
     sources: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+
+
+#: The device memory keys of a trace sample: DeviceMemory's fields, named the same.
+DEVICE_KEYS: tuple[str, ...] = tuple(
+    f.name for f in fields(DeviceMemory) if f.name not in ("sources", "errors")
+)

@@ -45,11 +45,15 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..memory import read_device, read_process, read_system, sample_errors, to_sample
+from ..memory import (
+    DEVICE_KEYS,
+    read_device,
+    read_process,
+    read_system,
+    sample_errors,
+    to_sample,
+)
 from .tracefile import TraceWriter
-
-#: Sample keys read in the process that uses torch.
-DEVICE_KEYS = ("cuda_allocated", "cuda_reserved", "mps_current", "mps_driver")
 
 
 class Messages:

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._errors import PicklableError
+from ..memory import DEVICE_KEYS as DEVICE_KEYS  # sample keys of device memory, report order
+
 #: The stage name of the time before the first ``stage`` event.
 SETUP = "setup"
 
-#: Sample keys that hold device memory, in the order reports show them.
-DEVICE_KEYS = ("cuda_allocated", "cuda_reserved", "mps_current", "mps_driver")
 
-
-class TraceError(ValueError):
+class TraceError(PicklableError, ValueError):
     """A file could not be read as a trace; the message says which file and why."""
 
     def __init__(self, path: str | Path, reason: str) -> None:
