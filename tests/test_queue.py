@@ -355,6 +355,22 @@ def test_bad_input_gives_one_clear_line(
     assert "Traceback" not in err
 
 
+def test_bad_poll_and_history_values_give_one_clear_line(
+    home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("STAGELOAD_QUEUE_POLL", "soon")
+    assert main(["run", *FLAGS, "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "stageload run: error: STAGELOAD_QUEUE_POLL: invalid duration 'soon': use e.g. "
+        "'30s', '1m', '500ms' or '2.5'"
+    ]
+    with pytest.raises(SystemExit):
+        main(["queue", "--history", "-1"])
+    err = capsys.readouterr().err
+    assert "invalid --history '-1'" in err and "Traceback" not in err
+
+
 def test_unusable_state_directory_gives_one_line_and_runs_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
