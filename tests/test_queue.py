@@ -240,7 +240,8 @@ def test_sigkill_of_clients_leaves_nothing_stale(
     home: Path, tmp_path: Path, spawn: Spawn, request: pytest.FixtureRequest
 ) -> None:
     """A waiting client killed with SIGKILL disappears from the lane and the next one goes
-    on; so does the ticket of a client killed while its command runs."""
+    on; a client killed while its command runs leaves its place to that command until it
+    ends, and then nothing."""
     log, go = tmp_path / "log", tmp_path / "go"
     held = spawn("--who", "a", *gate(log, "held", go))
     wait_until(lambda: log_lines(log) == ["held"], "the first to start")
@@ -253,15 +254,19 @@ def test_sigkill_of_clients_leaves_nothing_stale(
     doomed.send_signal(signal.SIGKILL)
     doomed.wait(10)
     assert [w["owner"] for w in lane(home)["waiting"]] == ["c"]
-    # The running client crashes: its command is orphaned (killed at teardown), its place
-    # freed, and c starts.
+    # The running client crashes: its command, in its own session, runs on and keeps its
+    # place until it ends; then c starts.
     (running,) = lane(home)["running"]
     orphan = psutil.Process(running["pid"])
     request.addfinalizer(lambda: _kill_session(orphan))
     held.send_signal(signal.SIGKILL)
     held.wait(10)
+    now = lane(home)
+    assert [r["state"] for r in now["running"]] == ["orphaned"]
+    assert [(w["owner"], w["why"]) for w in now["waiting"]] == [("c", "busy")]
+    go.touch()
     assert finish(after)[0] == 0
-    assert log_lines(log) == ["held", "after"]
+    assert log_lines(log) == ["held", "held-end", "after"]
     assert os.listdir(home / "lanes/ram/tickets") == []
 
 

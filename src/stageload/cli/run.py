@@ -27,7 +27,8 @@ history. A command never seen before runs alone: it waits for the lane to empty,
 nothing starts beside it.
 
 State: ~/.stageload/ (STAGELOAD_HOME to change it), one folder per lane, coordinated with
-flock; no daemon. A client killed while waiting, or a crashed run, leaves nothing stale.
+flock; no daemon. A client killed while waiting leaves nothing behind; one killed while
+its command runs leaves that command's place until the command ends.
 Each run's trace goes under lanes/LANE/traces/ (or to --trace); each finished run adds
 one line to lanes/LANE/history.jsonl. STAGELOAD_QUEUE_POLL sets how often a waiting
 client looks (default 0.5s). 'stageload queue' shows the lanes.

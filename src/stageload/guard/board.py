@@ -37,7 +37,9 @@ def lane_snapshot(lane: Lane, history: int = 0) -> dict[str, Any]:
                 {
                     "owner": t.owner,
                     "command": t.command,
-                    "state": t.state,  # "admitted": the guard is still waiting for room
+                    # "admitted": its guard still waits for room; "orphaned": its client
+                    # died, the command runs on unguarded (its need still counts)
+                    "state": "orphaned" if t.orphaned else t.state,
                     "since": finite(since),
                     "seconds": finite(None if since is None else now - since),
                     "pid": t.pid,
@@ -120,7 +122,11 @@ def format_text(doc: dict[str, Any]) -> str:
             f"waiting; available {format_size(lane['available'])}"
         )
         for r in lane["running"]:
-            state = "running" if r["state"] == "running" else "admitted, guard waiting for room"
+            state = {
+                "running": "running",
+                "admitted": "admitted, guard waiting for room",
+                "orphaned": "orphaned: client gone, still running unguarded",
+            }[r["state"]]
             lines.append(
                 f"  {state}  {r['owner']}  {_command(r['command'])}  for "
                 f"{format_duration(r['seconds'])}  memory {format_size(r['memory_now'])} / "

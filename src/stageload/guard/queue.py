@@ -16,8 +16,10 @@ A client holds ``LOCK_EX`` on its own ticket's open file for as long as it lives
 kernel drops that lock when the process dies, however it dies. Whoever reads the lane
 (another client, ``stageload queue``) does so under the lane lock and treats a ticket whose
 lock it can take as dead and removes it, so a client killed with SIGKILL leaves nothing
-that holds up the others. A ticket is created and locked under the lane lock, so no reader
-sees one that is not locked yet.
+that holds up the others. One exception: when the dead client's command still runs (it has
+its own session, so it outlives the client), its ticket stays, marked ``orphaned``, with
+its need counted, until that command ends. A ticket is created and locked under the lane
+lock, so no reader sees one that is not locked yet.
 """
 
 from __future__ import annotations
@@ -127,6 +129,9 @@ class Ticket:
     admitted: float | None = None
     started: float | None = None
     pid: int | None = None
+    pid_created: float | None = None  # the command's create time, against pid reuse
+    #: Set when read: the client died while its command runs on (unguarded) in its session.
+    orphaned: bool = False
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -231,8 +236,15 @@ class Lane:
                     found.append(Ticket.from_bytes(os.pread(fd, 1 << 20, 0)))
                 else:
                     # Nobody holds it: the client died (SIGKILL, crash) without removing it.
-                    with contextlib.suppress(FileNotFoundError):
-                        path.unlink()
+                    # Its command, if it still runs, keeps its place (and its need) until it
+                    # ends; then, or if it never started, the ticket goes.
+                    ticket = Ticket.from_bytes(os.pread(fd, 1 << 20, 0))
+                    if ticket.state == "running" and _still_runs(ticket):
+                        ticket.orphaned = True
+                        found.append(ticket)
+                    else:
+                        with contextlib.suppress(FileNotFoundError):
+                            path.unlink()
             except (ValueError, TypeError):
                 continue  # not a ticket of ours; leave it
             finally:
@@ -261,6 +273,19 @@ class Lane:
             seq = 1
         _write_atomic(path, str(seq).encode())
         return seq
+
+
+def _still_runs(ticket: Ticket) -> bool:
+    """Whether the command of a ticket whose client died still runs (same pid, same start)."""
+    import psutil
+
+    if ticket.pid is None or ticket.pid_created is None:
+        return False
+    try:
+        proc = psutil.Process(ticket.pid)
+        return proc.create_time() == ticket.pid_created and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def list_lanes(home: str | os.PathLike[str] | None = None) -> list[str]:

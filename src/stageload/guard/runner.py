@@ -133,6 +133,7 @@ class QueuedRun:
         assert held is not None
         with self.lane.locked():
             held.ticket.state, held.ticket.pid = "running", group.pid
+            held.ticket.pid_created = group.create_time
             held.ticket.started = time.time()
             held.save()
 
