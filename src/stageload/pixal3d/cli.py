@@ -8,6 +8,8 @@ torch and the port load only once the arguments are parsed.
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +40,7 @@ stages: setup, preprocess, camera, structure, shape_512, shape_1024, texture, de
 
 examples:
   stageload-pixal3d photo.png -o photo.glb --port ~/src/Pixal3D-mac
+  stageload-pixal3d a.png b.png c.png -o out/     # stage-major: each model loaded once
   stageload-pixal3d photo.png -o photo.glb --trace staged.jsonl --fingerprints fp-staged
   stageload-pixal3d photo.png -o photo.glb --load eager --trace eager.jsonl --stop-after texture
   stageload report staged.jsonl eager.jsonl
@@ -53,8 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # an abbreviation must not swallow one of the port's options
     )
-    p.add_argument("image", help="input image")
-    p.add_argument("-o", "--output", required=True, metavar="OUT.glb", help="GLB file to write")
+    p.add_argument(
+        "image",
+        nargs="+",
+        help="input image; several run stage-major, each model loaded once for all of them",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="OUT.glb|OUTDIR/",
+        help="GLB file to write; with several images (or ending in /), a folder that gets "
+        "one IMAGE.glb per image",
+    )
     p.add_argument(
         "--port", metavar="DIR", help="Pixal3D-mac checkout (default: $STAGELOAD_PIXAL3D_PORT)"
     )
@@ -105,11 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the port, and return the exit code."""
     parser = build_parser()
     opts, passthrough = parser.parse_known_args(argv)
-    image = Path(opts.image)
-    if not image.is_file():
-        return _fail(f"image {opts.image!r} is not a file")
+    for name in opts.image:
+        if not Path(name).is_file():
+            return _fail(f"image {name!r} is not a file")
     # Everything the run writes is checked now: a bad path must not cost a whole run.
-    problem = unwritable_file(Path(opts.output).expanduser())
+    outputs, problem = _outputs(opts.image, opts.output)
     if problem is not None:
         return _fail(f"--output {opts.output!r}: {problem}")
     if opts.trace is not None:
@@ -130,13 +144,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         port = import_port(find_port(opts.port))
     except PortError as exc:
         return _fail(str(exc))
-    port_argv = [opts.image, "--output", opts.output, *passthrough]
-    if opts.seed is not None:
-        port_argv += ["--seed", str(opts.seed)]
+    seed = [] if opts.seed is None else ["--seed", str(opts.seed)]
     try:
-        args = port.parse_args(port_argv)
+        images = [
+            port.parse_args([name, "--output", str(out), *passthrough, *seed])
+            for name, out in zip(opts.image, outputs, strict=True)
+        ]
     except SystemExit as exc:  # the port's argparse already said what was wrong
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    args = images[0]
     try:
         plan_for(args.pipeline_type)
         check_device(args.device)
@@ -150,9 +166,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fingerprints": opts.fingerprints,
         "build_on": opts.build_on,
     }
+    if len(images) > 1:
+        from .batch import run_many
+
+        go: Any = functools.partial(run_many, port, images)
+    else:
+        go = functools.partial(run, port, args)
     try:
         if opts.trace is None:
-            result = run(port, args, **options)
+            result = go(**options)
         else:
             from ..meter import MemoryMeter  # imported here: it is only needed with --trace
 
@@ -165,21 +187,49 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "port": str(port.path),
             }
             with MemoryMeter(opts.trace, opts.interval, meta=meta) as meter:
-                result = run(port, args, events=meter, **options)
+                result = go(events=meter, **options)
     except (ModelLoadError, PortError) as exc:
         return _fail(str(exc), EXIT_FAILED)
     except OSError as exc:  # a file the port could not read or write (e.g. not an image)
         return _fail(f"the run failed: {exc}", EXIT_FAILED)
 
-    if result.stopped_after is not None:
-        print(f"stopped after stage {result.stopped_after!r} (--stop-after); no GLB written")
-    else:
-        print(f"wrote {result.output} ({opts.load} loading)")
-    if result.fingerprints_file is not None:
-        print(f"fingerprints: {result.fingerprints_file}")
+    failed = False
+    for name, one in zip(opts.image, result if isinstance(result, list) else [result], strict=True):
+        if isinstance(one, Exception):  # several images: the others ran on
+            failed = True
+            why = str(one) if isinstance(one, (ModelLoadError, PortError)) else None
+            why = why or f"the run failed: {type(one).__name__}: {one}"
+            print(f"{PROG}: error: image {name!r}: {why}", file=sys.stderr)
+            continue
+        if one.stopped_after is not None:
+            print(f"stopped after stage {one.stopped_after!r} (--stop-after); no GLB written")
+        else:
+            print(f"wrote {one.output} ({opts.load} loading)")
+        if one.fingerprints_file is not None:
+            print(f"fingerprints: {one.fingerprints_file}")
     if opts.trace is not None:
         print(f"trace: {opts.trace}")
-    return EXIT_OK
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _outputs(images: list[str], output: str) -> tuple[list[Path], str | None]:
+    """The GLB path of each image, or why ``output`` cannot take them."""
+    path = Path(output).expanduser()
+    if len(images) == 1 and not output.endswith(("/", os.sep)):
+        return [path], unwritable_file(path)
+    problem = unusable_folder(path)
+    if problem is not None:
+        return [], problem
+    outputs = [path / f"{Path(name).stem}.glb" for name in images]
+    seen: dict[Path, str] = {}
+    for name, out in zip(images, outputs, strict=True):
+        if out in seen:
+            return [], (
+                f"images {seen[out]!r} and {name!r} would both write {str(out)!r}; "
+                f"give each image its own file name"
+            )
+        seen[out] = name
+    return outputs, None
 
 
 if __name__ == "__main__":
