@@ -23,6 +23,7 @@ sha256 must agree across modes, or the run is marked as differing.
 
     python bench/batch.py                                   # both workloads, N = 1 2 4 8
     python bench/batch.py --workloads demo --ns 1 2 --repeats 1    # a quick look
+    python bench/batch.py --workloads qwen --qwen-gb 0.25          # a smaller Qwen
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "batch"
 MODES = ("eager", "staged", "stage-major")
 WORKLOADS = ("demo", "qwen")
-# Built on first use (~2 min, ~3 GB of disk); another place: $STAGELOAD_BENCH_QWEN.
 START = [0.0]  # set by each workload once its weights exist, right before loading
+# The Qwen fixture's folder, built on first use; the parent sets it for its workers.
 QWEN = Path(os.environ.get("STAGELOAD_BENCH_QWEN", "/tmp/stageload-bench/qwen21-1g"))
 
 
@@ -91,8 +92,9 @@ def work_qwen(mode: str, n: int, meter: Any, sink: Any) -> list[Any]:
     import torch
 
     from stageload import TeeSink
-    from stageload.diffusers import _dtype_kwarg, _plan, fixtures, staged_pipeline  # noqa: F401
+    from stageload.diffusers import _dtype_kwarg, _plan, staged_pipeline
     from stageload.diffusers.measure import _materialized
+    from stageload.testing import diffusers as fixtures  # noqa: F401 (registers the processor)
 
     diffusers.utils.logging.set_verbosity_error()
     diffusers.utils.logging.disable_progress_bar()
@@ -138,7 +140,7 @@ def worker(workload: str, mode: str, n: int, trace: Path, result: Path, threads:
     import torch
 
     from stageload import ListSink, MemoryMeter
-    from stageload.trace import read_trace
+    from stageload.report.records import read_trace
 
     torch.set_num_threads(threads)
     sink = ListSink()
@@ -163,13 +165,13 @@ def worker(workload: str, mode: str, n: int, trace: Path, result: Path, threads:
 # -- parent ----------------------------------------------------------------------------------
 
 
-def build_qwen() -> None:
-    if (QWEN / "model_index.json").exists():
+def build_qwen(path: Path, gb: float) -> None:
+    if (path / "model_index.json").exists():
         return
     code = (
-        "import torch; from stageload.diffusers import fixtures as f; "
-        f"f.build('qwen-image-2.1', {str(QWEN)!r}, dtype=torch.float16, "
-        f"size=f.Size.for_bytes({int(1e9)}, bytes_per_param=2), vae_dim=16)"
+        "import torch; from stageload.testing import diffusers as f; "
+        f"f.build('qwen-image-2.1', {str(path)!r}, dtype=torch.float16, "
+        f"size=f.Size.for_bytes({int(gb * 1e9)}, bytes_per_param=2), vae_dim=16)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env=_env())
 
@@ -246,10 +248,13 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--repeats", type=int, default=3, help="runs per cell; medians reported")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--qwen-gb", type=float, default=1.0, help="GB per large Qwen model (default 1)")
     args = p.parse_args()
     (OUT / "traces").mkdir(parents=True, exist_ok=True)
     if "qwen" in args.workloads:
-        build_qwen()
+        path = Path(f"/tmp/stageload-bench/qwen21-{args.qwen_gb:g}g")
+        os.environ["STAGELOAD_BENCH_QWEN"] = str(path)  # for the workers
+        build_qwen(path, args.qwen_gb)
     runs = []
     for workload in args.workloads:
         for n in args.ns:

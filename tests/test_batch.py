@@ -208,3 +208,55 @@ def test_bad_use_fails_clearly(checkpoints):
     with pytest.raises(BatchError) as info:
         models.map(nested, [0])
     assert "already running a batch" in str(info.value.errors[0])
+
+
+@pytest.mark.parametrize("fit", [2, 3])
+def test_map_under_a_budget_with_prefetch_loads_each_model_once(checkpoints, fit):
+    """With the residency policy of a budget (two or all three models fit) and prefetch
+    (rng-free loaders, loading the next stage's model while the calls compute)."""
+    from safetensors.torch import load_file
+
+    from fixtures.tiny import Block
+    from stageload import rng_free
+
+    def loader(name):
+        @rng_free
+        def load() -> Block:
+            counts[name] = counts.get(name, 0) + 1
+            with torch.device("meta"):
+                model = Block()
+            model.load_state_dict(load_file(str(checkpoints[name])), assign=True)
+            return model
+
+        return load
+
+    size = sum(t.numel() * 4 for t in Block().state_dict().values())
+
+    def batch(n: int) -> tuple[dict[str, int], ListSink]:
+        counts.clear()
+        sink = ListSink()
+        models = StagedModels(
+            {name: loader(name) for name in checkpoints},
+            stages=STAGES,
+            events=sink,
+            budget=fit * size,
+            prefetch=True,
+            sizes=dict.fromkeys(checkpoints, size),
+        )
+        jobs = [Job(seed=i, rows=1 + i) for i in range(n)]
+        out = models.map(lambda job: pipeline(models, job), jobs)
+        expected = in_turn(checkpoints, jobs)
+        assert all(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
+        models.close()
+        return dict(counts), sink
+
+    counts: dict[str, int] = {}
+    one, _ = batch(1)
+    four, sink = batch(4)
+    assert four == one  # independent of N
+    assert sink.kinds("prefetch"), "the next stage's model was loaded ahead"
+    # The policy takes the plan to repeat: with room for two, entering decode prefetches the
+    # encoder for a next call that a batch never makes (one load, whatever N).
+    assert four == (
+        {"encoder": 2, "denoiser": 1, "decoder": 1} if fit == 2 else dict.fromkeys(checkpoints, 1)
+    )
