@@ -448,3 +448,15 @@ def over_budget(
         f"{format_size(budget)} by {format_size(total - budget)}; it runs anyway (give "
         f"sizes= to plan ahead, or raise the budget)"
     )
+
+
+def unprefetchable(stages: Mapping[str, Sequence[str]], allowed: frozenset[str]) -> str | None:
+    """A note naming the planned models that prefetch will not load ahead, if any."""
+    left = sorted({n for names in stages.values() for n in names} - allowed)
+    if not left:
+        return None
+    return (
+        f"prefetch: {', '.join(map(repr, left))} will load on demand, not ahead: their loaders "
+        f"are not marked as drawing no random numbers; mark them with stageload.rng_free() "
+        f"or list them in prefetch=[...] (docs/residency.md)"
+    )

@@ -40,6 +40,7 @@ from .policy import (
     over_budget,
     parse_budget,
     prefetchable,
+    unprefetchable,
 )
 from .release import held_elsewhere, is_released, module_bytes, release
 from .rng import preserved_rng
@@ -160,6 +161,10 @@ class StagedModels(Mapping[str, "nn.Module"]):
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()
         self._batch: Batch | None = None  # set by map() while its calls run
+        if self.prefetch:
+            note = unprefetchable(self._plan, self._prefetchable)
+            if note is not None:
+                self._emit(Event(NOTE, note=note))
 
     # -- mapping -------------------------------------------------------------------------
     def __getitem__(self, name: str) -> nn.Module:

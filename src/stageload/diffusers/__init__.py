@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..events import NOTE, Event, EventSink
+from ..policy import parse_budget
 from ..release import ReleasedModuleError, release
 from ..staged import StagedModels
 from . import _placeholder
@@ -28,6 +29,7 @@ from ._args import _check_device, _check_pipeline_cls, _resolve_folder
 from ._plan import (
     check_fits,
     check_plan,
+    component_sizes,
     default_keep,
     default_plan,
     model_components,
@@ -71,6 +73,9 @@ class StagedPipeline:
         torch_dtype: torch.dtype | None,
         model_kwargs: Mapping[str, Any],
         events: EventSink | None,
+        budget: int | str | None = None,
+        prefetch: bool = False,
+        sizes: Mapping[str, int] | None = None,
     ) -> None:
         self.path = path
         self.device = device
@@ -92,6 +97,9 @@ class StagedPipeline:
             stages=self.plan,
             pinned=keep,
             events=events,
+            budget=budget,
+            prefetch=prefetch,
+            sizes=sizes,
         )
 
     @property
@@ -118,6 +126,10 @@ class StagedPipeline:
             return _placeholder.fill(self._skeletons[name], loaded)
 
         load.__qualname__ = f"load_{name}"
+        # from_pretrained builds on meta (low_cpu_mem_usage, the default with accelerate)
+        # and reads weights in: no random numbers drawn, so it may be prefetched.
+        if self._model_kwargs.get("low_cpu_mem_usage", True) is not False:
+            load.draws_random = False  # type: ignore[attr-defined]
         return load
 
     def use(self, name: str) -> None:
@@ -223,6 +235,8 @@ def staged_pipeline(
     stages: Mapping[str, Iterable[str]] | None = None,
     keep: Iterable[str] | None = None,
     events: EventSink | None = None,
+    budget: int | str | None = None,
+    prefetch: bool = False,
     **from_pretrained_kwargs: Any,
 ) -> Any:
     """Build ``pipeline_cls`` from ``path`` with its large models loaded per stage.
@@ -240,6 +254,12 @@ def staged_pipeline(
         keep: staged components never released once loaded. Default: those whose weights
             on disk are under a tenth of the largest staged component's.
         events: a sink (``ListSink``, ``MemoryMeter``) for load, release and stage events.
+        budget: keep components loaded across stages while they fit in this much memory
+            (bytes, ``"12G"``, ``"80%"``, ``"auto"``), evicting by furthest next use; each
+            component's size comes from its safetensors headers (docs/residency.md).
+            ``None``: release what the next stage does not list.
+        prefetch: with a budget, load the next stage's components in a background thread
+            while the current stage computes.
         **from_pretrained_kwargs: passed to ``pipeline_cls.from_pretrained``; ``variant``,
             ``use_safetensors``, ``revision``, ``low_cpu_mem_usage`` and ``disable_mmap``
             also reach each staged component (``disable_mmap`` reaches transformers models
@@ -275,6 +295,8 @@ def staged_pipeline(
             )
         )
     device = _check_device(device)
+    if budget is not None:
+        parse_budget(budget)  # a bad budget fails here, before anything loads
     folder = _resolve_folder(pipeline_cls, path, from_pretrained_kwargs)
 
     models = model_components(folder)
@@ -307,13 +329,13 @@ def staged_pipeline(
                     f"{', '.join(staged) or '(none)'}"
                 )
 
+    dtypes = {
+        name: _placeholder.skeleton_dtype(models[name], folder / name, torch_dtype)
+        for name in staged
+    }
     with preserved_rng():  # building a skeleton may run initialisers that draw numbers
         skeletons = {
-            name: _placeholder.build_skeleton(
-                models[name],
-                folder / name,
-                _placeholder.skeleton_dtype(models[name], folder / name, torch_dtype),
-            )
+            name: _placeholder.build_skeleton(models[name], folder / name, dtypes[name])
             for name in staged
         }
     for name, skeleton in skeletons.items():
@@ -339,6 +361,11 @@ def staged_pipeline(
         torch_dtype=torch_dtype,
         model_kwargs={k: v for k, v in from_pretrained_kwargs.items() if k in _MODEL_KWARGS},
         events=events,
+        budget=budget,
+        prefetch=prefetch,
+        sizes=component_sizes(folder, dtypes, from_pretrained_kwargs.get("variant"))
+        if budget is not None
+        else None,
     )
     for name, skeleton in skeletons.items():
         _placeholder.attach(skeleton, _user(state, name), _mover(state, name), device)

@@ -273,8 +273,9 @@ def _fill_module(dst: nn.Module, src: nn.Module, memo: dict[int, nn.Module]) -> 
     d, s = dst.__dict__, src.__dict__
     unmark_released(dst)  # the module is live again
     for slot in _SLOTS:
-        d[slot].clear()
-        d[slot].update(s[slot])
+        # One assignment, not clear() then update(): a prefetch fills on a background
+        # thread, and a pipeline reading .dtype meanwhile must never see an empty slot.
+        d[slot] = s[slot]
     model_hooks = d.get(_MODEL_HOOKS_ATTR, {})
     for name in _HOOK_DICTS:
         for key in model_hooks.get(name, ()):

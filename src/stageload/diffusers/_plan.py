@@ -108,6 +108,31 @@ def weight_bytes(path: Path, names: Iterable[str]) -> dict[str, int]:
     return out
 
 
+def component_sizes(
+    path: Path, dtypes: Mapping[str, Any], variant: str | None = None
+) -> dict[str, int]:
+    """Bytes each component takes once loaded as ``dtypes[name]``, from its safetensors
+    headers alone (no weights read). A component without safetensors files is left out:
+    its size is learned at its first load."""
+    from ..load import checkpoint_bytes
+
+    out: dict[str, int] = {}
+    for name, dtype in dtypes.items():
+        files = []
+        for file in sorted((path / name).glob("*.safetensors")):
+            stem = file.name[: -len(".safetensors")].split("-0")[0]  # shards: name-00001-of-...
+            has = "." in stem
+            if (variant is None and not has) or (variant and stem.endswith(f".{variant}")):
+                files.append(file)
+        if files:
+            float_dtype = dtype if getattr(dtype, "is_floating_point", False) else None
+            try:
+                out[name] = checkpoint_bytes(files, dtype=float_dtype)
+            except (OSError, ValueError):
+                continue  # an unusual header: the first load measures it instead
+    return out
+
+
 def _is_autoencoder(name: str, cls: type) -> bool:
     return name in ("vae", "movq") or cls.__name__.startswith(("Autoencoder", "VQModel"))
 

@@ -110,6 +110,8 @@ class Pixal3DRun:
         stop_after: str | None = None,
         fingerprints: str | Path | None = None,
         build_on: str = "device",
+        budget: int | str | None = None,
+        prefetch: bool = False,
     ) -> None:
         if load not in LOADS:
             raise ValueError(f"load must be 'staged' or 'eager', got {load!r}")
@@ -126,6 +128,7 @@ class Pixal3DRun:
         self.preserve_rng = preserve_rng
         self.stop_after = stop_after
         self.on_device = build_on == "device"
+        self.residency = {"budget": budget, "prefetch": prefetch}  # StagedModels' own checks
         self.fingerprints = Fingerprints(fingerprints)
         self.stage: str | None = None
         self.reached: list[str] = []
@@ -212,7 +215,9 @@ class Pixal3DRun:
             stages=stages,
             events=self.events,
             preserve_rng=self.preserve_rng,
-            policy=SharedPartsLast(parts),
+            # Under a budget the policy is FurthestNextUse (docs/residency.md).
+            policy=None if self.residency["budget"] is not None else SharedPartsLast(parts),
+            **self.residency,
         )
         pipeline.models = self.models
         for attr in recipes:

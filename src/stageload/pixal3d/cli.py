@@ -103,11 +103,38 @@ def build_parser() -> argparse.ArgumentParser:
         "the port does: bit-identical to --load eager where constructors compute buffers",
     )
     p.add_argument(
+        "--budget",
+        type=budget_arg,
+        metavar="SIZE",
+        help="keep models loaded across stages while they fit in SIZE ('12G', '80%%', "
+        "'auto'), evicting the one needed furthest ahead; default: release what the next "
+        "stage does not use",
+    )
+    p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="with --budget, load the next stage's models in the background while the "
+        "current stage runs; only loaders that draw no random numbers are prefetched "
+        "(docs/residency.md), and a note in the trace names those that are not",
+    )
+    p.add_argument(
         "--no-preserve-rng",
         action="store_true",
         help="control experiment: don't restore the RNG around lazy loads (changes the noise)",
     )
     return p
+
+
+def budget_arg(text: str) -> str:
+    """``--budget``: checked by the library's own parser, kept as given ('auto' is read
+    when the run starts)."""
+    from ..policy import parse_budget
+
+    try:
+        parse_budget(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> int:
@@ -159,7 +186,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UnsupportedPipelineError, PortError) as exc:
         return _fail(str(exc))
 
+    if opts.prefetch and opts.budget is None:
+        return _fail("--prefetch needs --budget SIZE (e.g. --budget auto)")
     options: dict[str, Any] = {
+        "budget": opts.budget,
+        "prefetch": opts.prefetch,
         "load": opts.load,
         "preserve_rng": not opts.no_preserve_rng,
         "stop_after": opts.stop_after,
