@@ -8,19 +8,26 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from stageload import ListSink, StagedModels
+from stageload.cli import main
 from stageload.events import Event
 from stageload.meter.tracefile import TraceWriter, read_records
-from stageload.outer import EVENTS_ENV, TRACE_ENV, OuterTrace, export_trace, outer_trace
+from stageload.outer import EVENTS_ENV, TRACE_ENV, OuterTrace, command_env, outer_trace
+from stageload.report.processes import by_process
+from stageload.report.trace import load_summary, read_trace, summarize
 
 STAGES = {"encode": ["encoder"], "decode": ["decoder"]}
+PY = sys.executable
 
 
 def tiny_models(**kwargs) -> StagedModels:
@@ -154,11 +161,13 @@ def test_one_outer_trace_per_path_per_process(outer):
     assert outer_trace({}) is None
 
 
-def test_export_trace_sets_an_absolute_path_and_removes_it(tmp_path, monkeypatch):
+def test_command_env_points_to_the_trace_or_opts_out(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    env = export_trace({}, "run.jsonl")
-    assert env == {TRACE_ENV: str(tmp_path / "run.jsonl")}
-    assert export_trace(env, None) == {}
+    env = command_env("run.jsonl", environ={"PATH": "/bin"})
+    assert env == {"PATH": "/bin", TRACE_ENV: str(tmp_path / "run.jsonl")}
+    assert outer_trace(env) is not None
+    off = command_env("run.jsonl", events=False, environ=env)
+    assert off[EVENTS_ENV] == "0" and outer_trace(off) is None
 
 
 def test_each_record_is_one_line(outer):
@@ -168,3 +177,184 @@ def test_each_record_is_one_line(outer):
     trace.emit(Event("note", note="two\nlines " + "x" * 10000))
     last = outer.read_text().splitlines()[-1]
     assert json.loads(last)["note"].startswith("two\nlines")
+
+
+def test_by_process_splits_interleaved_pipelines_and_keeps_shared_events(tmp_path):
+    """Two processes' stage events interleave in time: one process's windows would be cut
+    by the other's stage events; per process they are whole."""
+    path = tmp_path / "mixed.jsonl"
+    records = [
+        {"type": "start", "monotonic": 0.0, "pid": 1, "meta": {"label": "mixed"}},
+        {"type": "event", "t": 0.5, "kind": "guard", "note": "start", "pid": 1},
+        {"type": "event", "t": 1.0, "kind": "stage", "stage": "a", "pid": 10},
+        {"type": "event", "t": 1.5, "kind": "stage", "stage": "x", "pid": 20},
+        {"type": "event", "t": 2.0, "kind": "stage", "stage": "b", "pid": 10},
+        {"type": "event", "t": 2.5, "kind": "load", "model": "m", "bytes": 5, "pid": 20},
+        {"type": "sample", "t": 3.0, "footprint": 100},
+        {"type": "end", "t": 4.0},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    trace = read_trace(path)
+    first, second = by_process(trace)
+    assert (first.pid, second.pid) == (10, 20)
+    assert [w.stage for w in summarize(first).windows] == ["setup", "a", "b"]
+    assert [w.stage for w in summarize(second).windows] == ["setup", "x"]
+    assert summarize(second).loads.bytes == 5 and summarize(first).loads.count == 0
+    # The guard's decision (pid 1, no pipeline events) stays in both views.
+    assert all(any(e.kind == "guard" for e in v.events) for v in (first, second))
+    assert first.label == "mixed [pid 10]" and summarize(second).to_dict()["pid"] == 20
+    # Control: read as one, the stage windows of both processes mix.
+    assert [w.stage for w in summarize(trace).windows] == ["setup", "a", "x", "b"]
+
+
+def test_one_emitting_process_gives_the_trace_itself(tmp_path):
+    """Events of another process that are not a pipeline's (a guard's) split nothing."""
+    path = tmp_path / "one.jsonl"
+    writer = started_trace(path)
+    writer.event(Event("stage", stage="a"))
+    writer.event({"kind": "guard", "time": writer.monotonic0 + 1, "pid": os.getpid() + 1})
+    writer.close()
+    trace = read_trace(path)
+    assert len({e.pid for e in trace.events}) == 2
+    assert by_process(trace) == [trace] and trace.label == "outer"
+
+
+# -- real processes under the real commands ---------------------------------------------
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+# A pipeline script that knows nothing of meters: StagedModels with no sink. argv: rounds,
+# then optionally the round after whose encoder load it SIGKILLs itself.
+PIPELINE = """
+import os, signal, sys
+import torch
+from torch import nn
+from stageload import StagedModels
+
+rounds = int(sys.argv[1])
+kill_in = int(sys.argv[2]) if len(sys.argv) > 2 else -1
+models = StagedModels(
+    {"encoder": lambda: nn.Linear(64, 64), "decoder": lambda: nn.Linear(64, 16)},
+    stages={"encode": ["encoder"], "decode": ["decoder"]},
+)
+for i in range(rounds):
+    models.enter("encode")
+    h = models["encoder"](torch.zeros(1, 64))
+    if i == kill_in:
+        os.kill(os.getpid(), signal.SIGKILL)
+    models.enter("decode")
+    models["decoder"](h)
+models.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("outer") / "pipeline.py"
+    path.write_text(PIPELINE)
+    return str(path)
+
+
+@pytest.fixture
+def child_env(monkeypatch):
+    """The commands pass this process's environment on: make the script find stageload."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    monkeypatch.delenv(EVENTS_ENV, raising=False)
+
+
+def raw_lines(path) -> list[dict]:
+    """Every line of the trace parsed as JSON: a mixed-up line fails here."""
+    text = Path(path).read_text()
+    assert text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def pipeline_events(path) -> list[dict]:
+    return [r for r in raw_lines(path) if r["type"] == "event" and r["kind"] != "guard"]
+
+
+def test_meter_report_shows_the_stages_of_a_script_that_has_no_meter(
+    pipeline, child_env, tmp_path, capsys
+):
+    trace = tmp_path / "run.jsonl"
+    assert main(["meter", "-o", str(trace), "--interval", "0.05", "--", PY, pipeline, "1"]) == 0
+    events = pipeline_events(trace)
+    start = raw_lines(trace)[0]
+    # The command itself emitted them: its pid is the measured one in the start record.
+    assert {e["pid"] for e in events} == {start["pid"]}
+    summary = load_summary(trace)
+    assert [s.stage for s in summary.stages] == ["setup", "encode", "decode"]
+    assert (summary.loads.count, summary.reloads.count, summary.releases.count) == (2, 0, 2)
+    assert summary.loads.bytes == (64 * 64 + 64 + 64 * 16 + 16) * 4
+    capsys.readouterr()
+    assert main(["report", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "| encode" in out and "| decode" in out and "2: " in out
+
+
+def test_no_events_flag_leaves_the_events_out(pipeline, child_env, tmp_path):
+    """Control for the test above: the same run without the events has only setup.
+
+    The flag works by STAGELOAD_EVENTS=0 in the command's environment; that the variable
+    turns the writer off is tested in-process above.
+    """
+    trace = tmp_path / "off.jsonl"
+    argv = ["meter", "-o", str(trace), "--interval", "0.05", "--no-events", "--", PY, pipeline, "1"]
+    assert main(argv) == 0
+    assert pipeline_events(trace) == []
+    assert [s.stage for s in load_summary(trace).stages] == ["setup"]
+
+
+def test_guard_trace_gets_the_command_events_beside_its_own(pipeline, child_env, tmp_path):
+    trace = tmp_path / "guard.jsonl"
+    argv = ["guard", "--wait-free", "0", "--trace", str(trace), "--", PY, pipeline, "1"]
+    assert main(argv) == 0
+    records = raw_lines(trace)
+    assert any(r["type"] == "event" and r["kind"] == "guard" for r in records)
+    assert {e["pid"] for e in pipeline_events(trace)} == {records[0]["pid"]}
+    summary = load_summary(trace)
+    assert [s.stage for s in summary.stages] == ["setup", "encode", "decode"]
+    assert (summary.loads.count, summary.releases.count) == (2, 2)
+
+
+def test_two_processes_at_once_keep_every_line_whole_and_apart(
+    pipeline, child_env, tmp_path, capsys
+):
+    rounds = 150
+    trace = tmp_path / "two.jsonl"
+    both = f"{PY} {pipeline} {rounds} & {PY} {pipeline} {rounds} & wait"
+    argv = ["meter", "-o", str(trace), "--interval", "0.01", "--", "sh", "-c", both]
+    assert main(argv) == 0
+    records = raw_lines(trace)  # every line is whole JSON, samples and both children's
+    events = [r for r in records if r["type"] == "event"]
+    pids = sorted({e["pid"] for e in events})
+    assert len(pids) == 2 and records[0]["pid"] not in pids  # the children, not sh
+    # Per process: 2 stage events, a load or reload and a release per round.
+    assert all(sum(e["pid"] == p for e in events) == 6 * rounds for p in pids)
+    views = by_process(read_trace(trace))
+    assert sorted(v.pid for v in views) == pids
+    for view in views:
+        summary = summarize(view)
+        assert summary.label.endswith(f"[pid {view.pid}]")
+        assert [s.stage for s in summary.stages] == ["setup", "encode", "decode"]
+        assert summary.stage("encode").windows == rounds
+        assert (summary.loads.count, summary.reloads.count) == (2, 2 * (rounds - 1))
+        assert summary.releases.count == 2 * rounds
+    capsys.readouterr()
+    assert main(["report", str(trace)]) == 0
+    header = capsys.readouterr().out.splitlines()[2]
+    assert all(f"two [pid {p}]" in header for p in pids)
+
+
+def test_a_trace_cut_by_sigkill_of_the_command_is_readable(pipeline, child_env, tmp_path):
+    trace = tmp_path / "killed.jsonl"
+    argv = ["meter", "-o", str(trace), "--interval", "0.05", "--", PY, pipeline, "3", "1"]
+    assert main(argv) == 128 + signal.SIGKILL
+    raw_lines(trace)
+    summary = load_summary(trace)
+    # Round 0 whole, then killed in round 1 after the encoder's reload.
+    assert [e["kind"] for e in pipeline_events(trace)][-3:] == ["stage", "release", "reload"]
+    assert [s.stage for s in summary.stages] == ["setup", "encode", "decode"]
+    assert summary.exit_code == 128 + signal.SIGKILL
+    assert read_trace(trace).end["signal"] == "SIGKILL"

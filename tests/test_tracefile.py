@@ -58,6 +58,7 @@ def test_records_round_trip(tmp_path: Path) -> None:
         "model": "vae",
         "bytes": 5,
         "seconds": 0.5,
+        "pid": os.getpid(),
     }
     assert records[3]["label"] == "half way"
     assert records[4]["samples"] == 1 and records[4]["exit_code"] == 3

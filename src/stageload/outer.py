@@ -26,7 +26,7 @@ import math
 import os
 import threading
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import Any
 
 from .events import Event
@@ -37,8 +37,8 @@ TRACE_ENV = "STAGELOAD_TRACE"
 EVENTS_ENV = "STAGELOAD_EVENTS"
 #: Values of ``STAGELOAD_EVENTS`` that turn the outer trace off.
 OFF_VALUES = frozenset({"0", "false", "no", "off"})
-#: The key each record of a child process carries; records without it come from the
-#: process that wrote the ``start`` record.
+#: The key of an event record that names the process that emitted it (every writer sets
+#: it; traces written before it existed lack it).
 PID_KEY = "pid"
 
 # Events held while the trace has no start record yet (its tool starts the command a few
@@ -54,28 +54,41 @@ def events_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return env.get(EVENTS_ENV, "").strip().lower() not in OFF_VALUES
 
 
-def export_trace(
-    environ: MutableMapping[str, str], path: str | os.PathLike[str] | None
-) -> MutableMapping[str, str]:
-    """Set ``STAGELOAD_TRACE`` in ``environ`` (a command's environment) to ``path``, made
-    absolute; ``path=None`` removes it, so the command's events go to no outer trace.
+def command_env(
+    trace: str | os.PathLike[str] | None,
+    *,
+    events: bool = True,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment for a command that a tool runs while writing ``trace``.
 
-    The tool must have created the trace file before the command starts: processes append
-    to it and never create it. Returns ``environ``.
+    A copy of ``environ`` (default: this process's) with ``STAGELOAD_TRACE`` set to the
+    trace's absolute path, so the command's StagedModels append their events to it
+    (``trace=None``: left as inherited); with ``events=False``, ``STAGELOAD_EVENTS=0``
+    instead, so they write to no outer trace at all.
+    The tool must create the trace file before it starts the command (processes append to
+    it, never create it) and write the ``start`` record soon after; events that come
+    before the start record wait for it.
     """
-    if path is None:
-        environ.pop(TRACE_ENV, None)
-    else:
-        environ[TRACE_ENV] = os.path.abspath(os.fspath(path))
-    return environ
+    env = dict(os.environ if environ is None else environ)
+    if not events:
+        env[EVENTS_ENV] = "0"
+    elif trace is not None:
+        env[TRACE_ENV] = os.path.abspath(os.fspath(trace))
+    return env
 
 
-def event_record(event: Event, monotonic0: float, **extra: Any) -> dict[str, Any]:
-    """The trace's ``event`` record for ``event``: ``t`` is its ``time`` less ``monotonic0``."""
-    data = event.to_dict()
+def event_record(
+    event: Event | Mapping[str, Any], monotonic0: float, *, pid: int | None = None
+) -> dict[str, Any]:
+    """The trace's ``event`` record: ``t`` is the event's ``time`` less ``monotonic0``, and
+    ``pid`` the process that emitted it (default: this one). Every writer uses this."""
+    data = event.to_dict() if isinstance(event, Event) else dict(event)
     when = data.pop("time", None)
     t = None if when is None else round(when - monotonic0, 6)
-    return {"type": "event", "t": t, **data, **extra}
+    record = {"type": "event", "t": t, **data}
+    record.setdefault(PID_KEY, os.getpid() if pid is None else pid)
+    return record
 
 
 def encode(record: Mapping[str, Any]) -> bytes:
@@ -197,7 +210,7 @@ class OuterTrace:
 
     def _write(self, event: Event) -> None:
         assert self._fd is not None and self.monotonic0 is not None
-        data = encode(event_record(event, self.monotonic0, **{PID_KEY: os.getpid()}))
+        data = encode(event_record(event, self.monotonic0))
         try:
             # One write: with O_APPEND the kernel puts the whole line at the end, under the
             # inode lock, so lines of concurrent writers never mix.

@@ -146,7 +146,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="write a meter trace (JSONL) of the command's process tree, with the "
-        "guard's decisions as events",
+        "guard's decisions as events and the command's own stageload events (stages, "
+        "loads, releases of every StagedModels in it)",
+    )
+    watch.add_argument(
+        "--no-events",
+        dest="events",
+        action="store_false",
+        help="keep the command's own stageload events out of the trace; the same as "
+        "STAGELOAD_EVENTS=0",
     )
     parser.add_argument(
         "command",
@@ -173,6 +181,7 @@ def config_from_args(args: argparse.Namespace, command: list[str]) -> GuardConfi
         poll=args.poll,
         grace=args.grace,
         trace=args.trace,
+        events=args.events,
     )
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..guard.process import EXIT_CANNOT_START
+from ..outer import command_env
 from ..units import format_duration, format_size
 from ._args import command_after_dashes, interval, unwritable_file
 
@@ -27,6 +28,11 @@ Run CMD and record the memory of its whole process tree in a JSONL trace, like
 (Linux: RssAnon+RssShmem+VmSwap, macOS: phys_footprint), memory available, swap used
 and memory pressure. 'stageload report' and 'stageload plot' read the trace; its
 format is in docs/trace-format.md.
+
+Every StagedModels in CMD's process tree (staged_pipeline, the adapters) sends its
+events into the trace too, so 'stageload report' shows the peak per stage with no
+change to CMD: the trace's path is in STAGELOAD_TRACE for CMD, and each event record
+names its pid. --no-events (or STAGELOAD_EVENTS=0) keeps them out.
 
 Samples come from a separate sampler process by default, so they keep coming while
 CMD is busy; --sampler thread samples from a thread in this process instead. CMD runs
@@ -70,6 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--label",
         default=None,
         help="name of this run in the trace, shown by 'stageload report' (e.g. 'staged')",
+    )
+    parser.add_argument(
+        "--no-events",
+        dest="events",
+        action="store_false",
+        help="keep the command's own stageload events (stages, loads, releases) out of "
+        "the trace; the same as STAGELOAD_EVENTS=0",
     )
     parser.add_argument(
         "command",
@@ -153,11 +166,15 @@ def run(args: argparse.Namespace) -> int:
     # Start the sampler process first: it takes ~0.1 s, and a short command could be
     # over before its first sample.
     meter.prepare()
+    # The command's StagedModels append their events to the trace (stageload.outer): the
+    # file must exist, and hold no older run's start record, before the command starts.
+    output.write_bytes(b"")
     started = time.monotonic()
     try:
-        proc = subprocess.Popen(command)
+        proc = subprocess.Popen(command, env=command_env(output, events=args.events))
     except OSError as exc:
         meter.cancel()
+        output.unlink(missing_ok=True)  # nothing ran: no trace
         print(f"stageload meter: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
         return EXIT_CANNOT_START
     meter.pid = proc.pid

@@ -17,6 +17,11 @@ A stage's window starts once the releases that entering it triggered have finish
 memory still being freed counts toward the stage before. A stage a trace never reached
 shows '-'.
 
+A command's own StagedModels events reach the trace of 'stageload meter' and
+'stageload guard --trace' (docs/trace-format.md). When more than one process of the
+command emitted pipeline events, each gets its own column, headed 'LABEL [pid N]': the
+stages are that process's, the memory is the whole tree's.
+
 examples:
   stageload report eager.jsonl staged.jsonl
   stageload report run.jsonl --json | jq '.traces[0].stages'
@@ -31,11 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..report.processes import load_views
     from ..report.tables import format_report, report_dict
-    from ..report.trace import TraceError, load_summary
+    from ..report.trace import TraceError, summarize
 
     try:
-        summaries = [load_summary(path) for path in args.traces]
+        # A trace with events from several processes gives one column per process.
+        summaries = [summarize(view) for view in load_views(args.traces)]
     except TraceError as exc:
         print(f"stageload report: error: {exc}", file=sys.stderr)
         return 2

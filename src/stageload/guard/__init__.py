@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from ..events import Event
 from ..memory import SystemMemory, sample_errors, sample_sources, to_sample
+from ..outer import command_env
 from ..units import format_duration, format_size
 from .config import Amount, GuardConfig, GuardResult, GuardSetupError, Outcome, compile_busy
 from .process import EXIT_CANNOT_START, CannotStartError, CommandGroup, exit_reason, exit_status
@@ -227,8 +228,11 @@ class Guard:
     def _watch(self, admitted: SystemMemory, waited: float) -> GuardResult:
         cfg = self.config
         clock = self.probes.clock
+        # The command's StagedModels append their events to the trace (stageload.outer);
+        # the file exists and is empty since run() opened it.
+        trace = None if self._trace is None else self._trace.path
         try:
-            group = CommandGroup(cfg.command)
+            group = CommandGroup(cfg.command, env=command_env(trace, events=cfg.events))
         except CannotStartError as exc:
             return GuardResult(EXIT_CANNOT_START, "cannot_start", str(exc), waited)
         started = clock()

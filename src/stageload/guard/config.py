@@ -81,6 +81,9 @@ class GuardConfig:
     poll: float | str | None = None
     grace: float | str = 5.0
     trace: str | os.PathLike[str] | None = None
+    #: Whether the command's own StagedModels events go into ``trace`` (STAGELOAD_TRACE);
+    #: False sets STAGELOAD_EVENTS=0 for the command (docs/trace-format.md).
+    events: bool = True
     busy_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

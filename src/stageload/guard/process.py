@@ -13,7 +13,7 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import psutil
 
@@ -40,14 +40,14 @@ class CommandGroup:
     in it; ``leader_exited()`` tells whether the command has ended, without reaping it.
     """
 
-    def __init__(self, argv: Sequence[str]) -> None:
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
         if not argv:
             raise ValueError("empty command: give the command after '--', e.g. -- python run.py")
         try:
             # start_new_session: setsid() in the child, so pgid == sid == pid, the group gets
             # no terminal signals (the guard relays them), and the group id cannot be joined
             # from outside this session.
-            self.popen = subprocess.Popen(list(argv), start_new_session=True)
+            self.popen = subprocess.Popen(list(argv), start_new_session=True, env=env)
         except OSError as exc:
             raise CannotStartError(argv, exc) from exc
         self.argv = list(argv)

@@ -23,7 +23,6 @@ survives the death of the process, not the loss of the machine's power.
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import sys
@@ -34,19 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from ..events import Event
+from ..outer import encode, event_record
 
 #: Version of the trace format written in the start record.
 FORMAT_VERSION = 1
 
 #: Record types of the trace format.
 START, SAMPLE, EVENT, MARK, ERROR, END = "start", "sample", "event", "mark", "error", "end"
-
-
-def _clean(value: Any) -> Any:
-    # JSON has no NaN or infinity; a value that is not a number is unreadable, so null.
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def versions() -> dict[str, str]:
@@ -96,13 +89,7 @@ class TraceWriter:
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Write one record as one line. Keys that are ``None`` are kept (as ``null``)."""
-        line = json.dumps(
-            {k: _clean(v) for k, v in record.items()},
-            separators=(",", ":"),
-            allow_nan=False,
-            default=str,
-        )
-        data = (line + "\n").encode()
+        data = encode(record)
         with self._lock:
             if self._fd is None:
                 raise ValueError(f"trace file {str(self.path)!r} is closed")
@@ -178,10 +165,9 @@ class TraceWriter:
         self.samples += 1
 
     def event(self, event: Event | Mapping[str, Any]) -> None:
-        """Write an ``Event`` (or its dict); ``t`` comes from the event's own monotonic ``time``."""
-        data = event.to_dict() if isinstance(event, Event) else dict(event)
-        when = data.pop("time", None)
-        self.write({"type": EVENT, "t": self.t(when), **data})
+        """Write an ``Event`` (or its dict); ``t`` comes from the event's own monotonic
+        ``time``, and ``pid`` says which process emitted it (this one, unless given)."""
+        self.write(event_record(event, self.monotonic0))
 
     def mark(self, label: str, *, t: float | None = None) -> None:
         """Write a user mark, e.g. ``"warm-up done"``."""

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._errors import PicklableError
+from .processes import by_process
 from .tables import column_labels, stage_order
 from .trace import SETUP, Summary, Trace, read_trace, summarize
 
@@ -182,7 +183,8 @@ def draw_traces(traces: Sequence[str | Path | Trace]) -> Figure:
     if not traces:
         raise ValueError("plot_traces needs at least one trace")
 
-    loaded = [t if isinstance(t, Trace) else read_trace(t) for t in traces]
+    # A trace with pipeline events from several processes gets one panel per process.
+    loaded = [v for t in traces for v in by_process(t if isinstance(t, Trace) else read_trace(t))]
     summaries = [summarize(t) for t in loaded]
     scale, unit = _unit(loaded)
 

@@ -53,6 +53,8 @@ class TraceEvent:
     bytes: int | None = None
     seconds: float | None = None
     note: str | None = None
+    #: The process that emitted it (traces written before events carried ``pid``: None).
+    pid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ class Trace:
     skipped_lines: int = 0
     #: The largest ``t`` of any record: where the last window ends.
     last_t: float = 0.0
+    #: Set on a view that holds the events of one process of several (``report.processes``).
+    pid: int | None = None
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -86,15 +90,16 @@ class Trace:
 
     @property
     def label(self) -> str:
-        """The trace's ``meta.label``, or the file name without its suffix."""
+        """The trace's ``meta.label``, or the file name without its suffix; a view of one
+        process's events (``report.processes.by_process``) adds ``[pid N]``."""
         label = self.meta.get("label")
-        if isinstance(label, str) and label:
-            return label
-        name = self.path.name
-        for suffix in (".jsonl", ".json", ".trace"):
-            if name.endswith(suffix):
-                return name[: -len(suffix)]
-        return self.path.stem
+        if not (isinstance(label, str) and label):
+            label = self.path.stem
+            for suffix in (".jsonl", ".json", ".trace"):
+                if self.path.name.endswith(suffix):
+                    label = self.path.name[: -len(suffix)]
+                    break
+        return label if self.pid is None else f"{label} [pid {self.pid}]"
 
     @property
     def complete(self) -> bool:
@@ -220,6 +225,7 @@ def _add_record(trace: Trace, record: dict[str, Any]) -> None:
                 bytes=_int(record.get("bytes")),
                 seconds=_number(record.get("seconds")),
                 note=_text(record.get("note")),
+                pid=_int(record.get("pid")),
             )
         )
     elif kind == "mark":

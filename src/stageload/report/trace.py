@@ -145,6 +145,8 @@ class Summary:
     #: Fields that could not be read at some point, with the first message for each.
     read_errors: dict[str, str]
     meta: dict[str, Any]
+    #: The process whose events the stages come from, when the trace had several.
+    pid: int | None = None
 
     def stage(self, name: str) -> StageSummary | None:
         """The summary of stage ``name``, or ``None`` if the run never reached it."""
@@ -155,6 +157,7 @@ class Summary:
         return {
             "path": self.path,
             "label": self.label,
+            "pid": self.pid,
             "meta": self.meta,
             "complete": self.complete,
             "exit_code": self.exit_code,
@@ -248,6 +251,7 @@ def summarize(trace: Trace) -> Summary:
         marks=list(trace.marks),
         read_errors=read_errors,
         meta=trace.meta,
+        pid=trace.pid,
     )
 
 
