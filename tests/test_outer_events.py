@@ -206,6 +206,15 @@ def test_by_process_splits_interleaved_pipelines_and_keeps_shared_events(tmp_pat
     # Control: read as one, the stage windows of both processes mix.
     assert [w.stage for w in summarize(trace).windows] == ["setup", "a", "x", "b"]
 
+    pytest.importorskip("matplotlib")
+    from stageload.report.plot import draw_traces
+
+    titles = [ax.get_title(loc="left") for ax in draw_traces([path]).axes]
+    assert [t.split(":")[0] for t in titles if "[pid" in t] == [
+        "mixed [pid 10]",
+        "mixed [pid 20]",
+    ]
+
 
 def test_one_emitting_process_gives_the_trace_itself(tmp_path):
     """Events of another process that are not a pipeline's (a guard's) split nothing."""
@@ -321,10 +330,10 @@ def test_guard_trace_gets_the_command_events_beside_its_own(pipeline, child_env,
 def test_two_processes_at_once_keep_every_line_whole_and_apart(
     pipeline, child_env, tmp_path, capsys
 ):
-    rounds = 150
+    rounds = 100
     trace = tmp_path / "two.jsonl"
     both = f"{PY} {pipeline} {rounds} & {PY} {pipeline} {rounds} & wait"
-    argv = ["meter", "-o", str(trace), "--interval", "0.01", "--", "sh", "-c", both]
+    argv = ["meter", "-o", str(trace), "--interval", "0.02", "--", "sh", "-c", both]
     assert main(argv) == 0
     records = raw_lines(trace)  # every line is whole JSON, samples and both children's
     events = [r for r in records if r["type"] == "event"]
