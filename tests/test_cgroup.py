@@ -169,6 +169,37 @@ def test_reader_caps_available_by_the_real_limit(cgroup) -> None:
     assert outside.total > limit and outside.available > after.available + GiB
 
 
+def test_reader_of_an_exited_process_never_reports_the_hosts_memory(cgroup, monkeypatch) -> None:
+    """Bug found here: cgroup v1 shows "/" as the cgroup of an exiting task (an OOM-killed
+    process freeing its memory, a zombie), so the reader took the host's MemAvailable, and
+    traces of OOM-killed runs ended in a jump to 20 GiB available. Now it is unknown."""
+    from stageload.memory import _linux
+
+    limit = 128 * MiB
+    cg = cgroup(limit)
+    child = cg.popen([PY, "-S", "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert read_system(pid=child.pid).total == limit  # running: its cgroup's limit
+        child.stdin.close()  # type: ignore[union-attr]
+        deadline = time.monotonic() + 10
+        while "Z" not in Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2][:3]:
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.02)
+        zombie = read_system(pid=child.pid)  # exited, not yet reaped
+        if cg.version == "cgroup2":  # v2 still shows the cgroup of an exiting task
+            assert zombie.total == limit
+            return
+        assert zombie.available is None and zombie.total is None
+        assert "exiting" in zombie.errors["available"]
+        # Control: without the exiting check the reader falls back to the host's memory.
+        monkeypatch.setattr(_linux, "_exiting", lambda pid, procfs: False)
+        assert read_system(pid=child.pid).total > 8 * limit
+    finally:
+        child.wait(10)
+    gone = read_system(pid=child.pid)  # reaped: no such process
+    assert gone.available is None and f"no process {child.pid}" in gone.errors["available"]
+
+
 def _live_reading() -> tuple[Any, int, Any]:
     """This process's own reading, MemTotal and cgroup limit (run inside by ``call``)."""
     from stageload.memory import _linux

@@ -138,7 +138,12 @@ def _cgroup_levels(pid: int | None, procfs: str, cgroupfs: str) -> tuple[str, li
 
     Returns ("", []) when the process is in no memory cgroup hierarchy we can see.
     """
-    text = _read(f"{procfs}/{'self' if pid is None else pid}/cgroup")
+    try:
+        text = _read(f"{procfs}/{'self' if pid is None else pid}/cgroup")
+    except FileNotFoundError:
+        if pid is not None and not os.path.isdir(f"{procfs}/{pid}"):
+            raise ProcessLookupError(f"no process {pid} in {procfs}") from None
+        return "", []  # a kernel without cgroups
     v1_path = v2_path = None
     for line in text.splitlines():
         hierarchy, _, rest = line.partition(":")
@@ -147,6 +152,11 @@ def _cgroup_levels(pid: int | None, procfs: str, cgroupfs: str) -> tuple[str, li
             v2_path = path
         elif "memory" in controllers.split(","):
             v1_path = path
+    if v1_path == "/" and pid is not None and _exiting(pid, procfs):
+        # cgroup v1 shows "/" for a task that is exiting, whatever its cgroup was
+        # (proc_cgroup_show in kernel/cgroup/cgroup.c), e.g. an OOM-killed process while it
+        # frees its memory: its limit is unknown, not the root's.
+        raise ProcessLookupError(f"process {pid} is exiting; cgroup v1 no longer shows its cgroup")
     # On a hybrid system the memory controller sits on v1 and the v2 tree has none.
     if v1_path is not None:
         version, base, path = "cgroup1", os.path.join(cgroupfs, "memory"), v1_path
@@ -166,6 +176,16 @@ def _cgroup_levels(pid: int | None, procfs: str, cgroupfs: str) -> tuple[str, li
     while levels[-1] != os.path.normpath(base):
         levels.append(os.path.dirname(levels[-1]))
     return version, levels
+
+
+def _exiting(pid: int, procfs: str) -> bool:
+    """Whether ``pid`` is exiting or a zombie: PF_EXITING (0x4) in the flags of its stat."""
+    try:
+        stat = _read(f"{procfs}/{pid}/stat")
+    except FileNotFoundError:
+        return True  # gone since its cgroup file was read
+    # Field 9 (flags); the command name (field 2) may hold spaces and ')'.
+    return bool(int(stat.rpartition(")")[2].split()[6]) & 0x4)
 
 
 def _int_file(path: str) -> int | None:
@@ -258,6 +278,14 @@ def read_system(
     # Inside a container /proc/meminfo describes the host; the cgroup says what we may take.
     try:
         cap = read_cgroup_limit(pid, procfs=procfs, cgroupfs=cgroupfs)
+    except ProcessLookupError as exc:
+        # Gone or exiting: its cgroup, so what it may take, is unknown; the host's MemAvailable
+        # in its place would jump up at the moment an OOM kill ends a trace.
+        cap = None
+        for name in ("total", "available", "available_percent"):
+            errors[name] = f"no memory cgroup for process {pid}: {exc}"
+            sources.pop(name, None)
+        total = available = None
     except (OSError, ValueError) as exc:
         cap = None
         if "available" in sources:
