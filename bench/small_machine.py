@@ -176,7 +176,13 @@ def _status(row: dict[str, Any]) -> str:
     return f"failed (exit {row['returncode']})"
 
 
+def _ordered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    order = ["eager-unconstrained", "staged-unconstrained", *MODES]
+    return sorted(rows, key=lambda r: order.index(r["label"]) if r["label"] in order else 99)
+
+
 def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    rows = _ordered(rows)
     reference = next(r.get("image_sha256") for r in rows if r["label"] == "eager-unconstrained")
     lines = [
         f"Limit: **{_gib(meta['limit'])} GiB** ({meta['cgroup']} memory cgroup, no swap), "
@@ -215,12 +221,23 @@ def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -
         "memory, 0.1 s samples; for a killed run, up to its last sample). Limit hits: times "
         "a charge met the limit and the kernel had to reclaim (memory.failcnt / "
         "memory.events max). Each run starts with the fixture dropped from the page cache. "
-        "Wall times are single runs on a busy shared 2-core machine (other jobs running): "
-        "read them as rough.\n"
+        "Wall times are single runs on a busy shared 2-core machine (load average 10-16 "
+        "from other jobs), rows measured at different moments: read them as rough.\n"
     )
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps({"rows": rows, "meta": meta}, indent=2) + "\n")
     return text
+
+
+def plot(out: Path, rows: list[dict[str, Any]]) -> None:
+    """memory.png: the traces of the runs under the limit, one panel each."""
+    traces = [out / f"{r['label']}.jsonl" for r in _ordered(rows) if r["limit"] != UNCONSTRAINED]
+    try:
+        from stageload.report.plot import plot_traces
+
+        plot_traces([t for t in traces if t.exists()], out / "memory.png")
+    except Exception as exc:  # the table stands without the plot
+        print(f"no plot: {exc}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,7 +264,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run only --modes at the limit in OUT/results.json, keeping its other rows",
     )
+    parser.add_argument(
+        "--tables-only", action="store_true", help="rewrite results.md and the plot from OUT"
+    )
     args = parser.parse_args(argv)
+    if args.tables_only:
+        stored = json.loads((args.out / "results.json").read_text())
+        print(write_results(args.out, stored["rows"], stored["meta"]))
+        plot(args.out, stored["rows"])
+        return 0
 
     args.out.mkdir(parents=True, exist_ok=True)
     call = {
@@ -268,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             row = run_mode(mode, meta["limit"], fixture, args.out, call, mode)
             rows = [r for r in rows if r["label"] != mode] + [row]
         print(write_results(args.out, rows, meta))
+        plot(args.out, rows)
         return 0
     rows = [
         run_mode(m, UNCONSTRAINED, fixture, args.out, call, f"{m}-unconstrained")
@@ -292,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "run_dtype": "bfloat16",
     }
     print(write_results(args.out, rows, meta))
+    plot(args.out, rows)
     return 0
 
 
