@@ -538,3 +538,33 @@ def test_a_hook_the_constructor_registers_fires_once_after_many_loads(tmp_path: 
         assert loaded_fired == ["model"] and user == ["user"]
         user.clear()
         release(skeleton)
+
+
+def test_under_an_outer_trace_the_pipeline_events_reach_it(
+    built: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``stageload meter -- python gen.py``: gen.py's staged_pipeline writes into the
+    meter's trace (STAGELOAD_TRACE, stageload.outer) the events its own sink gets."""
+    from stageload.meter.tracefile import TraceWriter, read_records
+    from stageload.outer import EVENTS_ENV, TRACE_ENV
+
+    family = FAMILIES["qwen-image-2.1"]
+    cls = getattr(diffusers, family.pipeline)
+    trace = tmp_path / "outer.jsonl"
+    with TraceWriter(trace) as writer:
+        writer.start(pid=os.getpid())
+        monkeypatch.setenv(TRACE_ENV, str(trace))
+        monkeypatch.delenv(EVENTS_ENV, raising=False)
+        sink = ListSink()
+        _call(staged_pipeline(cls, built("qwen-image-2.1"), events=sink), family)
+        events = [r for r in read_records(trace) if r["type"] == "event"]
+        assert [(r["kind"], r.get("model"), r.get("stage")) for r in events] == [
+            (e.kind, e.model, e.stage) for e in sink.events
+        ]
+        assert {"note", "stage", "load", "release"} <= {r["kind"] for r in events}
+        assert {r["pid"] for r in events} == {os.getpid()}
+        # Control: without the variable, a staged pipeline writes nothing there.
+        monkeypatch.delenv(TRACE_ENV)
+        before = trace.read_bytes()
+        staged_pipeline(cls, built("qwen-image-2.1"), events=ListSink())
+        assert trace.read_bytes() == before

@@ -244,6 +244,14 @@ def outer_trace(environ: Mapping[str, str] | None = None) -> OuterTrace | None:
         return trace
 
 
+def emit_outer(event: Event) -> None:
+    """Send an event that no StagedModels emits (an adapter's note, an eager run's stage)
+    to the outer trace, if this process has one; a StagedModels sends its own."""
+    trace = outer_trace()
+    if trace is not None:
+        trace.emit(event)
+
+
 def _after_fork_in_child() -> None:
     # A fork may happen while another thread holds a lock; the child has only this thread.
     global _traces_lock

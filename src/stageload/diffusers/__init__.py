@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..events import NOTE, Event, EventSink
+from ..outer import emit_outer
 from ..policy import parse_budget
 from ..release import ReleasedModuleError, release
 from ..staged import StagedModels
@@ -371,9 +372,11 @@ def staged_pipeline(
         _placeholder.attach(skeleton, _user(state, name), _mover(state, name), device)
     pipe.stageload = state
     state._pipeline = weakref.ref(pipe)  # for map(); the pipeline owns its stager
+    summary = "; ".join(f"{s}: {', '.join(n)}" for s, n in state.plan.items())
+    note = Event(NOTE, note=f"staged {pipeline_cls.__name__}: {summary}")
     if events is not None:
-        summary = "; ".join(f"{s}: {', '.join(n)}" for s, n in state.plan.items())
-        events.emit(Event(NOTE, note=f"staged {pipeline_cls.__name__}: {summary}"))
+        events.emit(note)
+    emit_outer(note)  # under `stageload meter`, the plan goes into its trace too
     return pipe
 
 

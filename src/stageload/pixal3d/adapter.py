@@ -28,6 +28,7 @@ from torch import nn
 
 from ..events import NOTE, STAGE, Event, EventSink
 from ..hooks import on_call
+from ..outer import emit_outer
 from ..share import share
 from ..staged import Plan, ReleaseUnlisted, StagedModels
 from ._parts import ExtractorRecipe, Holder, LazyEntry, NafRecipe, Unloaded, build_on_device
@@ -377,8 +378,11 @@ class Pixal3DRun:
         self.fingerprints.add(getattr(result, "samples", result), sampler=sampler, stage=self.stage)
 
     def _emit(self, event: Event) -> None:
+        # Events of the adapter itself (notes, an eager run's stages); StagedModels sends
+        # its own to the outer trace.
         if self.events is not None:
             self.events.emit(event)
+        emit_outer(event)
 
     # -- running -------------------------------------------------------------------------
     def execute(self) -> RunResult:
