@@ -315,6 +315,54 @@ def test_group_member_outliving_the_leader_gets_sigkill(
     assert "SIGKILL after 500 ms grace" in err.strip().splitlines()[-1]
 
 
+# A shell that backgrounds two children in its own group (one notes SIGTERM, one ignores
+# it), waits until both run, and exits by itself with code 3.
+BACKGROUNDER = (
+    '"$0" -c "$1" "$2" note-term & "$0" -c "$1" "$3" ignore-term & '
+    'while [ ! -e "$2" ] || [ ! -e "$3" ]; do sleep 0.05; done; exit 3'
+)
+
+
+def _leave_behind(tmp_path: Path, *flags: str) -> tuple[int, list[int]]:
+    """Run BACKGROUNDER under ``stageload guard``; (exit code, the children's pids)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    command = ["sh", "-c", BACKGROUNDER, PY, SLEEPER, str(first), str(second)]
+    code = main(["guard", "--wait-free", "0", "--grace", "0.5s", *flags, "--", *command])
+    return code, [int(first.read_text()), int(second.read_text())]
+
+
+def test_processes_the_command_left_in_its_group_are_stopped(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], track: Callable[[int], None]
+) -> None:
+    """As a supervisor does: SIGTERM, then SIGKILL after --grace for the one ignoring it."""
+    code, children = _leave_behind(tmp_path)
+    for pid in children:
+        track(pid)
+    err = capfd.readouterr().err
+    no_traceback(err)
+    assert code == 3  # the command's own exit code
+    assert all(wait_gone(pid) for pid in children)
+    assert (tmp_path / "first.term").exists()  # it got SIGTERM first
+    last = err.strip().splitlines()[-1]
+    assert "command exited with code 3; 2 processes it left in its group stopped" in last
+    assert last.endswith("(exit 3)")
+
+
+def test_leave_group_keeps_what_the_command_left_running(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], track: Callable[[int], None]
+) -> None:
+    """Control: with --leave-group the same children run on, and the summary says so."""
+    code, children = _leave_behind(tmp_path, "--leave-group")
+    for pid in children:
+        track(pid)
+    err = capfd.readouterr().err
+    no_traceback(err)
+    assert code == 3
+    assert not any(gone(pid) for pid in children)
+    assert not (tmp_path / "first.term").exists()
+    assert "2 processes it left in its group left running (--leave-group)" in err
+
+
 # -- admission -------------------------------------------------------------------------
 
 

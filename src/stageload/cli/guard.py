@@ -142,6 +142,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time between SIGTERM and SIGKILL when stopping (default: 5s)",
     )
     watch.add_argument(
+        "--leave-group",
+        action="store_true",
+        help="when the command exits by itself, leave the processes it started in its "
+        "group running (default: stop them, SIGTERM then SIGKILL after --grace)",
+    )
+    watch.add_argument(
         "--trace",
         default=None,
         metavar="FILE",
@@ -182,6 +188,7 @@ def config_from_args(args: argparse.Namespace, command: list[str]) -> GuardConfi
         grace=args.grace,
         trace=args.trace,
         events=args.events,
+        leave_group=args.leave_group,
     )
 
 

@@ -24,7 +24,15 @@ from ..events import Event
 from ..memory import SystemMemory, sample_errors, sample_sources, to_sample
 from ..outer import command_env
 from ..units import format_duration, format_size
-from .config import Amount, GuardConfig, GuardResult, GuardSetupError, Outcome, compile_busy
+from .config import (
+    Amount,
+    GuardConfig,
+    GuardResult,
+    GuardSetupError,
+    Outcome,
+    compile_busy,
+    floors_warning,
+)
 from .process import EXIT_CANNOT_START, CannotStartError, CommandGroup, exit_reason, exit_status
 from .watch import (
     POLL_MAX,
@@ -44,9 +52,7 @@ EXIT_NO_ROOM = 4
 #: Event kind of the guard's decisions in a trace.
 GUARD = "guard"
 
-# Sampling while the group winds down after SIGTERM.
-_STOP_POLL = 0.05
-# How long to wait for the group to vanish after SIGKILL before giving up on it.
+# How long to wait for the leader to be reaped once its group is gone.
 _KILL_WAIT = 5.0
 
 
@@ -101,7 +107,8 @@ class Guard:
             reading = self.probes.system()
             if "floors" not in warned:
                 warned.add("floors")
-                self._check_floors(reading)
+                if (warning := floors_warning(cfg, reading)) is not None:
+                    self.status.line(warning)
             blockers: list[tuple[object, str]] = []
             short = cfg.wait_free.shortfall(reading)
             if short:
@@ -154,18 +161,6 @@ class Guard:
                     f"guard got {signal.Signals(sig).name} while waiting; command not started",
                     clock() - self._t0,
                 )
-
-    def _check_floors(self, reading: SystemMemory) -> None:
-        """Warn when the stop floor is not under the start floor: the command would be
-        stopped as soon as it starts, unless memory frees up after admission."""
-        wait = self.config.wait_free.floor(reading.total)  # type: ignore[union-attr]
-        kill = self.config.kill_free.floor(reading.total)  # type: ignore[union-attr]
-        if wait and kill is not None and kill >= wait:
-            self.status.line(
-                f"stageload guard: warning: --kill-free {self.config.kill_free} is not under "
-                f"--wait-free {self.config.wait_free}; the command may be stopped as soon as "
-                "it starts"
-            )
 
     def _busy(
         self, now: float, last_seen: dict[str, float], exclude: frozenset[int]
@@ -250,11 +245,13 @@ class Guard:
                 self.on_start(group)
             code: int
             outcome: Outcome
+            leftovers = (0, False)  # processes the command left in its group; left running
             while True:
                 reading, footprint = self._sample(group.pid)
                 if footprint is not None and (peak is None or footprint > peak):
                     peak = footprint
                 if group.leader_exited():
+                    leftovers = self._leftovers(group)
                     returncode = group.reap()
                     code, outcome = exit_status(returncode), "exited"
                     reason = exit_reason(returncode)
@@ -273,15 +270,9 @@ class Guard:
                     break
                 self._sleep(rule.next_poll(reading, cfg.poll), group)  # type: ignore[arg-type]
             ran = clock() - started
+            growth = rule.swap_growth(reading)
             result = GuardResult(
-                code,
-                outcome,
-                reason,
-                waited,
-                ran,
-                peak,
-                rule.swap_growth(reading),
-                group.pid,
+                code, outcome, reason, waited, ran, peak, growth, group.pid, *leftovers
             )
             if self._trace is not None:
                 self._trace.end(exit_code=code)
@@ -294,32 +285,38 @@ class Guard:
         finally:
             group.close()
 
-    def _stop(self, group: CommandGroup, why: str) -> str:
+    def _wind_down(self, group: CommandGroup) -> str:
         """SIGTERM the group, SIGKILL what is left after the grace period (or at once on a
-        further signal to the guard); return the reason text for the result."""
-        clock = self.probes.clock
+        further signal to the guard); return the SIGKILL's reason, or ``""``."""
         signals_before = len(self._signals.received)
-        self._emit(f"stop: {why}; SIGTERM to process group {group.pgid}")
-        group.terminate()
-        deadline = clock() + float(self.config.grace)  # type: ignore[arg-type]
-        killed = ""
-        while group.members():
-            if len(self._signals.received) > signals_before:
-                killed = "SIGKILL at once on a second signal"
-                break
-            left = deadline - clock()
-            if left <= 0:
-                killed = f"SIGKILL after {format_duration(float(self.config.grace))} grace"  # type: ignore[arg-type]
-                break
-            # No exit fd here: once the leader is gone it stays readable, and the wait is for
-            # the rest of the group.
-            self._sleep(min(_STOP_POLL, left))
+        killed, count = group.wind_down(
+            float(self.config.grace),  # type: ignore[arg-type]
+            clock=self.probes.clock,
+            # No exit fd here: once the leader is gone it stays readable, and the wait is
+            # for the rest of the group.
+            wait=self._sleep,
+            interrupted=lambda: len(self._signals.received) > signals_before,
+        )
         if killed:
-            self._emit(f"kill: {killed}; {len(group.members())} processes left in the group")
-            group.kill()
-            end = clock() + _KILL_WAIT
-            while group.members() and clock() < end:
-                time.sleep(_STOP_POLL)
+            self._emit(f"kill: {killed}; {count} processes left in the group")
+        return killed
+
+    def _leftovers(self, group: CommandGroup) -> tuple[int, bool]:
+        """After the command exited by itself: how many processes of its group it left
+        running, stopped as a supervisor would unless ``leave_group``; (count, left)."""
+        count = len(group.members())
+        if count and not self.config.leave_group:
+            self._emit(
+                f"stop: the command exited, leaving {count} processes in its group running; "
+                f"SIGTERM to process group {group.pgid}"
+            )
+            self._wind_down(group)
+        return count, bool(count and self.config.leave_group)
+
+    def _stop(self, group: CommandGroup, why: str) -> str:
+        """Stop the group (``_wind_down``) and reap the command; the reason for the result."""
+        self._emit(f"stop: {why}; SIGTERM to process group {group.pgid}")
+        killed = self._wind_down(group)
         with contextlib.suppress(Exception):
             returncode = group.reap(timeout=_KILL_WAIT)
             self._emit(f"exit: {exit_reason(returncode)}")

@@ -84,6 +84,9 @@ class GuardConfig:
     #: Whether the command's own StagedModels events go into ``trace`` (STAGELOAD_TRACE);
     #: False sets STAGELOAD_EVENTS=0 for the command (docs/trace-format.md).
     events: bool = True
+    #: Keep processes of the command's group running after the command exits by itself
+    #: (by default they are stopped: SIGTERM, then SIGKILL after ``grace``).
+    leave_group: bool = False
     busy_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +130,19 @@ def compile_busy(pattern: str | re.Pattern[str]) -> re.Pattern[str]:
         ) from None
 
 
+def floors_warning(config: GuardConfig, reading: SystemMemory) -> str | None:
+    """A warning when the stop floor is not under the start floor: the command would be
+    stopped as soon as it starts, unless memory frees up after admission."""
+    wait = config.wait_free.floor(reading.total)  # type: ignore[union-attr]
+    kill = config.kill_free.floor(reading.total)  # type: ignore[union-attr]
+    if wait and kill is not None and kill >= wait:
+        return (
+            f"stageload guard: warning: --kill-free {config.kill_free} is not under "
+            f"--wait-free {config.wait_free}; the command may be stopped as soon as it starts"
+        )
+    return None
+
+
 class GuardSetupError(Exception):
     """The guard could not set up (e.g. the trace file cannot be written); nothing ran."""
 
@@ -146,15 +162,24 @@ class GuardResult:
     peak_footprint: int | None = None
     swap_growth: int | None = None
     pid: int | None = None
+    #: Processes of the command's group still running when the command exited by itself.
+    leftovers: int = 0
+    #: True when they were left running (``leave_group``), False when the guard stopped them.
+    left_running: bool = False
 
     def summary(self) -> str:
-        """The final stderr line: waited, ran, peak footprint, swap growth, why it ended."""
+        """The final stderr line: waited, ran, peak footprint, swap growth, why it ended,
+        and the processes the command left running in its group."""
         ran = "did not run" if self.ran is None else f"ran {format_duration(self.ran)}"
         growth = "-" if self.swap_growth is None else _signed_size(self.swap_growth)
+        rest = ""
+        if self.leftovers:
+            what = "left running (--leave-group)" if self.left_running else "stopped"
+            rest = f"; {self.leftovers} processes it left in its group {what}"
         return (
             f"stageload guard: waited {format_duration(self.waited)}, {ran}, "
             f"peak footprint {format_size(self.peak_footprint)}, swap {growth}; "
-            f"{self.reason} (exit {self.exit_code})"
+            f"{self.reason}{rest} (exit {self.exit_code})"
         )
 
 

@@ -13,14 +13,21 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 import psutil
 
 from .._errors import PicklableError
+from ..units import format_duration
 
 #: The command could not be started (not found, not executable), as a shell exits.
 EXIT_CANNOT_START = 127
+
+# Sampling while the group winds down after SIGTERM.
+_STOP_POLL = 0.05
+# How long to wait for the group to vanish after SIGKILL before giving up on it.
+_KILL_WAIT = 5.0
 
 
 class CannotStartError(PicklableError, Exception):
@@ -128,6 +135,38 @@ class CommandGroup:
     def kill(self) -> bool:
         """SIGKILL to the group."""
         return self.signal(signal.SIGKILL)
+
+    def wind_down(
+        self,
+        grace: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wait: Callable[[float], None] = time.sleep,
+        interrupted: Callable[[], bool] = lambda: False,
+    ) -> tuple[str, int]:
+        """SIGTERM the group, then SIGKILL what is left after ``grace`` seconds (at once
+        when ``interrupted()`` turns true). Returns how it ended (``""`` when SIGTERM was
+        enough, else the SIGKILL's reason) and how many processes the SIGKILL met."""
+        self.terminate()
+        deadline = clock() + grace
+        killed = ""
+        while self.members():
+            if interrupted():
+                killed = "SIGKILL at once on a second signal"
+                break
+            left = deadline - clock()
+            if left <= 0:
+                killed = f"SIGKILL after {format_duration(grace)} grace"
+                break
+            wait(min(_STOP_POLL, left))
+        if not killed:
+            return "", 0
+        count = len(self.members())
+        self.kill()
+        end = clock() + _KILL_WAIT
+        while self.members() and clock() < end:
+            time.sleep(_STOP_POLL)
+        return killed, count
 
     def reap(self, timeout: float | None = None) -> int:
         """Wait for the leader, release its pid, and return its exit status as Popen gives it.
