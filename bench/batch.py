@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "batch"
 MODES = ("eager", "staged", "stage-major")
 WORKLOADS = ("demo", "qwen")
-START = [0.0]  # set by each workload once its weights exist, right before loading
+# Wall and CPU clocks, set by each workload once its weights exist, right before loading.
+START = [0.0, 0.0]
 # The Qwen fixture's folder, built on first use; the parent sets it for its workers.
 QWEN = Path(os.environ.get("STAGELOAD_BENCH_QWEN", "/tmp/stageload-bench/qwen21-1g"))
 
@@ -72,7 +73,7 @@ def work_demo(mode: str, n: int, meter: Any, sink: Any) -> list[Any]:
     folder, _ = ensure_weights(SIZES["default"], default_cache_dir())
     size = replace(SIZES["default"], batch=8, encode_passes=2, steps=4)
     meter.mark("start")
-    START[0] = time.perf_counter()
+    START[:] = [time.perf_counter(), time.process_time()]
     kind = "eager" if mode == "eager" else "staged"
     models = make_models(kind, size, folder, TeeSink(meter, sink))
     if mode == "eager":
@@ -100,7 +101,7 @@ def work_qwen(mode: str, n: int, meter: Any, sink: Any) -> list[Any]:
     diffusers.utils.logging.disable_progress_bar()
     cls, dtype = diffusers.QwenImage21Pipeline, torch.bfloat16
     meter.mark("start")
-    START[0] = time.perf_counter()
+    START[:] = [time.perf_counter(), time.process_time()]
     if mode == "eager":
         models = _plan.model_components(QWEN)
         extra = _materialized(models, str(QWEN), dtype)  # weights in process memory
@@ -147,6 +148,7 @@ def worker(workload: str, mode: str, n: int, trace: Path, result: Path, threads:
     with MemoryMeter(trace, 0.05, meta={"label": f"{workload} {mode} N={n}"}) as meter:
         outs = (work_demo if workload == "demo" else work_qwen)(mode, n, meter, sink)
         wall = time.perf_counter() - START[0]
+        cpu = time.process_time() - START[1]  # all threads; the sampler is another process
     samples = [s.footprint for s in read_trace(trace).samples if s.footprint is not None]
     notes = [e.bytes for e in sink.kinds("note") if e.note and e.note.startswith("batch:")]
     out = {
@@ -154,6 +156,7 @@ def worker(workload: str, mode: str, n: int, trace: Path, result: Path, threads:
         "mode": mode,
         "n": n,
         "wall_seconds": wall,
+        "cpu_seconds": cpu,
         "loads": len([e for e in sink.events if e.kind in ("load", "reload")]),
         "peak_footprint": max(samples) if samples else None,
         "held_intermediates_max": max(notes) if notes else None,
@@ -202,8 +205,10 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for mode in MODES:
             mine = [r for r in runs if (r["workload"], r["n"], r["mode"]) == (workload, n, mode)]
             if mine:
+                cpu = [r["cpu_seconds"] for r in mine if "cpu_seconds" in r]
                 by_mode[mode] = {
                     "wall_seconds": statistics.median(r["wall_seconds"] for r in mine),
+                    "cpu_seconds": statistics.median(cpu) if cpu else None,
                     "loads": mine[0]["loads"],
                     "peak_footprint": statistics.median(r["peak_footprint"] for r in mine),
                     "held_intermediates_max": mine[0]["held_intermediates_max"],
@@ -215,26 +220,75 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _ratio(value: float | None, base: dict[str, Any] | None, key: str) -> str:
+    if value is None or base is None or not base.get(key):
+        return "-"
+    return f"{value / base[key]:.2f}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    gib = 2**30
+    gib, mib = 2**30, 2**20
     lines = [
-        "| workload | N | mode | wall s | / eager | loads | peak GiB | / eager "
-        "| held by parked calls MiB | outputs |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| workload | N | mode | wall s | / eager | CPU s | / eager | loads | peak GiB "
+        "| / eager | held by parked calls MiB | outputs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
         eager = row["modes"].get("eager")
         for mode, m in row["modes"].items():
-            wall_ratio = f"{m['wall_seconds'] / eager['wall_seconds']:.2f}" if eager else "-"
-            peak_ratio = f"{m['peak_footprint'] / eager['peak_footprint']:.2f}" if eager else "-"
-            held = m["held_intermediates_max"]
+            cpu, held = m["cpu_seconds"], m["held_intermediates_max"]
             lines.append(
                 f"| {row['workload']} | {row['n']} | {mode} | {m['wall_seconds']:.1f} | "
-                f"{wall_ratio} | {m['loads']} | {m['peak_footprint'] / gib:.2f} | {peak_ratio} | "
-                f"{'-' if held is None else f'{held / 2**20:.1f}'} | "
+                f"{_ratio(m['wall_seconds'], eager, 'wall_seconds')} | "
+                f"{'-' if cpu is None else f'{cpu:.1f}'} | {_ratio(cpu, eager, 'cpu_seconds')} | "
+                f"{m['loads']} | {m['peak_footprint'] / gib:.2f} | "
+                f"{_ratio(m['peak_footprint'], eager, 'peak_footprint')} | "
+                f"{'-' if held is None else f'{held / mib:.1f}'} | "
                 f"{'identical' if row['identical'] else 'DIFFER'} |"
             )
     return "\n".join(lines)
+
+
+def goals(rows: list[dict[str, Any]]) -> str:
+    """The issue's three goals, checked on the table's figures."""
+    lines = []
+    for workload in WORKLOADS:
+        mine = [r for r in rows if r["workload"] == workload and "stage-major" in r["modes"]]
+        if not mine:
+            continue
+        loads = sorted({r["modes"]["stage-major"]["loads"] for r in mine})
+        lines.append(
+            f"- {workload}: stage-major loads for N = "
+            f"{', '.join(str(r['n']) for r in mine)}: {loads} (independent of N: "
+            f"{'yes' if len(loads) == 1 else 'no'})"
+        )
+        single = next((r for r in rows if r["workload"] == workload and r["n"] == 1), None)
+        base = single["modes"].get("staged") if single else None
+        for r in mine:
+            m = r["modes"]["stage-major"]
+            if base is not None and m["held_intermediates_max"] is not None:
+                bound = base["peak_footprint"] + m["held_intermediates_max"]
+                lines.append(
+                    f"  - N = {r['n']}: peak {m['peak_footprint'] / 2**30:.3f} GiB against "
+                    f"staged single-call peak + held intermediates {bound / 2**30:.3f} GiB "
+                    f"({'within' if m['peak_footprint'] <= bound else 'over'})"
+                )
+            eager = r["modes"].get("eager")
+            if eager is not None:
+                lines.append(
+                    f"  - N = {r['n']}: stage-major / eager wall "
+                    f"{m['wall_seconds'] / eager['wall_seconds']:.2f}, CPU "
+                    f"{_ratio(m['cpu_seconds'], eager, 'cpu_seconds')} (goal <= 1.05 at N = 8)"
+                )
+    return "\n".join(lines)
+
+
+def write(runs: list[dict[str, Any]]) -> None:
+    rows = summarize(runs)
+    (OUT / "results.json").write_text(json.dumps({"runs": runs, "rows": rows}, indent=2) + "\n")
+    md = table(rows) + "\n\n" + goals(rows)
+    (OUT / "results.md").write_text(md + "\n")
+    print(md)
 
 
 def main() -> None:
@@ -249,7 +303,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per cell; medians reported")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--qwen-gb", type=float, default=1.0, help="GB per large Qwen model (default 1)")
+    p.add_argument(
+        "--tables-only",
+        action="store_true",
+        help="rebuild results.md/json from every run in bench/results/batch/traces/",
+    )
     args = p.parse_args()
+    if args.tables_only:
+        write([json.loads(f.read_text()) for f in sorted((OUT / "traces").glob("*.json"))])
+        return
     (OUT / "traces").mkdir(parents=True, exist_ok=True)
     if "qwen" in args.workloads:
         path = Path(f"/tmp/stageload-bench/qwen21-{args.qwen_gb:g}g")
@@ -261,11 +323,7 @@ def main() -> None:
             for rep in range(args.repeats):
                 for mode in args.modes:  # interleaved, so machine load hits every mode alike
                     runs.append(run_one(workload, mode, n, rep, args.threads))
-    rows = summarize(runs)
-    (OUT / "results.json").write_text(json.dumps({"runs": runs, "rows": rows}, indent=2) + "\n")
-    md = table(rows)
-    (OUT / "results.md").write_text(md + "\n")
-    print(md)
+    write(runs)
 
 
 if __name__ == "__main__":

@@ -260,3 +260,19 @@ def test_map_under_a_budget_with_prefetch_loads_each_model_once(checkpoints, fit
     assert four == (
         {"encoder": 2, "denoiser": 1, "decoder": 1} if fit == 2 else dict.fromkeys(checkpoints, 1)
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (not run here)")
+def test_the_cuda_generator_is_swapped_per_call_too(checkpoints):
+    models = staged(checkpoints)
+
+    def draw(seed: int) -> torch.Tensor:
+        torch.cuda.manual_seed(seed)
+        models.enter("encode")
+        first = torch.randn(4, device="cuda")
+        models.enter("decode")
+        return torch.cat([first, torch.randn(4, device="cuda")]).cpu()
+
+    alone = [draw(s) for s in range(3)]
+    out = models.map(draw, range(3))
+    assert all(torch.equal(a, b) for a, b in zip(out, alone, strict=True))
