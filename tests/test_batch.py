@@ -276,3 +276,38 @@ def test_the_cuda_generator_is_swapped_per_call_too(checkpoints):
     alone = [draw(s) for s in range(3)]
     out = models.map(draw, range(3))
     assert all(torch.equal(a, b) for a, b in zip(out, alone, strict=True))
+
+
+def test_an_interrupted_batch_unwinds_every_parked_call(checkpoints):
+    """Ctrl-C in the scheduler (here: raised by the policy on entering denoise): map()
+    re-raises it after each parked call has run its finally blocks, even one that tries to
+    change stage while unwinding; no call thread is left behind."""
+    from stageload import ReleaseUnlisted
+
+    class Interrupting(ReleaseUnlisted):
+        def to_release(self, stage, loaded, plan):
+            if stage == "denoise":
+                raise KeyboardInterrupt
+            return super().to_release(stage, loaded, plan)
+
+    models = StagedModels(
+        {n: (lambda p=p: load_block(p)) for n, p in checkpoints.items()},
+        stages=STAGES,
+        policy=Interrupting(),
+    )
+    unwound = []
+
+    def fn(i: int) -> None:
+        try:
+            models.enter("encode")
+            models.enter("denoise")
+        finally:
+            unwound.append(i)
+            models.enter("decode")  # parks no more: raises again, inside the finally
+
+    before = threading.active_count()
+    with pytest.raises(KeyboardInterrupt):
+        models.map(fn, range(3))
+    assert sorted(unwound) == [0, 1, 2]
+    assert threading.active_count() == before
+    assert models._batch is None

@@ -105,7 +105,11 @@ class Batch:
     def park(self, stage: str) -> None:
         """Wait until the batch is in ``stage``; returns at once outside the batch's calls."""
         call = self._by_thread.get(threading.get_ident())
-        if call is None or stage == self.models.stage:
+        if call is None:
+            return
+        if self._abandoned:  # unwinding: a finally block must not park again
+            raise _Abandoned
+        if stage == self.models.stage:
             return
         call.want = stage
         self._hand_back(call)
@@ -234,6 +238,9 @@ class Batch:
                     self._cond.notify_all()
                     while self._turn != _SCHEDULER:
                         self._cond.wait()
+        for call in self._calls:
+            if call.thread is not None and call.done:
+                call.thread.join()
 
 
 def intermediates(calls: list[_Call], models: StagedModels) -> int:
