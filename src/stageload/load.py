@@ -98,6 +98,25 @@ def load_weights(
     Tied weights (one tensor under several names) stay one tensor. On failure ``module``
     is released, so it cannot be used half filled; the error names the file.
     """
+    return _load(module, files, device=device, dtype=dtype, strict=strict, threads=threads)
+
+
+def _load(
+    module: nn.Module,
+    files: Files,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    strict: bool = True,
+    threads: int | None = None,
+    alignment: dict[str, int] | None = None,
+) -> int:
+    """:func:`load_weights`, plus ``alignment``: name -> address mod 64 for its CPU tensor.
+
+    Adapters that must match another loader bit for bit use it: BLAS kernels (MKL's, for
+    one) may round differently for differently aligned inputs, and ``from_pretrained``
+    leaves unconverted weights where the file's mmap puts them.
+    """
     import torch
     from torch import nn
 
@@ -114,7 +133,9 @@ def load_weights(
         targets = _targets(module)
         plan = _match(targets, entries, paths, strict)
         with torch.no_grad():
-            results, nbytes = _read_all(plan, target_device, dtype, threads or _default_threads())
+            results, nbytes = _read_all(
+                plan, target_device, dtype, threads or _default_threads(), alignment or {}
+            )
             _install(module, targets, results, target_device, dtype, strict)
     except BaseException:
         release(module)
@@ -235,6 +256,7 @@ def _read_all(
     device: torch.device,
     dtype: torch.dtype | None,
     threads: int,
+    alignment: dict[str, int],
 ) -> tuple[dict[int, torch.Tensor], int]:
     """Allocate every destination and fill it; returns {id(target): tensor}, total bytes."""
     import torch
@@ -248,7 +270,7 @@ def _read_all(
             old = target.tensor
             want = dtype if dtype is not None and old.is_floating_point() else old.dtype
             src = getattr(torch, DTYPES[entry.dtype][0])
-            dst = _destination(old, want, device)
+            dst = _destination(old, want, device, alignment.get(target.names[0], 0))
             results[id(target)] = dst
             total += dst.nbytes
             if entry.file not in fds:
@@ -323,8 +345,13 @@ def _bounce_buffer(pin: bool) -> torch.Tensor:
     return torch.empty(CHUNK, dtype=torch.uint8)
 
 
-def _destination(old: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The tensor the bytes go into: ``old`` itself when it can be overwritten in place."""
+def _destination(
+    old: torch.Tensor, dtype: torch.dtype, device: torch.device, misalign: int = 0
+) -> torch.Tensor:
+    """The tensor the bytes go into: ``old`` itself when it can be overwritten in place.
+
+    ``misalign``: the new tensor's address mod 64 on the CPU (see :func:`_load`).
+    """
     import torch
 
     if (
@@ -336,7 +363,14 @@ def _destination(old: torch.Tensor, dtype: torch.dtype, device: torch.device) ->
         and old.untyped_storage().nbytes() == old.nbytes
     ):
         return old.detach()
-    dst = torch.empty(old.shape, dtype=dtype, device=device)
+    itemsize = _itemsize(dtype)
+    if device.type != "cpu" or misalign % itemsize or not 0 < misalign < 64:
+        dst = torch.empty(old.shape, dtype=dtype, device=device)
+    else:
+        nbytes = old.numel() * itemsize
+        raw = torch.empty(nbytes + 64, dtype=torch.uint8)
+        shift = (misalign - raw.data_ptr()) % 64
+        dst = raw[shift : shift + nbytes].view(dtype).view(old.shape)
     if device.type == "cpu" and _ALLOC == "thp":
         _advise_huge_pages(dst.data_ptr(), dst.nbytes)
     return dst

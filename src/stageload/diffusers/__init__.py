@@ -25,7 +25,7 @@ from ..outer import emit_outer
 from ..policy import parse_budget
 from ..release import ReleasedModuleError, release
 from ..staged import StagedModels
-from . import _placeholder
+from . import _fill, _placeholder
 from ._args import _check_device, _check_pipeline_cls, _resolve_folder
 from ._plan import (
     check_fits,
@@ -93,6 +93,7 @@ class StagedPipeline:
         self._lock = threading.RLock()
         self._closed_at: tuple[str | None] | None = None
         self._pipeline: weakref.ref[Any] | None = None
+        self._events = events
         self.models = StagedModels(
             {name: self._loader(name) for name in self._skeletons},
             stages=self.plan,
@@ -115,16 +116,21 @@ class StagedPipeline:
         def load() -> nn.Module:
             if self._closed_at is not None:  # close() is for good, models[name] included
                 raise ReleasedModuleError(name, self._closed_at[0])
+            target = self._targets[name]
+            skeleton = self._skeletons[name]
+            if _fill.reload(skeleton, target["device"], target["dtype"], _placeholder.real_to):
+                return skeleton  # filled in place from the files, as the first load was
             loaded = _load_component(
                 self._classes[name],
                 self.path / name,
                 self.torch_dtype,
                 self._model_kwargs,
             )
-            target = self._targets[name]
             if target["device"].type != "cpu" or target["dtype"] is not None:
                 loaded = loaded.to(device=target["device"], dtype=target["dtype"])
-            return _placeholder.fill(self._skeletons[name], loaded)
+            _placeholder.fill(skeleton, loaded)
+            self._learn(name, skeleton)
+            return skeleton
 
         load.__qualname__ = f"load_{name}"
         # from_pretrained builds on meta (low_cpu_mem_usage, the default with accelerate)
@@ -132,6 +138,21 @@ class StagedPipeline:
         if self._model_kwargs.get("low_cpu_mem_usage", True) is not False:
             load.draws_random = False  # type: ignore[attr-defined]
         return load
+
+    def _learn(self, name: str, skeleton: nn.Module) -> None:
+        """After the first from_pretrained load: may later loads read the files directly?"""
+        files = _fill.checkpoint_of(self.path / name, self._model_kwargs)
+        if self._targets[name]["dtype"] is not None:
+            # from_pretrained's dtype then .to(dtype) rounds twice; a direct read once.
+            why: str | None = "it was converted with .to(dtype) before its first load"
+        elif isinstance(files, str):
+            why = files
+        else:
+            why = _fill.learn(skeleton, files)
+        if why is not None and self._events is not None:
+            self._events.emit(
+                Event(NOTE, model=name, note=f"{name} reloads with from_pretrained: {why}")
+            )
 
     def use(self, name: str) -> None:
         """Make ``name`` ready for a use: enter the stage that runs it next, then load it.
