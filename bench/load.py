@@ -46,8 +46,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from stageload import load_weights, release  # noqa: E402
 from stageload import load as load_mod  # noqa: E402
+from stageload import load_weights, release  # noqa: E402
 
 GIB = 1 << 30
 HUGE = 2 << 20
@@ -148,7 +148,8 @@ def raw_read(path: Path) -> int:
 
 # -- footprint --------------------------------------------------------------------------------
 def footprint() -> int:
-    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
     return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem"))
 
 

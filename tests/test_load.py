@@ -208,7 +208,7 @@ def test_file_shrinking_during_the_read_is_caught(files, tmp_path):
         os.truncate(path, 100)
         buf = bytearray(64)
         with pytest.raises(CheckpointError, match="shrinks.safetensors: truncated: the file ended"):
-            load_mod._pread_into(fd, path, 80, memoryview(buf))
+            load_mod.pread_into(fd, path, 80, memoryview(buf))
     finally:
         os.close(fd)
 

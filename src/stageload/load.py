@@ -17,10 +17,8 @@ half filled.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +34,7 @@ from ._checkpoint import (
     checkpoint_files,
     read_entries,
 )
+from ._pread import advise_huge_pages, memory, pread_into
 from .release import release, unmark_released
 
 if TYPE_CHECKING:
@@ -46,11 +45,10 @@ __all__ = ["CheckpointError", "checkpoint_bytes", "from_safetensors", "load_weig
 
 Files = str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
 
-#: Bytes per read and per bounce buffer. 16 MiB: large enough for the disk's full speed
-#: and small enough that 4 threads' bounce buffers stay within 64 MiB.
+#: Bytes per read. 16 MiB: large enough for the disk's full speed.
 CHUNK = 16 << 20
-_HUGE = 2 << 20  # x86-64 and arm64 transparent huge page size
-_MADV_HUGEPAGE = 14
+#: All threads' bounce buffers together (conversions, accelerators) stay within this.
+BOUNCE_BUDGET = 64 << 20
 # How destinations on the CPU are allocated: "thp" (torch.empty, huge pages advised) or
 # "plain" (torch.empty as is). The benchmark flips it to measure the difference.
 _ALLOC = "thp"
@@ -261,6 +259,8 @@ def _read_all(
     """Allocate every destination and fill it; returns {id(target): tensor}, total bytes."""
     import torch
 
+    threads = min(threads, max(1, sum(-(-e.nbytes // CHUNK) for _, e in plan)))
+    bounce = min(CHUNK, max(1 << 20, BOUNCE_BUDGET // threads))
     fds: dict[Path, int] = {}
     results: dict[int, torch.Tensor] = {}
     jobs: list[tuple[int, Path, int, int, torch.Tensor, int, torch.dtype | None]] = []
@@ -278,21 +278,22 @@ def _read_all(
             # Direct reads need the file's bytes to be the destination's bytes on the CPU.
             direct = device.type == "cpu" and src == want
             convert = None if direct else src
-            step = CHUNK - CHUNK % entry.itemsize
+            step = CHUNK if direct else bounce
+            step -= step % entry.itemsize
             for start in range(0, entry.nbytes, step):
                 n = min(step, entry.nbytes - start)
                 jobs.append(
                     (fds[entry.file], entry.file, entry.offset + start, n, dst, start, convert)
                 )
         jobs.sort(key=lambda j: (str(j[1]), j[2]))  # file order: sequential runs per thread
-        _run(jobs, device, min(threads, max(1, len(jobs))))
+        _run(jobs, device, min(threads, max(1, len(jobs))), bounce)
     finally:
         for fd in fds.values():
             os.close(fd)
     return results, total
 
 
-def _run(jobs: list[Any], device: torch.device, threads: int) -> None:
+def _run(jobs: list[Any], device: torch.device, threads: int, bounce_bytes: int) -> None:
     """Run every chunk job; stop early on the first error and raise it (with the others)."""
 
     local = threading.local()
@@ -302,7 +303,7 @@ def _run(jobs: list[Any], device: torch.device, threads: int) -> None:
     def bounce() -> torch.Tensor:
         buf = getattr(local, "buf", None)
         if buf is None:
-            buf = _bounce_buffer(pin)
+            buf = _bounce_buffer(pin, bounce_bytes)
             local.buf = buf
         return buf
 
@@ -311,10 +312,10 @@ def _run(jobs: list[Any], device: torch.device, threads: int) -> None:
             return
         try:
             if src is None:  # same dtype, on the CPU: straight into the destination
-                _pread_into(fd, path, offset, _memory(dst, at, n))
+                pread_into(fd, path, offset, memory(dst, at, n))
                 return
             buf = bounce()
-            _pread_into(fd, path, offset, _memory(buf, 0, n))
+            pread_into(fd, path, offset, memory(buf, 0, n))
             size = _itemsize(src)
             first = at // size
             dst.view(-1)[first : first + n // size].copy_(buf[:n].view(src))
@@ -334,15 +335,15 @@ def _run(jobs: list[Any], device: torch.device, threads: int) -> None:
         raise raised[0]
 
 
-def _bounce_buffer(pin: bool) -> torch.Tensor:
+def _bounce_buffer(pin: bool, nbytes: int) -> torch.Tensor:
     import torch
 
     if pin:
         try:
-            return torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True)
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         except RuntimeError:  # no pinning on this backend: pageable memory still works
             pass
-    return torch.empty(CHUNK, dtype=torch.uint8)
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _destination(
@@ -372,61 +373,8 @@ def _destination(
         shift = (misalign - raw.data_ptr()) % 64
         dst = raw[shift : shift + nbytes].view(dtype).view(old.shape)
     if device.type == "cpu" and _ALLOC == "thp":
-        _advise_huge_pages(dst.data_ptr(), dst.nbytes)
+        advise_huge_pages(dst.data_ptr(), dst.nbytes)
     return dst
-
-
-def _memory(t: torch.Tensor, at: int, n: int) -> memoryview:
-    """A writable view of ``n`` bytes of ``t``'s CPU memory from byte ``at``."""
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr() + at)).cast("B")
-
-
-def _pread_into(fd: int, path: Path, offset: int, buf: memoryview) -> None:
-    done, n = 0, len(buf)
-    while done < n:
-        got = _preadv(fd, buf[done:], offset + done)
-        if got == 0:
-            raise CheckpointError(
-                path, f"truncated: the file ended at byte {offset + done}, {n - done} bytes short"
-            )
-        done += got
-
-
-def _preadv(fd: int, buf: memoryview, offset: int) -> int:
-    if hasattr(os, "preadv"):
-        return os.preadv(fd, [buf], offset)  # releases the GIL
-    data = os.pread(fd, len(buf), offset)  # Windows: one copy more, still positioned
-    buf[: len(data)] = data
-    return len(data)
-
-
-@functools.cache
-def _madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _advise_huge_pages(ptr: int, nbytes: int) -> None:
-    """Ask for transparent huge pages on the 2 MiB-aligned inside of a fresh allocation.
-
-    One fault then maps 2 MiB instead of 4 KiB. torch does the same under
-    ``THP_MEM_ALLOC_ENABLE=1``, which a library cannot set for its users. Harmless where
-    THP is off (the call fails and is ignored) and for memory that is already touched.
-    """
-    madvise = _madvise()
-    if madvise is None:
-        return
-    start = (ptr + _HUGE - 1) & ~(_HUGE - 1)
-    end = (ptr + nbytes) & ~(_HUGE - 1)
-    if end - start >= _HUGE:
-        madvise(start, end - start, _MADV_HUGEPAGE)
 
 
 # -- installing -------------------------------------------------------------------------------

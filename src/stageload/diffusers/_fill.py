@@ -1,46 +1,20 @@
-"""Reload a staged component with ``stageload.load_weights`` instead of ``from_pretrained``.
+"""Where a diffusers component's checkpoint files are, for :mod:`stageload._refill`.
 
-The first load of a component goes through ``from_pretrained``: it is the reference. It
-shows, for this class, config, library version and dtype, what no header can tell: the
-dtype each tensor ends up in (modules kept in float32), the values of buffers computed in
-``__init__`` rather than stored, and whether the checkpoint's keys and values reach the
-model unchanged. :func:`learn` checks that last point against the files: every key of the
-module found in the checkpoint, no key left over (renames), and the first bytes of each
-tensor equal to the file's (conversions that keep the keys). Only then are later loads
-(every later stage, every later call) done in place by :func:`reload`: the placeholder's
-meta tensors get back the dtypes ``from_pretrained`` gave, its computed buffers their
-recorded values, and :func:`~stageload.load_weights` reads the file straight into them.
-Otherwise the component stays on ``from_pretrained`` and a ``note`` event says why.
+The first load of a staged component goes through ``from_pretrained``; later loads refill
+the placeholder in place from these files (see ``_refill``), or stay on ``from_pretrained``
+with a ``note`` event saying why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .._checkpoint import DTYPES, checkpoint_files, read_entries
-from ..load import _load, _match, _targets
+from .._checkpoint import checkpoint_files
+from .._refill import learn, reload
 
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
-
-_RECIPE_ATTR = "_stageload_recipe"
-_PROBE = 4096  # bytes compared per tensor at the first load
-
-
-@dataclass
-class Recipe:
-    """What :func:`reload` needs, learned from the first ``from_pretrained`` load."""
-
-    files: list[Path]
-    dtypes: dict[str, torch.dtype]  # first name of each tensor -> its dtype after loading
-    computed: dict[str, torch.Tensor]  # non-persistent buffers, on the CPU
-    # Address mod 64 of each CPU tensor: from_pretrained leaves unconverted weights in the
-    # file's mmap, and BLAS kernels may round differently for differently aligned inputs.
-    alignment: dict[str, int]
+__all__ = ["checkpoint_of", "learn", "reload"]
 
 
 def checkpoint_of(folder: Path, kwargs: Mapping[str, Any]) -> list[Path] | str:
@@ -61,84 +35,3 @@ def checkpoint_of(folder: Path, kwargs: Mapping[str, Any]) -> list[Path] | str:
             if (folder / name).is_file():
                 return checkpoint_files(folder / name)
     return f"no safetensors checkpoint{f' for variant {variant!r}' if variant else ''} in {folder}"
-
-
-def learn(module: nn.Module, files: list[Path]) -> str | None:
-    """Check a freshly loaded ``module`` against ``files``; on success store the recipe.
-
-    Returns ``None`` when later loads can use :func:`reload`, else the reason they cannot.
-    """
-    try:
-        entries = read_entries(files)
-        targets = _targets(module)
-        plan = _match(targets, entries, files, strict=True)
-    except ValueError as exc:
-        first = str(exc).splitlines()[1:3]
-        return "its keys differ from the checkpoint's (renamed on load?): " + "; ".join(
-            s.strip() for s in first
-        )
-    for target, entry in plan:
-        tensor = target.tensor
-        if tensor.is_meta or not _same_start(tensor, entry):
-            return f"{target.names[0]!r} differs from the file's (converted on load?)"
-    if any(not t.persistent and t.tensor.is_meta for t in targets):
-        return "it has computed buffers on meta"
-    dtypes = {t.names[0]: t.tensor.dtype for t in targets}
-    computed = {
-        t.names[0]: t.tensor.detach().to("cpu", copy=True) for t in targets if not t.persistent
-    }
-    alignment = {
-        t.names[0]: t.tensor.data_ptr() % 64 for t in targets if t.tensor.device.type == "cpu"
-    }
-    module.__dict__[_RECIPE_ATTR] = Recipe(list(files), dtypes, computed, alignment)
-    return None
-
-
-def reload(
-    module: nn.Module, device: torch.device, dtype: torch.dtype | None, real_to: Callable[..., Any]
-) -> bool:
-    """Fill a released ``module`` in place as its first load did; False if it never learned."""
-    import torch
-    from torch import nn
-
-    recipe: Recipe | None = module.__dict__.get(_RECIPE_ATTR)
-    if recipe is None:
-        return False
-    with torch.no_grad():
-        for target in _targets(module):
-            name = target.names[0]
-            old = target.tensor
-            if name in recipe.computed:
-                new = recipe.computed[name].clone()
-            elif old.is_meta and old.dtype != recipe.dtypes.get(name, old.dtype):
-                new = torch.empty_like(old, dtype=recipe.dtypes[name], device="meta")
-            else:
-                continue
-            if isinstance(old, nn.Parameter):
-                new = nn.Parameter(new, requires_grad=old.requires_grad)
-            for sub, slot, key in target.places:
-                getattr(sub, slot)[key] = new
-    _load(module, recipe.files, device=device, alignment=recipe.alignment)
-    if dtype is not None:  # pipe.to(dtype): as the eager path, convert after loading
-        real_to(module, dtype=dtype)
-    return True
-
-
-def _same_start(tensor: torch.Tensor, entry: Any) -> bool:
-    """The first bytes of ``tensor`` equal the file's, converted to its dtype as torch does."""
-    import torch
-
-    src = getattr(torch, DTYPES[entry.dtype][0])
-    n = min(entry.nbytes, _PROBE - _PROBE % entry.itemsize)
-    with open(entry.file, "rb") as f:
-        f.seek(entry.offset)
-        raw = bytearray(f.read(n))
-    if len(raw) != n:
-        return False
-    if n == 0:
-        return True
-    expected = torch.frombuffer(raw, dtype=torch.uint8).view(src)
-    got = tensor.detach().reshape(-1)[: expected.numel()].to("cpu")
-    if got.dtype != expected.dtype:
-        expected = expected.to(got.dtype)  # the conversion load_weights does
-    return torch.equal(got, expected)

@@ -31,6 +31,7 @@ from ..hooks import on_call
 from ..outer import emit_outer
 from ..share import share
 from ..staged import Plan, ReleaseUnlisted, StagedModels
+from ._fill import FastReload
 from ._parts import ExtractorRecipe, Holder, LazyEntry, NafRecipe, Unloaded, build_on_device
 from .fingerprints import Fingerprints
 from .plan import BACKBONE, EXTRACTOR_STAGES, MODEL_NAMES, NAF, REMBG, STAGES, plan_for
@@ -138,6 +139,7 @@ class Pixal3DRun:
         self._extractor_stage: dict[int, str] = {}
         self._backbone_cache: dict[Any, Any] = {}
         self._rembg: Any = None  # the remover the port built, until its first load
+        self._fast = FastReload(self.device, self._note)
         try:
             if load == "staged":
                 self.pipeline = self._build_staged()
@@ -234,6 +236,10 @@ class Pixal3DRun:
     def _load_model(
         self, name: str, from_pretrained: Callable[..., Any], placeholder: Unloaded
     ) -> nn.Module:
+        reloaded = self._fast.reload(name)  # refilled in place from its file (see _fill)
+        if reloaded is not None:
+            return reloaded
+
         def build() -> Any:
             return from_pretrained(
                 placeholder.path, *placeholder.call_args, **placeholder.call_kwargs
@@ -241,7 +247,8 @@ class Pixal3DRun:
 
         model, why = build_on_device(build, self.device, on_device=self.on_device)
         self._note_fallback(name, why)
-        return model.eval()
+        self._fast.learned(name, model.eval(), placeholder.path)
+        return model
 
     def _load_extractor(
         self, name: str, recipe: ExtractorRecipe, build: Callable[..., Any]
@@ -302,6 +309,9 @@ class Pixal3DRun:
         if rembg is None:
             rembg = rebuild()
         return Holder.wrap(rembg).to(self.device)
+
+    def _note(self, name: str, note: str) -> None:
+        self._emit(Event(NOTE, model=name, stage=self.stage, note=note))
 
     def _note_fallback(self, name: str, why: str | None) -> None:
         if why is not None:

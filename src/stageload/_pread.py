@@ -1,0 +1,75 @@
+"""Positioned reads into tensor memory, and huge pages for fresh destinations (Linux).
+
+Kept apart from ``load`` so that the planning there reads on its own; nothing here knows
+about modules.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ._checkpoint import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+_HUGE = 2 << 20  # x86-64 and arm64 transparent huge page size
+_MADV_HUGEPAGE = 14
+
+
+def memory(t: torch.Tensor, at: int, n: int) -> memoryview:
+    """A writable view of ``n`` bytes of ``t``'s CPU memory from byte ``at``."""
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr() + at)).cast("B")
+
+
+def pread_into(fd: int, path: Path, offset: int, buf: memoryview) -> None:
+    done, n = 0, len(buf)
+    while done < n:
+        got = _preadv(fd, buf[done:], offset + done)
+        if got == 0:
+            raise CheckpointError(
+                path, f"truncated: the file ended at byte {offset + done}, {n - done} bytes short"
+            )
+        done += got
+
+
+def _preadv(fd: int, buf: memoryview, offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [buf], offset)  # releases the GIL
+    data = os.pread(fd, len(buf), offset)  # Windows: one copy more, still positioned
+    buf[: len(data)] = data
+    return len(data)
+
+
+@functools.cache
+def _madvise() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def advise_huge_pages(ptr: int, nbytes: int) -> None:
+    """Ask for transparent huge pages on the 2 MiB-aligned inside of a fresh allocation.
+
+    One fault then maps 2 MiB instead of 4 KiB. torch does the same under
+    ``THP_MEM_ALLOC_ENABLE=1``, which a library cannot set for its users. Harmless where
+    THP is off (the call fails and is ignored) and for memory that is already touched.
+    """
+    madvise = _madvise()
+    if madvise is None:
+        return
+    start = (ptr + _HUGE - 1) & ~(_HUGE - 1)
+    end = (ptr + nbytes) & ~(_HUGE - 1)
+    if end - start >= _HUGE:
+        madvise(start, end - start, _MADV_HUGEPAGE)

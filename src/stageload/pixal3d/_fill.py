@@ -1,0 +1,54 @@
+"""Reload Pixal3D's pipeline models from ``{path}.safetensors`` at read speed.
+
+The port's ``pixal3d.models.from_pretrained(path)`` builds the model from ``{path}.json``
+and copies ``{path}.safetensors`` into it. Its first load stays the reference; after it,
+each reload refills the released model in place with ``load_weights`` (see
+``stageload._refill``), or keeps the port's loader when the model does not match the file,
+with a ``note`` event saying why.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .._refill import learn, reload
+from ..release import is_released
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+class FastReload:
+    """The models learned so far, by name; ``note`` reports why one cannot be reloaded."""
+
+    def __init__(self, device: Any, note: Callable[[str, str], None]) -> None:
+        self.device = device
+        self._note = note
+        self._models: dict[str, nn.Module] = {}
+
+    def reload(self, name: str) -> nn.Module | None:
+        """The released model of ``name`` filled again, or None when it must be built."""
+        import torch
+
+        module = self._models.get(name)
+        if module is None or not is_released(module):
+            return None
+        if not reload(module, torch.device(self.device)):
+            return None
+        return module
+
+    def learned(self, name: str, module: nn.Module, path: Any) -> None:
+        """After a load by the port's ``from_pretrained(path)``: may it be refilled later?"""
+        file = Path(f"{os.fspath(path)}.safetensors")
+        if not file.is_file():
+            why: str | None = f"no local checkpoint file {str(file)!r}"
+        else:
+            why = learn(module, [file])
+        if why is None:
+            self._models[name] = module
+        else:
+            self._models.pop(name, None)
+            self._note(name, f"{name} reloads with the port's from_pretrained: {why}")
