@@ -219,7 +219,9 @@ def case_load_file(ckpt: Path, dtype: torch.dtype | None) -> Callable[[], tuple[
 
 
 def free(obj: Any) -> None:
-    if isinstance(obj, nn.Module):
+    if isinstance(obj, _Evict):
+        obj.free()
+    elif isinstance(obj, nn.Module):
         release(obj)
     elif isinstance(obj, dict):
         for v in obj.values():
@@ -270,6 +272,56 @@ def convert_case(ckpt: Path) -> Callable[[], tuple[int, Any]]:
     return run
 
 
+def diffusers_cases(folder: Path) -> dict[str, Any]:
+    """A Qwen-Image transformer (fp16 checkpoint, torch_dtype fp16): from_pretrained, and the
+    staged adapter's reload (its first load, the from_pretrained reference, done before)."""
+    import diffusers
+
+    import stageload.diffusers._qwen_processor  # noqa: F401  (the fixture's processor class)
+    from stageload.diffusers import staged_pipeline
+
+    files = sorted((folder / "transformer").glob("*.safetensors"))
+    cls = diffusers.QwenImageTransformer2DModel
+    state: dict[str, Any] = {}
+
+    def from_pretrained() -> Callable[[], tuple[int, Any]]:
+        def run() -> tuple[int, Any]:
+            model = cls.from_pretrained(folder / "transformer", torch_dtype=torch.float16)
+            return sum(t.nbytes for t in model.state_dict().values()), model
+
+        return run
+
+    def adapter() -> Callable[[], tuple[int, Any]]:
+        if "pipe" not in state:
+            pipe = staged_pipeline(
+                diffusers.QwenImage21Pipeline, folder, torch_dtype=torch.float16, keep=()
+            )
+            pipe.stageload.models["transformer"]  # the reference load, then learned
+            pipe.stageload.models.evict("transformer")
+            state["pipe"] = pipe
+        models = state["pipe"].stageload.models
+
+        def run() -> tuple[int, Any]:
+            model = models["transformer"]
+            assert "_stageload_recipe" in model.__dict__, "the adapter did not learn"
+            return sum(t.nbytes for t in model.state_dict().values()), _Evict(models)
+
+        return run
+
+    return {
+        "diffusers-from_pretrained": (from_pretrained, files, True),
+        "diffusers-adapter": (adapter, files, True),
+    }
+
+
+class _Evict:
+    def __init__(self, models: Any) -> None:
+        self.models = models
+
+    def free(self) -> None:
+        self.models.evict("transformer")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0)
@@ -297,8 +349,6 @@ def main(argv: list[str] | None = None) -> int:
         "load_file+bf16": (lambda: case_load_file(ckpt, bf16), files, True),
     }
     if args.diffusers is not None:
-        from bench_load_diffusers import diffusers_cases  # type: ignore[import-not-found]
-
         cases.update(diffusers_cases(args.diffusers))
     names = args.cases or list(cases)
     results: dict[str, dict[str, list[dict[str, float]]]] = {}

@@ -23,6 +23,7 @@ from stageload import (
     release,
 )
 from stageload import load as load_mod
+from stageload.policy import is_rng_free
 from stageload.release import is_released
 
 
@@ -245,6 +246,8 @@ def test_from_safetensors_draws_no_random_numbers(files):
 
     plain()
     assert not torch.equal(torch.get_rng_state(), before)
+    assert is_rng_free(from_safetensors(Net, files[torch.float32]))  # so prefetch may run it
+    assert not is_rng_free(plain)
 
 
 def test_meta_buffers_that_build_computes_are_named(tmp_path):
