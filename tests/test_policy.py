@@ -509,3 +509,24 @@ def test_rng_free_marks_functions_and_wraps_what_takes_no_attributes():
     assert not is_rng_free(lambda: None)
     # The fast loader marks its loaders: they build on meta and only read.
     assert is_rng_free(from_safetensors(lambda: Block(), "unused.safetensors"))
+
+
+def test_the_report_counts_prefetches_and_keeps_stage_windows(tmp_path):
+    """A trace with prefetch events and release reasons: stage windows as before, and a
+    prefetches row only where a run had them."""
+    from fixtures.traces import staged_records, write_trace
+    from stageload.report.tables import format_report
+    from stageload.report.trace import read_trace, summarize
+
+    records = staged_records()
+    plain = summarize(read_trace(write_trace(tmp_path / "plain.jsonl", records)))
+    at = next(i for i, r in enumerate(records) if r.get("kind") == "release")
+    records[at] = {**records[at], "reason": "budget"}
+    extra = {"type": "event", "t": 1.0, "kind": "prefetch", "model": "denoiser"}
+    records.insert(at - 1, {**extra, "stage": "encode", "bytes": 7, "seconds": 0.5})
+    with_prefetch = summarize(read_trace(write_trace(tmp_path / "p.jsonl", records)))
+    assert [w.start for w in with_prefetch.windows] == [w.start for w in plain.windows]
+    assert (with_prefetch.prefetches.count, with_prefetch.prefetches.bytes) == (1, 7)
+    assert with_prefetch.loads.count == plain.loads.count
+    assert "prefetches" in format_report([with_prefetch])
+    assert "prefetches" not in format_report([plain])

@@ -105,6 +105,9 @@ def whole_run_rows(summaries: Sequence[Summary]) -> list[list[str]]:
     ]
     if any(s.exit_code is not None for s in summaries):
         rows.insert(2, ("exit code", lambda s: "-" if s.exit_code is None else str(s.exit_code)))
+    if any(s.prefetches.count for s in summaries):  # only runs with prefetch have them
+        at = [name for name, _ in rows].index("releases")
+        rows.insert(at, ("prefetches", lambda s: _activity(s.prefetches)))
     if any(s.marks for s in summaries):
         rows.append(("marks", lambda s: str(len(s.marks))))
     return [[name, *(fn(s) for s in summaries)] for name, fn in rows]

@@ -101,7 +101,7 @@ class StageSummary:
 
 @dataclass
 class Activity:
-    """Count, bytes and seconds of one kind of event (loads, reloads or releases)."""
+    """Count, bytes and seconds of one kind of event (loads, reloads, prefetches, releases)."""
 
     count: int = 0
     bytes: int = 0
@@ -147,6 +147,8 @@ class Summary:
     meta: dict[str, Any]
     #: The process whose events the stages come from, when the trace had several.
     pid: int | None = None
+    #: Background loads (``StagedModels(prefetch=...)``); their seconds overlapped compute.
+    prefetches: Activity = field(default_factory=Activity)
 
     def stage(self, name: str) -> StageSummary | None:
         """The summary of stage ``name``, or ``None`` if the run never reached it."""
@@ -177,6 +179,7 @@ class Summary:
             "total": self.total,
             "loads": self.loads.to_dict(),
             "reloads": self.reloads.to_dict(),
+            "prefetches": self.prefetches.to_dict(),
             "releases": self.releases.to_dict(),
             "marks": [asdict(m) for m in self.marks],
             "read_errors": self.read_errors,
@@ -216,7 +219,12 @@ def summarize(trace: Trace) -> Summary:
     swap_start = swaps[0] if swaps else None
     swap_peak = max(swaps) if swaps else None
 
-    activity = {"load": Activity(), "reload": Activity(), "release": Activity()}
+    activity = {
+        "load": Activity(),
+        "reload": Activity(),
+        "prefetch": Activity(),
+        "release": Activity(),
+    }
     for event in trace.events:
         if event.kind in activity:
             activity[event.kind].add(event)
@@ -247,6 +255,7 @@ def summarize(trace: Trace) -> Summary:
         total=_int(trace.start.get("total")),
         loads=activity["load"],
         reloads=activity["reload"],
+        prefetches=activity["prefetch"],
         releases=activity["release"],
         marks=list(trace.marks),
         read_errors=read_errors,
