@@ -36,7 +36,11 @@ from diffusers_qwen import build_fixture  # noqa: E402 (one definition of the fi
 from stageload.testing.cgroup import MemoryCgroup  # noqa: E402
 from stageload.units import format_size, parse_size  # noqa: E402
 
-MODES = ("eager", "model_offload", "staged", "staged_map4")
+#: Stage-major batches of 4 calls: mode -> budget (None: release what the next stage does
+#: not list). "80%" is of the cgroup's limit, as the budget reads it; "8G" is what a budget
+#: sized from the host's 23 GiB would allow, the control. Both prefetch.
+BATCHES = {"staged_map4": None, "staged_map4_budget": "80%", "staged_map4_budget_8G": "8G"}
+MODES = ("eager", "model_offload", "staged", *BATCHES)
 GIB = 1 << 30
 MIB = 1 << 20
 UNCONSTRAINED = 16 * GIB  # far above every run here: a cgroup only to read the charged peak
@@ -91,9 +95,11 @@ def trace_loads(path: Path) -> list[str]:
     return loads
 
 
-def run_map(fixture: str, trace: str, result: str, call: dict[str, Any], n: int) -> None:
-    """The ``staged_mapN`` child: N calls (seeds 0..N-1) through ``pipe.stageload.map``,
-    stage-major, under the meter; writes the image hashes, seed 0 first."""
+def run_map(fixture: str, trace: str, result: str, call: dict[str, Any], mode: str) -> None:
+    """A ``BATCHES`` child: 4 calls (seeds 0..3) through ``pipe.stageload.map``, stage-major,
+    under the meter; writes the image hashes, seed 0 first."""
+    n, budget = 4, BATCHES[mode]
+    extra: dict[str, Any] = {} if budget is None else {"budget": budget, "prefetch": True}
     import hashlib
 
     import diffusers
@@ -106,9 +112,13 @@ def run_map(fixture: str, trace: str, result: str, call: dict[str, Any], n: int)
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
-    with MemoryMeter(trace, 0.1, meta={"label": f"staged_map{n}"}) as meter:
+    with MemoryMeter(trace, 0.1, meta={"label": mode, "budget": budget}) as meter:
         pipe = staged_pipeline(
-            diffusers.QwenImage21Pipeline, fixture, torch_dtype=torch.bfloat16, events=meter
+            diffusers.QwenImage21Pipeline,
+            fixture,
+            torch_dtype=torch.bfloat16,
+            events=meter,
+            **extra,
         )
         calls = [
             {**call, "output_type": "pt", "generator": torch.Generator().manual_seed(i)}
@@ -127,7 +137,7 @@ def run_mode(
     trace, result = out / f"{label}.jsonl", out / f"{label}.json"
     for path in (trace, result):
         path.unlink(missing_ok=True)
-    if mode.startswith("staged_map"):
+    if mode in BATCHES:
         cmd = [sys.executable, __file__, "--child", mode, str(fixture), str(trace), str(result),
                json.dumps(call)]  # fmt: skip
     else:
@@ -208,13 +218,16 @@ def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -
         )
     text = "\n".join(lines) + "\n"
     for row in rows:
-        if "all_sha256" in row:
-            n = len(row["all_sha256"])
-            text += (
-                f"\n{row['label']}: {n} calls (seeds 0..{n - 1}) through `pipe.stageload.map`, "
-                f"stage-major; loads in the whole batch: {', '.join(row['loads'])}; "
-                f"{len(set(row['all_sha256']))} distinct images.\n"
-            )
+        if row["label"] in BATCHES:
+            budget = BATCHES[row["label"]]
+            how = "no budget" if budget is None else f"budget={budget!r}, prefetch on"
+            text += f"\n{row['label']}: 4 calls (seeds 0..3) through `pipe.stageload.map`, {how}"
+            if "all_sha256" in row:
+                text += (
+                    f"; loads in the whole batch: {', '.join(row['loads'])}; "
+                    f"{len(set(row['all_sha256']))} distinct images"
+                )
+            text += ".\n"
     text += (
         "\ncgroup peak: the kernel's peak charge (memory.max_usage_in_bytes or memory.peak), "
         "which counts page cache; footprint peak: the meter's largest sample (anonymous "
@@ -242,9 +255,9 @@ def plot(out: Path, rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--child"]:  # inside the cgroup: --child staged_mapN FIXTURE TRACE RESULT CALL
+    if argv[:1] == ["--child"]:  # inside the cgroup: --child MODE FIXTURE TRACE RESULT CALL
         mode, fixture, trace, result, call = argv[1:]
-        run_map(fixture, trace, result, json.loads(call), int(mode.removeprefix("staged_map")))
+        run_map(fixture, trace, result, json.loads(call), mode)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fixture", type=Path, default=Path("/tmp/stageload-bench/qwen21-1g"))

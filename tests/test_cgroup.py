@@ -219,6 +219,25 @@ def test_reader_of_this_process_inside_a_cgroup_takes_the_tightest_limit(cgroup)
     assert str(cg.path) in system.sources["available"]
 
 
+def _budgets() -> tuple[int, int]:
+    from stageload.policy import parse_budget
+
+    return parse_budget("80%"), parse_budget("auto")
+
+
+def test_budget_shares_and_auto_are_of_the_cgroups_limit(cgroup) -> None:
+    """The residency budget inside a 1280 MiB cgroup: '80%' is 1 GiB, and 'auto' (available
+    minus a 1 GiB reserve) is what is left of the limit. A budget sized from the host's
+    memory instead keeps models the cgroup cannot hold (bench/small_machine.py: OOM-killed)."""
+    share, auto = cgroup(1280 * MiB).call(_budgets, timeout=60)
+    assert share == 1024 * MiB
+    assert 0 < auto <= 256 * MiB
+    # Control: outside, the same share is of the machine.
+    from stageload.policy import parse_budget
+
+    assert parse_budget("80%") == int(read_system().total * 80.0 / 100) > 8 * share
+
+
 # -- the meter -------------------------------------------------------------------------
 
 
