@@ -83,7 +83,7 @@ def trace_peak(path: Path) -> int | None:
 
 
 def trace_loads(path: Path) -> list[str]:
-    """The models a staged run loaded, in order, from its trace's load events."""
+    """The models a staged run loaded, in order, from its trace's load and prefetch events."""
     loads = []
     for line in path.read_text().splitlines():
         try:
@@ -92,6 +92,8 @@ def trace_loads(path: Path) -> list[str]:
             continue
         if record.get("type") == "event" and record.get("kind") == "load":
             loads.append(record["model"])
+        elif record.get("type") == "event" and record.get("kind") == "prefetch":
+            loads.append(f"{record['model']} (prefetched in {record.get('stage')})")
     return loads
 
 
@@ -224,7 +226,7 @@ def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -
             text += f"\n{row['label']}: 4 calls (seeds 0..3) through `pipe.stageload.map`, {how}"
             if "all_sha256" in row:
                 text += (
-                    f"; loads in the whole batch: {', '.join(row['loads'])}; "
+                    f"; loads in the whole batch, in order: {', '.join(row['loads'])}; "
                     f"{len(set(row['all_sha256']))} distinct images"
                 )
             text += ".\n"
@@ -234,7 +236,7 @@ def write_results(out: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -
         "memory, 0.1 s samples; for a killed run, up to its last sample). Limit hits: times "
         "a charge met the limit and the kernel had to reclaim (memory.failcnt / "
         "memory.events max). Each run starts with the fixture dropped from the page cache. "
-        "Wall times are single runs on a busy shared 2-core machine (load average 10-16 "
+        "Wall times are single runs on a busy shared 2-core machine (load average 10-21 "
         "from other jobs), rows measured at different moments: read them as rough.\n"
     )
     (out / "results.md").write_text(text)
@@ -283,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tables_only:
         stored = json.loads((args.out / "results.json").read_text())
+        for row in stored["rows"]:
+            if "loads" in row and (args.out / f"{row['label']}.jsonl").exists():
+                row["loads"] = trace_loads(args.out / f"{row['label']}.jsonl")
         print(write_results(args.out, stored["rows"], stored["meta"]))
         plot(args.out, stored["rows"])
         return 0
