@@ -298,6 +298,20 @@ def test_exit_codes_pass_through(
     assert outcomes == [7, 137, 3, 0]  # runs that started; 127 and 4 never did
 
 
+def test_the_command_gets_stdin_stdout_and_stderr(home: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [PY, "-m", "stageload", "run", *FLAGS, "--", "sh", "-c", "cat; echo to-stderr >&2"],
+        input=b"from stdin\n",
+        capture_output=True,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == 0
+    assert proc.stdout == b"from stdin\n"
+    assert b"to-stderr\n" in proc.stderr and b"Traceback" not in proc.stderr
+
+
 def test_queue_json_shows_running_and_waiting(
     home: Path, tmp_path: Path, spawn: Spawn, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -111,6 +111,10 @@ def _command(argv: list[str], width: int = 48) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def _clock(when: float | None) -> str:
+    return "-" if when is None else time.strftime("%H:%M:%S", time.localtime(when))
+
+
 def format_text(doc: dict[str, Any]) -> str:
     """The snapshot as the text ``stageload queue`` prints."""
     lines = []
@@ -128,14 +132,15 @@ def format_text(doc: dict[str, Any]) -> str:
                 "orphaned": "orphaned: client gone, still running unguarded",
             }[r["state"]]
             lines.append(
-                f"  {state}  {r['owner']}  {_command(r['command'])}  for "
-                f"{format_duration(r['seconds'])}  memory {format_size(r['memory_now'])} / "
+                f"  {state}  {r['owner']}  {_command(r['command'])}  since {_clock(r['since'])} "
+                f"({format_duration(r['seconds'])})  memory {format_size(r['memory_now'])} / "
                 + _need(r)
             )
         for w in lane["waiting"]:
             lines.append(
                 f"  #{w['position']} waiting ({w['why']})  {w['owner']}  "
-                f"{_command(w['command'])}  for {format_duration(w['seconds'])}  {_need(w)}; "
+                f"{_command(w['command'])}  since {_clock(w['since'])} "
+                f"({format_duration(w['seconds'])})  {_need(w)}; "
                 f"{w['detail']}"
             )
         if lane["history"]:
