@@ -354,34 +354,80 @@ def test_bad_input_fails_before_loading_with_the_value_and_the_fix(
         staged_pipeline(FluxPipeline, path, keep=["unet"])
 
 
-def test_default_plan_from_offload_sequences() -> None:
-    from torch import nn
+def test_default_plan_from_roles_with_real_offload_sequences() -> None:
+    """Real pipeline classes and component classes: a model the pipeline's
+    model_cpu_offload_seq leaves out (ControlNet, Kandinsky's prior_prior) is staged all
+    the same; no sequence (AudioLDM2) still gives encode -> denoise -> decode."""
+    import diffusers as d
+    import transformers as t
+    from diffusers.pipelines.audioldm2 import AudioLDM2ProjectionModel
+    from diffusers.pipelines.deprecated.wuerstchen import PaellaVQModel
 
-    class Vae(nn.Module):
-        pass
+    def plan(pipeline: type, **models: type) -> dict[str, list[str]]:
+        return _plan.default_plan(pipeline.model_cpu_offload_seq, models)
 
-    Vae.__name__ = "AutoencoderKLWan"
-    models = {
-        n: (Vae if n == "vae" else nn.Module)
-        for n in ("text_encoder", "image_encoder", "transformer", "transformer_2", "vae")
+    assert "controlnet" not in d.StableDiffusionControlNetPipeline.model_cpu_offload_seq
+    assert plan(
+        d.StableDiffusionControlNetPipeline,
+        text_encoder=t.CLIPTextModel,
+        unet=d.UNet2DConditionModel,
+        controlnet=d.ControlNetModel,
+        vae=d.AutoencoderKL,
+    ) == {"encode": ["text_encoder"], "denoise": ["unet", "controlnet"], "decode": ["vae"]}
+    assert "prior_prior" not in d.KandinskyV22CombinedPipeline.model_cpu_offload_seq
+    assert plan(
+        d.KandinskyV22CombinedPipeline,
+        unet=d.UNet2DConditionModel,
+        movq=d.VQModel,
+        prior_prior=d.PriorTransformer,
+        prior_image_encoder=t.CLIPVisionModelWithProjection,
+        prior_text_encoder=t.CLIPTextModelWithProjection,
+    ) == {
+        "prior_encode": ["prior_text_encoder", "prior_image_encoder"],
+        "prior_denoise": ["prior_prior"],
+        "denoise": ["unet"],
+        "decode": ["movq"],
     }
-    seq = "text_encoder->image_encoder->transformer->transformer_2->vae"
-    assert _plan.default_plan(seq, models) == {
-        "encode": ["text_encoder", "image_encoder"],
+    assert plan(
+        d.StableCascadeDecoderPipeline,
+        decoder=d.StableCascadeUNet,
+        text_encoder=t.CLIPTextModelWithProjection,
+        vqgan=PaellaVQModel,
+    ) == {"encode": ["text_encoder"], "denoise": ["decoder"], "decode": ["vqgan"]}
+    assert d.AudioLDM2Pipeline.model_cpu_offload_seq is None
+    # Alphabetical in model_index.json; the roles order it. The projection and GPT-2 have
+    # no known role: they join the stage where the pipeline first uses them.
+    assert plan(
+        d.AudioLDM2Pipeline,
+        language_model=t.GPT2LMHeadModel,
+        projection_model=AudioLDM2ProjectionModel,
+        text_encoder=t.ClapModel,
+        text_encoder_2=t.T5EncoderModel,
+        unet=d.AudioLDM2UNet2DConditionModel,
+        vae=d.AutoencoderKL,
+        vocoder=t.SpeechT5HifiGan,
+    ) == {
+        "encode": ["text_encoder", "text_encoder_2"],
+        "denoise": ["unet"],
+        "decode": ["vae", "vocoder"],
+    }
+    # Wan 2.2's second transformer replaces the first mid-loop: a stage of its own.
+    assert plan(
+        d.WanPipeline,
+        text_encoder=t.UMT5EncoderModel,
+        transformer=d.WanTransformer3DModel,
+        transformer_2=d.WanTransformer3DModel,
+        vae=d.AutoencoderKLWan,
+    ) == {
+        "encode": ["text_encoder"],
         "denoise": ["transformer"],
         "denoise_2": ["transformer_2"],
-        "decode": ["vae"],
-    }
-    # A controlnet runs beside the denoiser in every step: same stage.
-    models = {"text_encoder": nn.Module, "controlnet": nn.Module, "unet": nn.Module, "vae": Vae}
-    assert _plan.default_plan("text_encoder->unet->controlnet->vae", models) == {
-        "encode": ["text_encoder"],
-        "denoise": ["unet", "controlnet"],
         "decode": ["vae"],
     }
     # Qwen-Image 2.1 in bf16 (the seed's figures, GB): the VAE is small beside the rest.
     sizes = {"text_encoder": 16_300, "transformer": 13_300, "vae": 1_300}
     assert _plan.default_keep(sizes) == ["vae"]
+    assert _plan.staged_components({**sizes, "projection": 100}) == list(sizes)
 
 
 def test_staged_peak_is_below_eager_by_most_of_the_largest_released_model(

@@ -156,6 +156,15 @@ class StagedModels(LoadJobs, Mapping[str, "nn.Module"]):
         """The stage plan: stage name -> model names, in pipeline order."""
         return dict(self._plan)
 
+    def replan(self, stages: Mapping[str, Iterable[str]]) -> None:
+        """Replace the stage plan (an adapter that learns where models are used refines it
+        as it goes). Nothing is loaded or released now; the current stage must remain."""
+        plan = check_plan(self._loaders, stages, self._pinned)
+        with self._lock:
+            if self._stage is not None and self._stage not in plan:
+                raise ValueError(f"the new plan drops the current stage {self._stage!r}")
+            self._plan = plan
+
     @property
     def pinned(self) -> frozenset[str]:
         return self._pinned

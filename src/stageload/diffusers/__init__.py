@@ -26,22 +26,22 @@ from ..policy import parse_budget
 from ..release import ReleasedModuleError, release
 from ..staged import StagedModels
 from . import _fill, _placeholder
-from ._args import _check_device, _check_pipeline_cls, _resolve_folder
+from ._args import _check_device, _check_pipeline_cls, _resolve_folder, check_keep
+from ._component_class import StagingRemovedError
 from ._plan import (
     check_fits,
-    check_plan,
+    choose_plan,
     component_sizes,
-    default_keep,
     default_plan,
     model_components,
-    weight_bytes,
+    refine,
 )
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["StagedPipeline", "default_plan", "staged_pipeline"]
+__all__ = ["StagedPipeline", "StagingRemovedError", "default_plan", "staged_pipeline"]
 
 # from_pretrained arguments that also apply to each component's own from_pretrained.
 _MODEL_KWARGS = (
@@ -60,6 +60,11 @@ class StagedPipeline:
     ``models`` is the :class:`~stageload.StagedModels` registry (``models[name]`` loads a
     component and returns the pipeline's own object for it); ``plan`` the stages;
     ``close()`` releases everything for good.
+
+    With the default plan (``adaptive``), the plan is refined by what the pipeline does:
+    a component of unknown role joins the stage in which it is first used, one first used
+    after its planned stage moves there, and one used before the denoiser that its planned
+    stage follows (``vae.encode`` of an input image) stays loaded from there to that stage.
     """
 
     def __init__(
@@ -77,8 +82,10 @@ class StagedPipeline:
         budget: int | str | None = None,
         prefetch: bool = False,
         sizes: Mapping[str, int] | None = None,
+        adaptive: bool = False,
     ) -> None:
         self.path = path
+        self.adaptive = adaptive
         self.device = device
         self.torch_dtype = torch_dtype
         self.plan = {stage: tuple(names) for stage, names in plan.items()}
@@ -91,6 +98,8 @@ class StagedPipeline:
             name: {"device": device, "dtype": None} for name in self._skeletons
         }
         self._lock = threading.RLock()
+        self._used: set[str] = set()  # components used at least once, for adaptive plans
+        self._bridges: set[tuple[str, str]] = set()  # (stage, name): kept there, not run
         self._closed_at: tuple[str | None] | None = None
         self._pipeline: weakref.ref[Any] | None = None
         self._events = events
@@ -170,6 +179,8 @@ class StagedPipeline:
         with self._lock:
             if self._closed_at is not None:
                 raise ReleasedModuleError(name, self._closed_at[0])
+            if self.adaptive:
+                self._adapt(name)
             target = self._next_stage(name)
             if target is not None and target != self.models.stage:
                 self.models.enter(target)
@@ -205,14 +216,27 @@ class StagedPipeline:
             elif dtype is not None:
                 _placeholder.cast_empty(skeleton, dtype)
 
+    def _adapt(self, name: str) -> None:
+        """Refine the default plan with this use of ``name`` (see the class docstring)."""
+        first_use = name not in self._used
+        self._used.add(name)
+        change = refine(self.plan, name, self.models.stage, first_use=first_use)
+        if change is not None:
+            plan, bridges = change
+            self._bridges.update((stage, name) for stage in bridges)
+            self.plan = plan
+            self._order = list(plan)
+            self.models.replan(plan)
+
     def _next_stage(self, name: str) -> str | None:
         current = self.models.stage
-        if current is not None and name in self.plan[current]:
+        runs_here = current is not None and name in self.plan[current]
+        if runs_here and (current, name) not in self._bridges:
             return current
         start = self._order.index(current) + 1 if current is not None else 0
         for i in range(len(self._order)):
             stage = self._order[(start + i) % len(self._order)]
-            if name in self.plan[stage]:
+            if name in self.plan[stage] and (stage, name) not in self._bridges:
                 return stage
         return None
 
@@ -324,32 +348,8 @@ def staged_pipeline(
     models = model_components(folder)
     check_fits(pipeline_cls, folder, from_pretrained_kwargs)
     given = {name for name in from_pretrained_kwargs if name in models}
-    candidates = {name: cls for name, cls in models.items() if name not in given}
-    if stages is None:
-        plan = default_plan(getattr(pipeline_cls, "model_cpu_offload_seq", None), candidates)
-    else:
-        plan = check_plan(stages, models)
-        clash = given & {n for names in plan.values() for n in names}
-        if clash:
-            raise ValueError(
-                f"{sorted(clash)!r} passed as objects and listed in stages=; a component given "
-                f"to from_pretrained is used as is, so leave it out of the plan"
-            )
-    staged = list(dict.fromkeys(n for names in plan.values() for n in names))
-    if keep is None:
-        keep = default_keep(weight_bytes(folder, staged))
-    elif isinstance(keep, str):
-        raise TypeError(f"keep must list component names, e.g. [{keep!r}]; got {keep!r}")
-    elif not isinstance(keep, Iterable):
-        raise TypeError(f"keep must list component names, e.g. ['vae']; got {keep!r}")
-    else:
-        keep = list(keep)
-        for name in keep:
-            if name not in staged:
-                raise ValueError(
-                    f"keep lists {name!r}, which the plan does not stage; staged components: "
-                    f"{', '.join(staged) or '(none)'}"
-                )
+    plan, staged = choose_plan(pipeline_cls, folder, models, given, stages)
+    keep = check_keep(keep, staged, folder)
 
     dtypes = {
         name: _placeholder.skeleton_dtype(models[name], folder / name, torch_dtype)
@@ -388,9 +388,10 @@ def staged_pipeline(
         sizes=component_sizes(folder, dtypes, from_pretrained_kwargs.get("variant"))
         if budget is not None
         else None,
+        adaptive=stages is None,
     )
     for name, skeleton in skeletons.items():
-        _placeholder.attach(skeleton, _user(state, name), _mover(state, name), device)
+        _placeholder.attach(skeleton, _user(state, name), _mover(state, name), device, name)
     pipe.stageload = state
     state._pipeline = weakref.ref(pipe)  # for map(); the pipeline owns its stager
     summary = "; ".join(f"{s}: {', '.join(n)}" for s, n in state.plan.items())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -86,3 +86,23 @@ def _looks_like_hub_id(text: str) -> bool:
         and "\\" not in text
         and ".." not in text
     )
+
+
+def check_keep(keep: Any, staged: list[str], folder: Path) -> list[str]:
+    """``keep=`` checked against the staged components; by default the small ones."""
+    from ._plan import default_keep, weight_bytes
+
+    if keep is None:
+        return default_keep(weight_bytes(folder, staged))
+    if isinstance(keep, str):
+        raise TypeError(f"keep must list component names, e.g. [{keep!r}]; got {keep!r}")
+    if not isinstance(keep, Iterable):
+        raise TypeError(f"keep must list component names, e.g. ['vae']; got {keep!r}")
+    keep = list(keep)
+    for name in keep:
+        if name not in staged:
+            raise ValueError(
+                f"keep lists {name!r}, which the plan does not stage; staged components: "
+                f"{', '.join(staged) or '(none)'}"
+            )
+    return keep

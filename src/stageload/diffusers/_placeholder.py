@@ -9,33 +9,30 @@ loading. Loading fills that same object in place from a freshly loaded model
 the load survives: Qwen-Image registers a forward hook on a text-encoder submodule and
 then calls the encoder, and that hook must fire on the real weights.
 
-The skeleton's class is a subclass of the real one, with the same name and module, that
-changes two things: calling the module first tells the stager it is about to be used
-(which enters its stage and loads it), and ``.device`` answers the execution device while
-the weights are on ``meta``. Methods that diffusers models run outside ``forward`` (the
-VAE's ``encode`` and ``decode``) already call ``self._hf_hook.pre_forward(self)``, the
-hook protocol of accelerate's offloading; :class:`StageHook` answers it the same way.
+The skeleton's class (``_component_class.staged_class``) is a subclass of the real one
+that makes the component ready before any use.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..release import unmark_released
+from ._component_class import (
+    DEVICE_ATTR,
+    MOVE_ATTR,
+    USE_ATTR,
+    StageHook,
+    _module_type,
+    staged_class,
+)
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-#: Instance attribute holding the callable that makes a component ready before a use.
-USE_ATTR = "_stageload_use"
-#: Instance attribute holding the device a component runs on, answered while on meta.
-DEVICE_ATTR = "_stageload_device"
-#: Instance attribute holding the callable that takes ``.to(device, dtype)`` for the stager.
-MOVE_ATTR = "_stageload_move"
 # Per submodule: the plain attributes as they were after the last fill, to tell which ones
 # the pipeline or the user changed since (``vae.enable_tiling()``) and must keep.
 _SNAPSHOT_ATTR = "_stageload_snapshot"
@@ -73,83 +70,6 @@ _OWN = frozenset(
     }
 )
 _NOT_PLAIN = frozenset({*_HOOK_DICTS, *_SLOTS, "_modules", "forward", *_OWN})
-
-
-class StageHook:
-    """The part of accelerate's ``ModelHook`` protocol that diffusers reads.
-
-    ``pre_forward`` runs before ``encode``/``decode`` (diffusers' ``apply_forward_hook``);
-    ``execution_device`` is where ``pipe._execution_device`` puts latents and embeddings.
-    """
-
-    no_grad = False
-
-    def __init__(self, use: Callable[[], None], execution_device: torch.device) -> None:
-        self.use = use
-        self.execution_device = execution_device
-
-    def init_hook(self, module: nn.Module) -> nn.Module:
-        return module
-
-    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        self.use()
-        return args, kwargs
-
-    def post_forward(self, module: nn.Module, output: Any) -> Any:
-        return output
-
-    def detach_hook(self, module: nn.Module) -> nn.Module:
-        return module
-
-    def __repr__(self) -> str:
-        return f"StageHook(execution_device={self.execution_device!r})"
-
-
-@functools.cache
-def staged_class(base: type) -> type:
-    """A subclass of ``base`` under the same name whose calls go through the stager first."""
-
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        use = self.__dict__.get(USE_ATTR)
-        if use is not None:
-            use()
-        return super(cls, self).__call__(*args, **kwargs)
-
-    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # pipe.to("cuda", torch.float16) reaches every component: the stager records the
-        # target, moves the model if it is loaded, and applies it to every later load.
-        move = self.__dict__.get(MOVE_ATTR)
-        if move is None:
-            return super(cls, self).to(*args, **kwargs)
-        import torch
-
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        move(device, dtype)
-        return self
-
-    base_device = getattr(base, "device", None)
-
-    def device(self: Any) -> torch.device:
-        first = next(self.parameters(), None)
-        if (first is None or first.is_meta) and DEVICE_ATTR in self.__dict__:
-            return self.__dict__[DEVICE_ATTR]
-        if isinstance(base_device, property) and base_device.fget is not None:
-            return base_device.fget(self)
-        import torch
-
-        return first.device if first is not None else torch.device("cpu")
-
-    namespace = {
-        "__module__": base.__module__,
-        "__qualname__": base.__qualname__,
-        "__doc__": base.__doc__,
-        "__call__": __call__,
-        "to": to,
-        "device": property(device, doc="Where the model runs, also while it is not loaded."),
-        "_stageload_base": base,
-    }
-    cls = type(base.__name__, (base,), namespace)
-    return cls
 
 
 def skeleton_dtype(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> torch.dtype:
@@ -201,6 +121,13 @@ def _checkpoint_dtype(folder: Path) -> torch.dtype | None:
             if key != "__metadata__" and info.get("dtype") in names:
                 return names[info["dtype"]]
     return None
+
+
+def can_stage(cls: type) -> bool:
+    """Whether a placeholder can be built for ``cls`` from its saved config."""
+    return _is_transformers_model(cls) or (
+        hasattr(cls, "load_config") and hasattr(cls, "from_config")
+    )
 
 
 def build_skeleton(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
@@ -301,13 +228,6 @@ def _fill_module(dst: nn.Module, src: nn.Module, memo: dict[int, nn.Module]) -> 
     d[_SNAPSHOT_ATTR] = given
 
 
-@functools.cache
-def _module_type() -> type:
-    from torch import nn
-
-    return nn.Module
-
-
 def _plain(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if k not in _NOT_PLAIN}
 
@@ -327,12 +247,13 @@ def attach(
     use: Callable[[], None],
     move: Callable[[torch.device | None, torch.dtype | None], None],
     device: torch.device,
+    name: str = "?",
 ) -> None:
     """Route the skeleton's uses through ``use`` and ``.to()`` through ``move``."""
     d = skeleton.__dict__
     d[USE_ATTR] = use
     d[MOVE_ATTR] = move
-    d["_hf_hook"] = StageHook(use, device)
+    d["_hf_hook"] = StageHook(use, device, name)
     set_device(skeleton, device)
 
 

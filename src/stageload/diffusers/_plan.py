@@ -1,5 +1,6 @@
-"""The stage plan of a diffusers pipeline: which component each stage uses, read from the
-pipeline class's ``model_cpu_offload_seq`` and the checkpoint's ``model_index.json``."""
+"""The stage plan of a diffusers pipeline: which component each stage uses, from each
+component's role (by name) in ``model_index.json``, ordered by the pipeline class's
+``model_cpu_offload_seq`` where it lists them; refined by what the pipeline then does."""
 
 from __future__ import annotations
 
@@ -10,16 +11,72 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ._placeholder import can_stage
+
 #: Stage names of the default plan, in pipeline order (``denoise_2`` etc. follow ``denoise``).
 ENCODE, DENOISE, DECODE = "encode", "denoise", "decode"
+_KINDS = (ENCODE, DENOISE, DECODE)
 
 #: Components under this fraction of the largest staged component stay loaded by default.
 SMALL_FRACTION = 0.1
+#: Model components under this fraction of the largest one are not staged at all: they
+#: load with the pipeline (a projection layer of a few KB beside a 3 GB denoiser).
+STAGE_FRACTION = 0.01
 
-# The denoiser proper: transformer, unet or prior, optionally numbered (Wan 2.2's
-# transformer_2 runs the low-noise steps). Other denoise-time models (controlnet, ...)
-# run beside it within each step, so they join every denoise stage.
-_DENOISER = re.compile(r"^(transformer|unet|prior)(?:_(\d+))?$")
+# Roles by name (and class, for autoencoders). Components of a sub-pipeline carry its name
+# as a prefix ("prior_text_encoder", "prior_prior" in Kandinsky's and Stable Cascade's
+# combined pipelines) and get stages of their own, before the main pipeline's.
+_GROUP = re.compile(r"^(prior)_(?=.)")
+# The denoiser proper, optionally numbered (Wan 2.2's transformer_2 runs the low-noise
+# steps); Stable Cascade's denoiser is its "decoder", Kandinsky's and Cascade's "prior".
+_DENOISER = re.compile(r"^(transformer|unet|prior|decoder)(?:_(\d+))?$")
+# Models that run beside the denoiser within each step.
+_HELPER = re.compile(r"controlnet|adapter")
+# Models that turn latents into the output: autoencoders and vocoders.
+_AUTOENCODER_NAMES = ("vae", "movq", "vqgan", "vocoder", "audio_vae")
+_AUTOENCODER_CLASSES = ("Autoencoder", "VQModel", "PaellaVQModel", "AsymmetricAutoencoder")
+
+ENCODER, DENOISER, HELPER, DECODER = "encoder", "denoiser", "helper", "decoder"
+FLOATING = "floating"
+
+
+def split_group(name: str) -> tuple[str, str]:
+    """``"prior_text_encoder"`` -> ``("prior", "text_encoder")``; ``"vae"`` -> ``("", "vae")``."""
+    match = _GROUP.match(name)
+    return (match.group(1), name[match.end() :]) if match else ("", name)
+
+
+def role(name: str, cls: type) -> str:
+    """What a component does in the pipeline, from its name (and class, for autoencoders).
+
+    ``floating`` means unknown: such a component joins the stage in which it is first used.
+    """
+    _, bare = split_group(name)
+    if (
+        bare in _AUTOENCODER_NAMES
+        or bare.startswith("vae")
+        or cls.__name__.startswith(_AUTOENCODER_CLASSES)
+    ):
+        return DECODER
+    if _DENOISER.match(bare):
+        return DENOISER
+    if _HELPER.search(bare):
+        return HELPER
+    if "encoder" in bare:
+        return ENCODER
+    return FLOATING
+
+
+def stage_name(group: str, kind: str, number: int = 1) -> str:
+    base = kind if number == 1 else f"{kind}_{number}"
+    return f"{group}_{base}" if group else base
+
+
+def stage_kind(stage: str) -> tuple[str, str]:
+    """``"prior_denoise_2"`` -> ``("prior", "denoise")``; unknown names -> ``("", "")``."""
+    group, bare = split_group(stage)
+    kind = bare.rsplit("_", 1)[0] if bare.rsplit("_", 1)[-1].isdigit() else bare
+    return (group, kind) if kind in _KINDS else ("", "")
 
 
 def read_index(path: Path) -> dict[str, tuple[str, str]]:
@@ -133,44 +190,133 @@ def component_sizes(
     return out
 
 
-def _is_autoencoder(name: str, cls: type) -> bool:
-    return name in ("vae", "movq") or cls.__name__.startswith(("Autoencoder", "VQModel"))
-
-
 def default_plan(seq: str | None, models: Mapping[str, type]) -> dict[str, list[str]]:
-    """encode: the encoders; denoise: the denoiser (one stage per numbered denoiser, so
-    Wan 2.2's ``transformer_2`` replaces ``transformer`` mid-loop); decode: the VAE.
+    """The stages each component is known to belong to before the pipeline runs.
 
-    Only models named in ``model_cpu_offload_seq`` are staged (diffusers lists there the
-    models that run one after another); without a sequence, every model is.
+    Per group (``prior_`` components first, then the rest): ``encode`` (the encoders),
+    ``denoise`` (one stage per denoiser, so Wan 2.2's ``transformer_2`` replaces
+    ``transformer`` mid-loop; controlnets and adapters join each), ``decode`` (VAE, VQ
+    models, vocoders). ``model_cpu_offload_seq`` only orders components; one it omits is
+    staged all the same. Components of unknown role are left out: they join the stage in
+    which the pipeline first uses them (see ``StagedPipeline.use``).
     """
-    order = [n.strip() for n in seq.split("->")] if seq else list(models)
-    order = [n for n in order if n in models]
-    encoders: list[str] = []
-    denoisers: dict[str, list[str]] = {}  # stage -> the denoiser it is for
-    helpers: list[str] = []
-    decoders: list[str] = []
+    listed = [n.strip() for n in seq.split("->")] if seq else []
+    order = [n for n in listed if n in models] + [n for n in models if n not in listed]
+    groups: dict[str, dict[str, list[str]]] = {}
     for name in order:
-        cls = models[name]
-        if _is_autoencoder(name, cls):
-            decoders.append(name)
-        elif "encoder" in name and not denoisers and not helpers:
-            encoders.append(name)
-        elif (match := _DENOISER.match(name)) is not None:
-            stage = DENOISE if match.group(2) in (None, "1") else f"{DENOISE}_{match.group(2)}"
-            denoisers.setdefault(stage, []).append(name)
-        else:
-            helpers.append(name)
+        group, bare = split_group(name)
+        kinds = groups.setdefault(group, {ENCODER: [], DENOISER: [], HELPER: [], DECODER: []})
+        which = role(name, models[name])
+        if which != FLOATING:
+            kinds[which].append(name)
     plan: dict[str, list[str]] = {}
-    if encoders:
-        plan[ENCODE] = encoders
-    if not denoisers and helpers:
-        denoisers[DENOISE] = []
-    for stage, names in denoisers.items():
-        plan[stage] = [*names, *helpers]
-    if decoders:
-        plan[DECODE] = decoders
+    for group in sorted(groups, key=lambda g: g == ""):  # sub-pipelines run first
+        kinds = groups[group]
+        if kinds[ENCODER]:
+            plan[stage_name(group, ENCODE)] = kinds[ENCODER]
+        denoisers = kinds[DENOISER]
+        numbers: list[int] = []
+        for name in denoisers:  # transformer_2 -> 2; unnumbered ones count up from 1
+            match = _DENOISER.match(split_group(name)[1])
+            wanted = int(match.group(2)) if match and match.group(2) else 1
+            while wanted in numbers:
+                wanted += 1
+            numbers.append(wanted)
+        for number, name in sorted(zip(numbers, denoisers, strict=True)):
+            plan[stage_name(group, DENOISE, number)] = [name, *kinds[HELPER]]
+        if not denoisers and kinds[HELPER]:
+            plan[stage_name(group, DENOISE)] = list(kinds[HELPER])
+        if kinds[DECODER]:
+            plan[stage_name(group, DECODE)] = kinds[DECODER]
     return plan
+
+
+def choose_plan(
+    pipeline_cls: type,
+    folder: Path,
+    models: Mapping[str, type],
+    given: Iterable[str],
+    stages: Mapping[str, Iterable[str]] | None,
+) -> tuple[dict[str, list[str]], list[str]]:
+    """The plan and every staged component (those of unknown role too, which the default
+    plan lists once the pipeline first uses them). ``given``: components passed as objects.
+    """
+    given = set(given)
+    if stages is not None:
+        plan = check_plan(stages, models)
+        clash = given & {n for names in plan.values() for n in names}
+        if clash:
+            raise ValueError(
+                f"{sorted(clash)!r} passed as objects and listed in stages=; a component given "
+                f"to from_pretrained is used as is, so leave it out of the plan"
+            )
+        return plan, list(dict.fromkeys(n for names in plan.values() for n in names))
+    candidates = [name for name, cls in models.items() if name not in given and can_stage(cls)]
+    worth = staged_components(weight_bytes(folder, candidates))
+    seq = getattr(pipeline_cls, "model_cpu_offload_seq", None)
+    plan = default_plan(seq, {name: models[name] for name in worth})
+    planned = [n for names in plan.values() for n in names]
+    return plan, [*dict.fromkeys(planned), *(n for n in worth if n not in planned)]
+
+
+def staged_components(sizes: Mapping[str, int], *, fraction: float = STAGE_FRACTION) -> list[str]:
+    """The components worth staging: all but those under ``fraction`` of the largest."""
+    if not sizes:
+        return []
+    largest = max(sizes.values())
+    return [name for name, size in sizes.items() if size >= fraction * largest]
+
+
+Plan = dict[str, tuple[str, ...]]
+
+
+def refine(
+    plan: Mapping[str, tuple[str, ...]], name: str, current: str | None, *, first_use: bool
+) -> tuple[Plan, list[str]] | None:
+    """The default plan after the pipeline uses ``name`` in stage ``current`` (``None``
+    before any stage), or ``None`` if it stays as it is; with the plan, the stages where
+    ``name`` is now only kept loaded between two uses (bridges).
+
+    - A component of unknown role joins the stage where it is first used (AudioLDM2's
+      GPT-2 and projection join ``encode``).
+    - One first used after its planned stage moves to where it runs (Kandinsky's prior
+      encodes a zero image after its denoising loop).
+    - One used before the denoiser that its planned stage follows (``vae.encode`` of an
+      input image in img2img, inpainting, SVD) joins the current stage and stays loaded
+      until its planned stage, rather than loading twice per call.
+    """
+    order = list(plan)
+    if current is None and not order:
+        return {"run": (name,)}, []
+    here = current if current is not None else order[0]
+    at = order.index(here)
+    listed = [i for i, stage in enumerate(order) if name in plan[stage]]
+    if not listed:
+        return _with(plan, name, [here]), []
+    if name in plan[here]:
+        return None
+    if first_use and current is not None and listed[-1] < at:
+        moved = {stage: tuple(n for n in names if n != name) for stage, names in plan.items()}
+        return _with(moved, name, [here]), []
+    ahead = [i for i in listed if i > at]
+    if not ahead:
+        return None  # only earlier stages list it: the next call has begun
+    between = order[at + 1 : ahead[0]]
+    target_group = stage_kind(order[ahead[0]])[0]
+    before_denoising = stage_kind(here) != (target_group, DENOISE) and any(
+        stage_kind(stage) == (target_group, DENOISE) for stage in between
+    )
+    if not before_denoising:
+        return None
+    return _with(plan, name, [here, *between]), between
+
+
+def _with(plan: Mapping[str, tuple[str, ...]], name: str, stages: Iterable[str]) -> Plan:
+    out = {stage: tuple(names) for stage, names in plan.items()}
+    for stage in stages:
+        if name not in out[stage]:
+            out[stage] = (*out[stage], name)
+    return out
 
 
 def check_plan(stages: Any, models: Mapping[str, type]) -> dict[str, list[str]]:
@@ -180,6 +326,12 @@ def check_plan(stages: Any, models: Mapping[str, type]) -> dict[str, list[str]]:
             f"stages must map each stage to the components it uses, e.g. "
             f"{{'encode': ['text_encoder'], 'denoise': ['transformer'], 'decode': ['vae']}}; "
             f"got {stages!r}"
+        )
+    if not stages:
+        raise ValueError(
+            f"stages is empty ({stages!r}): list at least one stage, e.g. "
+            f"{{'encode': ['text_encoder'], 'denoise': ['transformer'], 'decode': ['vae']}}, or "
+            f"leave stages out for the default plan"
         )
     plan: dict[str, list[str]] = {}
     for stage, names in stages.items():

@@ -1,0 +1,269 @@
+"""staged_pipeline on 19 pipeline families it was never written for, each built locally with
+tiny random parts (stageload.testing.families): staged equals eager bit for bit on two
+calls, every large component is staged and loads once per call, and the stages follow
+the order in which the pipeline really uses its models.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+from stageload import ListSink  # noqa: E402
+from stageload.diffusers import StagingRemovedError, staged_pipeline  # noqa: E402
+from stageload.diffusers._plan import SMALL_FRACTION  # noqa: E402
+from stageload.testing.diffusers import model_bytes  # noqa: E402
+from stageload.testing.families import FAMILIES, folder  # noqa: E402
+
+diffusers.utils.logging.set_verbosity_error()
+diffusers.utils.logging.disable_progress_bar()
+
+# Per family, one call as the events show it: each stage entered, in order, with the models
+# that load on entering it. Image-input pipelines (img2img, inpaint, SVD, LTX i2v) encode
+# their image with the VAE while encoding the prompt; the VAE then stays until it decodes.
+_T2I = "encode: text_encoder | denoise: {d} | decode: {v}"
+_I2I = "encode: text_encoder vae | denoise: {d} | decode:"
+EXPECTED = {
+    "sd": _T2I.format(d="unet", v="vae"),
+    "sd-img2img": _I2I.format(d="unet"),
+    "sd-inpaint": _I2I.format(d="unet"),
+    "lcm": _T2I.format(d="unet", v="vae"),
+    # Missing from its model_cpu_offload_seq; it runs beside the UNet in every step.
+    "sd-controlnet": _T2I.format(d="controlnet unet", v="vae"),
+    "sdxl": "encode: text_encoder text_encoder_2 | denoise: unet | decode: vae",
+    # The prior encodes a zero image after its loop: the image encoder runs in denoise.
+    "kandinsky2.2-prior": "encode: text_encoder | denoise: prior image_encoder",
+    "kandinsky2.2": "denoise: unet | decode: movq",
+    "kandinsky2.2-combined": (
+        "prior_encode: prior_text_encoder | prior_denoise: prior_prior prior_image_encoder"
+        " | denoise: unet | decode: movq"
+    ),
+    "stable-cascade-prior": "encode: text_encoder | denoise: prior",
+    # Its denoiser is named decoder, its VQ-GAN vqgan.
+    "stable-cascade": "encode: text_encoder | denoise: decoder | decode: vqgan",
+    "pixart-sigma": _T2I.format(d="transformer", v="vae"),
+    "svd": "encode: image_encoder vae | denoise: unet | decode:",
+    # Reads vae.latents_mean/std (buffers) before vae.decode.
+    "ltx": _T2I.format(d="transformer", v="vae"),
+    "ltx-i2v": _I2I.format(d="transformer"),
+    # get_text_features on CLAP; projection and GPT-2 (no known role) join encode.
+    "audioldm2": (
+        "encode: text_encoder text_encoder_2 projection_model language_model"
+        " | denoise: unet | decode: vae vocoder"
+    ),
+    "flux": "encode: text_encoder text_encoder_2 | denoise: transformer | decode: vae",
+    "wan2.2": (
+        "encode: text_encoder | denoise: transformer | denoise_2: transformer_2 | decode: vae"
+    ),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models run faster on one thread than on two contended ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the family folders are built, each once per module."""
+    return tmp_path_factory.mktemp("families")
+
+
+def _out(pipe: Any, name: str) -> torch.Tensor:
+    return pipe(**FAMILIES[name].call())[0]
+
+
+def _calls(events: list[Any], first_stage: str) -> list[list[Any]]:
+    """Events split into calls: each call begins where its first stage is entered."""
+    out: list[list[Any]] = []
+    for event in events:
+        if event.kind == "note":
+            continue
+        if not out or (event.kind == "stage" and event.stage == first_stage):
+            out.append([])
+        out[-1].append(event)
+    return out
+
+
+def _shape(call: list[Any]) -> str:
+    """``"encode: a b | denoise: c"``: stages entered and the models loaded in each."""
+    parts: list[str] = []
+    for event in call:
+        if event.kind == "stage":
+            parts.append(f"{event.stage}:")
+        elif event.kind in ("load", "reload"):
+            parts[-1] += f" {event.model}"
+    return " | ".join(parts)
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_family_staged_equals_eager_loads_once_per_call_in_order_of_use(
+    root: Path, name: str
+) -> None:
+    family = FAMILIES[name]
+    path = folder(family, root)
+    expected = _out(family.load(path), name)
+    assert expected.float().std() > 0  # not a constant output: equality means something
+
+    sink = ListSink()
+    pipe = staged_pipeline(family.cls, path, keep=(), events=sink, **family.load_args())
+    first, second = _out(pipe, name), _out(pipe, name)
+    assert torch.equal(first, expected)
+    assert torch.equal(second, expected)
+
+    # Every large component is staged (and nothing else is left loaded with the pipeline).
+    sizes = model_bytes(path)
+    staged = set(pipe.stageload.models)
+    large = {n for n, size in sizes.items() if size >= SMALL_FRACTION * max(sizes.values())}
+    assert large <= staged, f"not staged: {sorted(large - staged)}"
+
+    calls = _calls(sink.events, first_stage=EXPECTED[name].split(":")[0])
+    assert len(calls) == 2
+    assert _shape(calls[0]) == EXPECTED[name]
+    plan = pipe.stageload.plan
+    resident = {n for n in staged if all(n in names for names in plan.values())}
+    for call in calls:
+        loads = [e.model for e in call if e.kind in ("load", "reload")]
+        assert len(loads) == len(set(loads)), f"a model loaded twice in one call: {loads}"
+        used = {e.model for e in calls[0] if e.kind == "load"}
+        assert set(loads) == used - (resident if call is calls[1] else set())
+    # The plan lists the stages in the order the pipeline entered them.
+    entered = [e.stage for e in calls[0] if e.kind == "stage"]
+    assert [s for s in plan if s in entered] == entered
+
+
+def _rewrite(file: Path, change: Any) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(file)
+    change(tensors)
+    save_file(tensors, file)
+
+
+def _unet_file(path: Path) -> Path:
+    return next((path / "unet").glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("fault", ["one weight perturbed", "another checkpoint"])
+def test_control_a_wrong_fill_breaks_equality(root: Path, tmp_path: Path, fault: str) -> None:
+    """The bit-for-bit check can fail: the same staged run, with the UNet's file changed on
+    disk after the pipeline was built (so the placeholder fills from it), differs."""
+    family = FAMILIES["sd"]
+    path = tmp_path / "sd"
+    shutil.copytree(folder(family, root), path)
+    expected = _out(family.load(path), "sd")
+    pipe = staged_pipeline(family.cls, path, keep=())
+
+    def perturb(tensors: dict[str, torch.Tensor]) -> None:
+        key = next(k for k in sorted(tensors) if k.endswith("conv_in.weight"))
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[0] += 1e-3
+
+    def other(tensors: dict[str, torch.Tensor]) -> None:
+        gen = torch.Generator().manual_seed(1234)
+        for key, value in tensors.items():
+            if value.ndim > 1:
+                tensors[key] = torch.randn(value.shape, generator=gen) * 0.02
+
+    _rewrite(_unet_file(path), perturb if fault == "one weight perturbed" else other)
+    assert not torch.equal(_out(pipe, "sd"), expected)
+
+
+def test_buffer_read_loads_the_placeholder(root: Path) -> None:
+    """LTX-Video reads vae.latents_mean before decoding: the placeholder answers with the
+    checkpoint's values (not its empty build's) by loading, in the stage that uses it."""
+    family = FAMILIES["ltx"]
+    path = folder(family, root)
+    eager = family.load(path)
+    sink = ListSink()
+    pipe = staged_pipeline(family.cls, path, keep=(), events=sink)
+    assert pipe.vae.latents_mean.is_meta is False
+    assert torch.equal(pipe.vae.latents_mean, eager.vae.latents_mean)
+    assert [(e.kind, e.model) for e in sink.events if e.kind == "load"] == [("load", "vae")]
+
+
+def test_running_methods_load_and_structural_ones_do_not(root: Path) -> None:
+    from diffusers import AutoencoderKL
+    from transformers import ClapModel, CLIPModel, GPT2LMHeadModel
+
+    from stageload.diffusers._component_class import running_methods
+
+    assert {"get_text_features", "get_audio_features"} <= set(running_methods(ClapModel))
+    assert {"get_text_features", "get_image_features"} <= set(running_methods(CLIPModel))
+    assert "generate" in running_methods(GPT2LMHeadModel)
+    vae = set(running_methods(AutoencoderKL))
+    assert {"encode", "decode", "tiled_decode"} <= vae
+    assert not vae & {"enable_tiling", "set_attn_processor", "save_pretrained", "forward"}
+
+    family = FAMILIES["audioldm2"]
+    pipe = staged_pipeline(family.cls, folder(family, root), keep=())
+    pipe.vae.enable_tiling()
+    assert pipe.stageload.models.loaded() == []
+    ids = pipe.tokenizer(["a cat"], return_tensors="pt")
+    features = pipe.text_encoder.get_text_features(**ids)  # loads, then runs
+    assert pipe.stageload.models.loaded() == ["text_encoder"]
+    assert pipe.stageload.stage == "encode"
+    eager = family.load(folder(family, root))
+    assert torch.equal(_tensor(features), _tensor(eager.text_encoder.get_text_features(**ids)))
+    inputs = torch.zeros(1, 3, dtype=torch.long)
+    out = pipe.language_model.generate(inputs, max_new_tokens=2, do_sample=False)
+    assert torch.equal(
+        out, eager.language_model.generate(inputs, max_new_tokens=2, do_sample=False)
+    )
+
+
+def _tensor(value: Any) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else value.pooler_output
+
+
+@pytest.mark.parametrize(
+    ("cast", "dtype"),
+    [
+        ("half", torch.float16),
+        ("bfloat16", torch.bfloat16),
+        ("double", torch.float64),
+        ("to", torch.bfloat16),
+        ("type", torch.float16),
+    ],
+)
+def test_casts_on_a_placeholder_persist_across_loads(root: Path, cast: str, dtype: Any) -> None:
+    family = FAMILIES["sd"]
+    pipe = staged_pipeline(family.cls, folder(family, root), keep=())
+    vae = pipe.vae
+    returned = getattr(vae, cast)(dtype) if cast in ("to", "type") else getattr(vae, cast)()
+    assert returned is vae and vae.dtype == dtype
+    assert pipe.stageload.models.loaded() == []  # a cast alone loads nothing
+    for _ in range(2):  # the first load and a reload after a release
+        loaded = pipe.stageload.models["vae"]
+        assert {p.dtype for p in loaded.parameters()} == {dtype}
+        pipe.stageload.models.evict("vae")
+    vae.float()
+    assert pipe.stageload.models["vae"].dtype == torch.float32
+
+
+def test_offload_calls_that_strip_hooks_fail_clearly_and_leave_staging(root: Path) -> None:
+    family = FAMILIES["sd"]
+    path = folder(family, root)
+    pipe = staged_pipeline(family.cls, path, keep=())
+    for strip in (pipe.remove_all_hooks, lambda: pipe.enable_model_cpu_offload(device="cpu")):
+        with pytest.raises(StagingRemovedError, match="remove_all_hooks.*drop the offload"):
+            strip()
+    assert torch.equal(_out(pipe, "sd"), _out(family.load(path), "sd"))
+
+
+def test_empty_stages_is_an_error(root: Path) -> None:
+    family = FAMILIES["sd"]
+    with pytest.raises(ValueError, match=r"stages is empty \(\{\}\)"):
+        staged_pipeline(family.cls, folder(family, root), stages={})
