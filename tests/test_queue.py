@@ -341,17 +341,24 @@ def test_queue_json_shows_running_and_waiting(
     assert all(Path(h["trace"]).is_file() for h in done["history"])
 
 
-def test_the_command_gets_the_trace_path_for_its_events(home: Path, tmp_path: Path) -> None:
-    """The run's trace is the outer trace (stageload.outer) of the command's StagedModels."""
-    from stageload import outer
-
-    if not hasattr(outer, "command_env"):
-        pytest.skip("the guard does not export STAGELOAD_TRACE yet (branch events, issue 15)")
-    out = tmp_path / "out"
-    script = f'echo "${outer.TRACE_ENV}" > {out}'
-    assert main(["run", *FLAGS, "--", "sh", "-c", script]) == 0
-    (record,) = read_records(home / "lanes/ram/history.jsonl")
-    assert out.read_text().strip() == record["trace"]
+def test_the_runs_trace_receives_the_commands_own_events(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run's trace is the outer trace (stageload.outer, the path StagedModels sends its
+    events to) of the command. Control: --no-events keeps them out."""
+    monkeypatch.setenv("PYTHONPATH", SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    emit = (
+        "from stageload.events import Event; from stageload.outer import outer_trace; "
+        "trace = outer_trace(); trace and trace.emit(Event('stage', stage='denoise'))"
+    )
+    assert main(["run", *FLAGS, "--", PY, "-c", emit]) == 0
+    assert main(["run", *FLAGS, "--no-events", "--", PY, "-c", emit]) == 0
+    with_events, without = read_records(home / "lanes/ram/history.jsonl")
+    records = [json.loads(line) for line in Path(with_events["trace"]).read_text().splitlines()]
+    (event,) = [r for r in records if r["type"] == "event" and r.get("stage") == "denoise"]
+    assert event["pid"] == records[0]["pid"]  # the command's own process wrote it
+    records = [json.loads(line) for line in Path(without["trace"]).read_text().splitlines()]
+    assert not [r for r in records if r.get("stage") == "denoise"]
 
 
 @pytest.mark.parametrize(
