@@ -11,6 +11,8 @@ Modes: ``eager`` (``from_pretrained``, everything loaded), ``staged``
 (``enable_model_cpu_offload``), ``group_offload`` (``enable_group_offload``, block level,
 offloaded to disk when ``--offload-dir`` is given). All modes record the same stage events
 (the first use of each stage's component), so their traces split into comparable windows.
+``baseline`` builds the pipeline with every model component ``None`` and makes no call:
+what a process holds before any weight (interpreter, torch, diffusers, tokenizer).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-MODES = ("eager", "staged", "model_offload", "group_offload")
+MODES = ("eager", "staged", "model_offload", "group_offload", "baseline")
 
 
 class StageMarks:
@@ -100,6 +102,12 @@ def run(
     with MemoryMeter(trace, interval, meta={"label": mode, **(meta or {})}) as meter:
         start = time.perf_counter()
         models = _plan.model_components(Path(path))
+        if mode == "baseline":
+            pipe = cls.from_pretrained(path, **dict.fromkeys(models))
+            time.sleep(4 * interval)  # a few samples of the settled process
+            meter.mark("built")
+            result["build_seconds"] = time.perf_counter() - start
+            return result
         if mode == "staged":
             extra = {"disable_mmap": True} if materialize else {}
             pipe = staged_pipeline(
