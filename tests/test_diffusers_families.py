@@ -267,3 +267,17 @@ def test_empty_stages_is_an_error(root: Path) -> None:
     family = FAMILIES["sd"]
     with pytest.raises(ValueError, match=r"stages is empty \(\{\}\)"):
         staged_pipeline(family.cls, folder(family, root), stages={})
+
+
+def test_map_refines_the_plan_too(root: Path) -> None:
+    """pipe.stageload.map (stage-major calls): the img2img VAE's encode is labelled and
+    kept as in a single call, so every model loads once for the batch."""
+    family = FAMILIES["sd-img2img"]
+    path = folder(family, root)
+    eager = family.load(path)
+    expected = [eager(**family.call(seed))[0] for seed in (0, 1)]
+    sink = ListSink()
+    pipe = staged_pipeline(family.cls, path, keep=(), events=sink)
+    outputs = pipe.stageload.map([family.call(0), family.call(1)])
+    assert all(torch.equal(out[0], exp) for out, exp in zip(outputs, expected, strict=True))
+    assert _shape(_calls(sink.events, "encode")[0]) == EXPECTED["sd-img2img"]

@@ -170,6 +170,9 @@ class StagedPipeline:
         order that does, wrapping around, so a second call of the pipeline starts again at
         ``encode`` and a negative-prompt pass re-enters the stage it needs.
         """
+        if self.adaptive and self._closed_at is None:
+            with self._lock:
+                self._adapt(name)
         if self.models._batch is not None and self._closed_at is None:
             # A call of map(): wait for the stage outside this lock, which the other calls
             # of the batch need while this one is parked (see stageload.batch).
@@ -179,8 +182,6 @@ class StagedPipeline:
         with self._lock:
             if self._closed_at is not None:
                 raise ReleasedModuleError(name, self._closed_at[0])
-            if self.adaptive:
-                self._adapt(name)
             target = self._next_stage(name)
             if target is not None and target != self.models.stage:
                 self.models.enter(target)
