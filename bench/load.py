@@ -174,7 +174,9 @@ class Peak:
 
 
 # -- allocation variants ----------------------------------------------------------------------
-def mmap_destination(old: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def mmap_destination(
+    old: torch.Tensor, dtype: torch.dtype, device: torch.device, misalign: int = 0
+) -> torch.Tensor:
     """One anonymous mapping per tensor, 2 MiB aligned, huge pages advised."""
     n = old.numel() * torch.empty((), dtype=dtype).element_size()
     mm = mmap.mmap(-1, n + HUGE)
@@ -280,8 +282,10 @@ def diffusers_cases(folder: Path) -> dict[str, Any]:
     import stageload.diffusers._qwen_processor  # noqa: F401  (the fixture's processor class)
     from stageload.diffusers import staged_pipeline
 
+    from stageload.diffusers._plan import model_components
+
     files = sorted((folder / "transformer").glob("*.safetensors"))
-    cls = diffusers.QwenImageTransformer2DModel
+    cls = model_components(folder)["transformer"]
     state: dict[str, Any] = {}
 
     def from_pretrained() -> Callable[[], tuple[int, Any]]:
@@ -329,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/stageload-bench-load"))
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/load")
     parser.add_argument("--cases", nargs="*", default=None)
+    parser.add_argument("--tag", default="results", help="names the output files")
     parser.add_argument("--diffusers", type=Path, default=None, help="a Qwen-Image fixture folder")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
@@ -388,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write(out: Path, results: dict[str, Any], args: Any) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / f"{args.tag}.json").write_text(json.dumps(results, indent=1))
     med = statistics.median
     lines = [
         f"# load_weights against a raw read ({args.gb:g} GiB float16 checkpoint, "
@@ -415,7 +420,7 @@ def write(out: Path, results: dict[str, Any], args: Any) -> None:
             f"{med(c['over_weights'] for c in case) / 2**20:.0f} MiB | {released:.0%} | "
             f"{(max(left) if left else 0):.0%} |"
         )
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    (out / f"{args.tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
