@@ -35,7 +35,7 @@ from ._checkpoint import (
     read_entries,
 )
 from ._pread import advise_huge_pages, memory, pread_into
-from .release import release, unmark_released
+from .release import release, return_memory_to_os, unmark_released
 
 if TYPE_CHECKING:
     import torch
@@ -50,8 +50,10 @@ CHUNK = 16 << 20
 #: All threads' bounce buffers together (conversions, accelerators) stay within this.
 BOUNCE_BUDGET = 64 << 20
 # How destinations on the CPU are allocated: "thp" (torch.empty, huge pages advised) or
-# "plain" (torch.empty as is). The benchmark flips it to measure the difference.
-_ALLOC = "thp"
+# "plain" (torch.empty as is); STAGELOAD_HUGE_PAGES=0 picks "plain". Huge pages won 2x on a
+# quiet machine, but cost up to 2x where memory is fragmented (the kernel compacts on the
+# fault): bench/results/load/.
+_ALLOC = "plain" if os.environ.get("STAGELOAD_HUGE_PAGES") == "0" else "thp"
 
 
 def _default_threads() -> int:
@@ -330,6 +332,9 @@ def _run(jobs: list[Any], device: torch.device, threads: int, bounce_bytes: int)
     with ThreadPoolExecutor(threads, thread_name_prefix="stageload-load") as pool:
         futures = [pool.submit(job, *j) for j in jobs]
         errors = [f.exception() for f in futures]
+    if any(j[6] is not None for j in jobs):
+        # The threads' bounce buffers sit in glibc's per-thread arenas: give them back now.
+        return_memory_to_os(collect=False)
     raised = [e for e in errors if e is not None]
     if raised:
         raise raised[0]
