@@ -23,7 +23,7 @@ from stageload.cli import main
 from stageload.events import Event
 from stageload.meter.tracefile import TraceWriter, read_records
 from stageload.outer import EVENTS_ENV, TRACE_ENV, OuterTrace, command_env, outer_trace
-from stageload.report.processes import by_process
+from stageload.report.processes import PIPELINE_KINDS, by_process
 from stageload.report.trace import load_summary, read_trace, summarize
 
 STAGES = {"encode": ["encoder"], "decode": ["decoder"]}
@@ -50,7 +50,8 @@ def started_trace(path, monotonic0=None) -> TraceWriter:
 
 
 def events_of(path) -> list[dict]:
-    return [r for r in read_records(path) if r["type"] == "event"]
+    """The event records, less the ``process`` start/exit that bracket them."""
+    return [r for r in read_records(path) if r["type"] == "event" and r["kind"] != "process"]
 
 
 @pytest.fixture
@@ -75,6 +76,10 @@ def test_events_of_a_sinkless_staged_models_reach_the_outer_trace(outer):
         ("release", "decoder", "decode"),
     ]
     assert all(e["pid"] == os.getpid() for e in events)
+    # This process announced itself once, when its first StagedModels was built.
+    (hello,) = [r for r in read_records(outer) if r.get("kind") == "process"]
+    assert hello["note"] == "start" and hello["pid"] == os.getpid()
+    assert hello["t"] <= events[0]["t"]
     start = read_records(outer)[0]
     # t is measured against the start record's monotonic time, as the meter's own events.
     assert all(0 <= e["t"] <= time.monotonic() - start["monotonic"] for e in events)
@@ -163,6 +168,7 @@ def test_one_outer_trace_per_path_per_process(outer):
 
 def test_command_env_points_to_the_trace_or_opts_out(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.jsonl").touch()  # the tool creates it before the command starts
     env = command_env("run.jsonl", environ={"PATH": "/bin"})
     assert env == {"PATH": "/bin", TRACE_ENV: str(tmp_path / "run.jsonl")}
     assert outer_trace(env) is not None
@@ -185,12 +191,15 @@ def test_by_process_splits_interleaved_pipelines_and_keeps_shared_events(tmp_pat
     path = tmp_path / "mixed.jsonl"
     records = [
         {"type": "start", "monotonic": 0.0, "pid": 1, "meta": {"label": "mixed"}},
-        {"type": "event", "t": 0.5, "kind": "guard", "note": "start", "pid": 1},
+        {"type": "event", "t": 1.3, "kind": "guard", "note": "start", "pid": 1},
         {"type": "event", "t": 1.0, "kind": "stage", "stage": "a", "pid": 10},
+        {"type": "event", "t": 1.2, "kind": "process", "note": "start", "pid": 20},
         {"type": "event", "t": 1.5, "kind": "stage", "stage": "x", "pid": 20},
         {"type": "event", "t": 2.0, "kind": "stage", "stage": "b", "pid": 10},
         {"type": "event", "t": 2.5, "kind": "load", "model": "m", "bytes": 5, "pid": 20},
-        {"type": "sample", "t": 3.0, "footprint": 100},
+        {"type": "sample", "t": 2.6, "footprint": 100},
+        {"type": "event", "t": 2.8, "kind": "process", "note": "exit", "pid": 20},
+        {"type": "sample", "t": 3.5, "footprint": 900},
         {"type": "end", "t": 4.0},
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -203,6 +212,11 @@ def test_by_process_splits_interleaved_pipelines_and_keeps_shared_events(tmp_pat
     # The guard's decision (pid 1, no pipeline events) stays in both views.
     assert all(any(e.kind == "guard" for e in v.events) for v in (first, second))
     assert first.label == "mixed [pid 10]" and summarize(second).to_dict()["pid"] == 20
+    # pid 20 began at 1.2 and exited at 2.8: its view holds only the samples of that span.
+    assert (second.first_t, second.last_t) == (1.2, 2.8) and (first.first_t, first.last_t) == (0, 4)
+    assert summarize(second).windows[0].start == 1.2 and summarize(second).peak_footprint == 100
+    assert summarize(second).duration == pytest.approx(1.6)
+    assert summarize(first).peak_footprint == 900  # the sample at 3.5, after pid 20 exited
     # Control: read as one, the stage windows of both processes mix.
     assert [w.stage for w in summarize(trace).windows] == ["setup", "a", "x", "b"]
 
@@ -280,7 +294,11 @@ def raw_lines(path) -> list[dict]:
 
 
 def pipeline_events(path) -> list[dict]:
-    return [r for r in raw_lines(path) if r["type"] == "event" and r["kind"] != "guard"]
+    return [r for r in raw_lines(path) if r["type"] == "event" and r["kind"] in PIPELINE_KINDS]
+
+
+def process_notes(path) -> list[str]:
+    return [r["note"] for r in raw_lines(path) if r["type"] == "event" and r["kind"] == "process"]
 
 
 def test_meter_report_shows_the_stages_of_a_script_that_has_no_meter(
@@ -295,6 +313,7 @@ def test_meter_report_shows_the_stages_of_a_script_that_has_no_meter(
     summary = load_summary(trace)
     assert [s.stage for s in summary.stages] == ["setup", "encode", "decode"]
     assert (summary.loads.count, summary.reloads.count, summary.releases.count) == (2, 0, 2)
+    assert process_notes(trace) == ["start", "exit"]
     assert summary.loads.bytes == (64 * 64 + 64 + 64 * 16 + 16) * 4
     capsys.readouterr()
     assert main(["report", str(trace)]) == 0
@@ -339,8 +358,8 @@ def test_two_processes_at_once_keep_every_line_whole_and_apart(
     events = [r for r in records if r["type"] == "event"]
     pids = sorted({e["pid"] for e in events})
     assert len(pids) == 2 and records[0]["pid"] not in pids  # the children, not sh
-    # Per process: 2 stage events, a load or reload and a release per round.
-    assert all(sum(e["pid"] == p for e in events) == 6 * rounds for p in pids)
+    # Per process: 2 stage events, a load or reload and a release per round; start, exit.
+    assert all(sum(e["pid"] == p for e in events) == 6 * rounds + 2 for p in pids)
     views = by_process(read_trace(trace))
     assert sorted(v.pid for v in views) == pids
     for view in views:
@@ -364,6 +383,7 @@ def test_a_trace_cut_by_sigkill_of_the_command_is_readable(pipeline, child_env, 
     summary = load_summary(trace)
     # Round 0 whole, then killed in round 1 after the encoder's reload.
     assert [e["kind"] for e in pipeline_events(trace)][-3:] == ["stage", "release", "reload"]
+    assert process_notes(trace) == ["start"]  # no exit: killed
     assert [s.stage for s in summary.stages] == ["setup", "encode", "decode"]
     assert summary.exit_code == 128 + signal.SIGKILL
     assert read_trace(trace).end["signal"] == "SIGKILL"

@@ -37,6 +37,10 @@ TRACE_ENV = "STAGELOAD_TRACE"
 EVENTS_ENV = "STAGELOAD_EVENTS"
 #: Values of ``STAGELOAD_EVENTS`` that turn the outer trace off.
 OFF_VALUES = frozenset({"0", "false", "no", "off"})
+#: Event kind that brackets a process's events: ``note`` is ``start`` (its first
+#: StagedModels was built) or ``exit`` (the interpreter exited normally). The report
+#: bounds that process's view by them.
+PROCESS = "process"
 #: The key of an event record that names the process that emitted it (every writer sets
 #: it; traces written before it existed lack it).
 PID_KEY = "pid"
@@ -139,6 +143,7 @@ class OuterTrace:
         self._pending: list[Event] = []
         self._lock = threading.Lock()
         self._atexit = False
+        self._pid = os.getpid()
 
     @property
     def active(self) -> bool:
@@ -159,6 +164,17 @@ class OuterTrace:
             pending, self._pending = self._pending, []
             for held in [*pending, event]:
                 self._write(held)
+
+    def announce(self) -> None:
+        """Write a ``process`` ``start`` event now and an ``exit`` event at normal exit."""
+        self.emit(Event(PROCESS, note="start"))
+        atexit.register(self._exit)
+
+    def _exit(self) -> None:
+        pid = os.getpid()
+        if pid == self._pid:  # a forked child that exits normally is not this process
+            self.emit(Event(PROCESS, note="exit"))
+        self.flush()
 
     def flush(self) -> None:
         """Write events held for a start record that has arrived since; at exit too."""
@@ -241,6 +257,7 @@ def outer_trace(environ: Mapping[str, str] | None = None) -> OuterTrace | None:
         trace = _traces.get(path)
         if trace is None:
             trace = _traces[path] = OuterTrace(path)
+            trace.announce()
         return trace
 
 

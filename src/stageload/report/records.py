@@ -80,6 +80,9 @@ class Trace:
     skipped_lines: int = 0
     #: The largest ``t`` of any record: where the last window ends.
     last_t: float = 0.0
+    #: Where the first window (``setup``) begins: 0, or in a view of one process of
+    #: several, when that process began (``report.processes``).
+    first_t: float = 0.0
     #: Set on a view that holds the events of one process of several (``report.processes``).
     pid: int | None = None
 

@@ -38,7 +38,7 @@ def stage_windows(trace: Trace) -> list[Window]:
     (or at the stage event when none follow), so memory still being freed counts toward the
     stage before. A window ends where the next begins, or at the last record.
     """
-    starts: list[tuple[str, float, float]] = [(SETUP, 0.0, 0.0)]
+    starts: list[tuple[str, float, float]] = [(SETUP, trace.first_t, trace.first_t)]
     events = trace.events
     i = 0
     while i < len(events):
@@ -241,7 +241,7 @@ def summarize(trace: Trace) -> Summary:
         label=trace.label,
         stages=list(stages.values()),
         windows=windows,
-        duration=trace.last_t,
+        duration=trace.last_t - trace.first_t,
         samples=len(trace.samples),
         complete=trace.complete,
         exit_code=_int(end.get("exit_code")),
