@@ -349,10 +349,10 @@ def test_guard_trace_gets_the_command_events_beside_its_own(pipeline, child_env,
 def test_two_processes_at_once_keep_every_line_whole_and_apart(
     pipeline, child_env, tmp_path, capsys
 ):
-    rounds = 100
+    rounds = 40
     trace = tmp_path / "two.jsonl"
     both = f"{PY} {pipeline} {rounds} & {PY} {pipeline} {rounds} & wait"
-    argv = ["meter", "-o", str(trace), "--interval", "0.02", "--", "sh", "-c", both]
+    argv = ["meter", "-o", str(trace), "--interval", "0.05", "--", "sh", "-c", both]
     assert main(argv) == 0
     records = raw_lines(trace)  # every line is whole JSON, samples and both children's
     events = [r for r in records if r["type"] == "event"]
