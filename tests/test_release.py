@@ -67,42 +67,48 @@ print(freed, before - after, weight.untyped_storage().nbytes())
     assert held_bytes == 0  # the held tensor's storage is empty too
 
 
-LEAK_LOOP = """
+LEAK_LOOPS = """
 import torch
 from safetensors.torch import load_file, save_file
 from stageload import StagedModels
 from fixtures.tiny import big_model
-path, leak, cycles = {path!r}, {leak!r}, {cycles!r}
+path = {path!r}
 save_file(big_model(32 * 2**20).state_dict(), path)
 kept = []
 
-def load():
-    with torch.device("meta"):
-        model = big_model(32 * 2**20)
-    # Every byte into anonymous memory: load_state_dict copies into the fresh storage.
-    # (assign=True would keep safetensors' file-backed mmap, which RssAnon never shows.)
-    model.to_empty(device="cpu").load_state_dict(load_file(path))
-    if leak:  # the control: a loader that keeps a copy of its weights
-        kept.append([t.clone() for t in model.state_dict().values()])
-    return model
+def loop(leak, cycles):
+    def load():
+        with torch.device("meta"):
+            model = big_model(32 * 2**20)
+        # Every byte into anonymous memory: load_state_dict copies into the fresh storage.
+        # (assign=True would keep safetensors' file-backed mmap, which RssAnon never shows.)
+        model.to_empty(device="cpu").load_state_dict(load_file(path))
+        if leak:  # the control: a loader that keeps a copy of its weights
+            kept.append([t.clone() for t in model.state_dict().values()])
+        return model
 
-models = StagedModels({{"m": load}}, stages={{"use": ["m"], "idle": []}})
-def cycle():
-    models.enter("use"); models["m"]; models.enter("idle")
-cycle()
-start = resident()
-for _ in range(cycles - 1):
+    models = StagedModels({{"m": load}}, stages={{"use": ["m"], "idle": []}})
+    def cycle():
+        models.enter("use"); models["m"]; models.enter("idle")
     cycle()
-print(start, resident())
+    start = resident()
+    for _ in range(cycles - 1):
+        cycle()
+    print(start, resident())
+
+loop(leak=False, cycles=100)
+loop(leak=True, cycles=5)  # five are enough (each keeps 32 MiB) and keep memory small
 """
 
 
-def leak_loop(tmp_path: Path, *, leak: bool, cycles: int) -> tuple[int, int]:
-    """Anonymous resident memory after the first and after the last load/release cycle."""
-    path = str(tmp_path / f"m-{leak}.safetensors")
-    out = run_script(RESIDENT + LEAK_LOOP.format(path=path, leak=leak, cycles=cycles), 300)
-    start, end = map(int, out.split())
-    return start, end
+@pytest.fixture(scope="module")
+def leak_loops(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, int]]:
+    """Anonymous resident memory after the first and the last load/release cycle: 100
+    cycles with a clean loader, then 5 with a leaking one, in one fresh process."""
+    path = str(tmp_path_factory.mktemp("leak") / "m.safetensors")
+    out = run_script(RESIDENT + LEAK_LOOPS.format(path=path), 300)
+    clean, leaking = (tuple(map(int, line.split())) for line in out.split("\n")[:2])
+    return {"clean": clean, "leaking": leaking}  # type: ignore[dict-item]
 
 
 def grew(start: int, end: int) -> str | None:
@@ -113,17 +119,14 @@ def grew(start: int, end: int) -> str | None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_hundred_load_release_cycles_do_not_leak(tmp_path):
-    start, end = leak_loop(tmp_path, leak=False, cycles=100)
-    assert grew(start, end) is None, grew(start, end)
+def test_hundred_load_release_cycles_do_not_leak(leak_loops):
+    assert grew(*leak_loops["clean"]) is None, grew(*leak_loops["clean"])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_the_leak_check_catches_a_loader_that_keeps_its_weights(tmp_path):
-    """Control: the same loop and check with a leaking loader must fail. Five cycles are
-    enough (each keeps 32 MiB) and keep the test's memory small."""
-    start, end = leak_loop(tmp_path, leak=True, cycles=5)
-    assert grew(start, end) is not None, (start, end)
+def test_the_leak_check_catches_a_loader_that_keeps_its_weights(leak_loops):
+    """Control: the same loop and check with a leaking loader must fail."""
+    assert grew(*leak_loops["leaking"]) is not None, leak_loops["leaking"]
 
 
 def test_calling_released_module_or_submodule_raises_clear_error():
