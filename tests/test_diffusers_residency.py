@@ -43,43 +43,36 @@ def _staged(path: Path, **kwargs: Any) -> tuple[Any, ListSink]:
     return pipe, sink
 
 
-def test_sizes_come_from_headers_and_match_what_loads(qwen: Path) -> None:
+@pytest.fixture(scope="module")
+def expected(qwen: Path) -> torch.Tensor:
+    return _call(diffusers.QwenImage21Pipeline.from_pretrained(qwen))
+
+
+def test_a_budget_that_fits_all_loads_each_component_once_with_sizes_from_headers(
+    qwen: Path, expected: torch.Tensor
+) -> None:
     pipe, sink = _staged(qwen, budget="1G")
     given = dict(pipe.stageload.models._given_sizes)
     assert set(given) == {"text_encoder", "transformer", "vae"}
-    _call(pipe)
-    loaded = {e.model: e.bytes for e in sink.kinds("load")}
-    # Within 1 % of the bytes really held: buffers a model computes (rotary tables) are
-    # not in the checkpoint; the first load's measure replaces the header's.
-    assert loaded.keys() == given.keys()
-    assert all(given[n] <= loaded[n] <= given[n] * 1.01 for n in given), (given, loaded)
-    # bf16 from an fp32 checkpoint: half the bytes, still without reading weights.
-    dtypes = dict.fromkeys(given, torch.bfloat16)
-    halves = _plan.component_sizes(qwen, dtypes)
-    assert all(abs(halves[n] * 2 - given[n]) <= given[n] // 100 for n in given)
-
-
-def test_budget_that_fits_all_loads_each_component_once_and_stays_bit_identical(
-    qwen: Path,
-) -> None:
-    expected = _call(diffusers.QwenImage21Pipeline.from_pretrained(qwen))
-    pipe, sink = _staged(qwen, budget="1G")
     outs = [_call(pipe) for _ in range(3)]
     assert all(torch.equal(out, expected) for out in outs)
-    assert sorted(e.model for e in sink.events if e.kind in ("load", "reload")) == [
-        "text_encoder",
-        "transformer",
-        "vae",
-    ]
+    loads = [e for e in sink.events if e.kind in ("load", "reload")]
+    assert sorted(e.model for e in loads) == ["text_encoder", "transformer", "vae"]
     assert sink.kinds("release") == []
+    # Header sizes within 1 % of the bytes really held: buffers a model computes (rotary
+    # tables) are not in the checkpoint; the first load's measure replaces the header's.
+    held = {e.model: e.bytes for e in loads}
+    assert all(given[n] <= held[n] <= given[n] * 1.01 for n in given), (given, held)
+    # bf16 from an fp32 checkpoint: half the bytes, still without reading weights.
+    halves = _plan.component_sizes(qwen, dict.fromkeys(given, torch.bfloat16))
+    assert all(abs(halves[n] * 2 - given[n]) <= given[n] // 100 for n in given)
     # Control: without a budget, every call reloads what the next stage does not list.
     pipe, sink = _staged(qwen)
     [_call(pipe) for _ in range(3)]
     assert len([e for e in sink.events if e.kind in ("load", "reload")]) == 9
 
 
-def test_prefetch_under_a_tight_budget_is_bit_identical(qwen: Path) -> None:
-    expected = _call(diffusers.QwenImage21Pipeline.from_pretrained(qwen))
+def test_prefetch_under_a_tight_budget_is_bit_identical(qwen: Path, expected: torch.Tensor) -> None:
     sizes = _plan.component_sizes(
         qwen, dict.fromkeys(["text_encoder", "transformer", "vae"], torch.float32)
     )

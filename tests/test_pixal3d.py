@@ -385,27 +385,21 @@ def _events(trace: Path) -> list[dict]:
     return [r for r in records if r["type"] == "event"]
 
 
-def test_budget_and_prefetch_keep_the_latents_and_load_less(stub, image, tmp_path, capsys):
-    """Compared with plain staging, whose latents equal eager ones (test_pixal3d)."""
-    base = [str(image), "--port", str(stub), "--device", "cpu", "--interval", "0.2"]
-    runs, latents = {}, {}
-    for label, extra in {"staged": [], "budget": ["--budget", "1G", "--prefetch"]}.items():
-        trace, prints = tmp_path / f"{label}.jsonl", tmp_path / f"fp-{label}"
-        argv = [*base, "-o", str(tmp_path / f"{label}.glb"), "--trace", str(trace)]
-        assert main([*argv, "--fingerprints", str(prints), *extra]) == 0
-        written = json.loads((prints / "fingerprints.json").read_text())
-        latents[label] = [r["sha256"] for r in written["latents"]]
-        runs[label] = _events(trace)
-    assert latents["budget"] == latents["staged"] and len(latents["staged"]) == 4
-    loads = {
-        k: [e for e in v if e["kind"] in ("load", "reload", "prefetch")] for k, v in runs.items()
-    }
-    # A budget that holds every model: nothing is released, so nothing loads twice.
-    assert {e.get("reason") for e in runs["budget"] if e["kind"] == "release"} == {"close"}
-    assert len(loads["budget"]) <= len(loads["staged"])
-    # The port's loaders run random initialisers: not prefetched, and the trace says so.
-    notes = [e["note"] for e in runs["budget"] if e["kind"] == "note"]
-    assert any(n.startswith("prefetch:") and "load on demand" in n for n in notes)
+def test_budget_and_prefetch_keep_the_latents_and_load_each_model_once(
+    stub, image, tmp_path, eager_hashes
+):
+    trace, prints = tmp_path / "budget.jsonl", tmp_path / "fp"
+    argv = [str(image), "-o", str(tmp_path / "o.glb"), "--port", str(stub), "--device", "cpu"]
+    argv += ["--seed", "7", "--trace", str(trace), "--fingerprints", str(prints)]
+    assert main([*argv, "--interval", "0.2", "--budget", "1G", "--prefetch"]) == 0
+    written = json.loads((prints / "fingerprints.json").read_text())
+    assert [r["sha256"] for r in written["latents"]] == eager_hashes
+    events = _events(trace)
+    # A budget that holds every model: nothing is released before the end, and nothing
+    # loads twice.
+    assert {e.get("reason") for e in events if e["kind"] == "release"} == {"close"}
+    loaded = [e["model"] for e in events if e["kind"] in ("load", "reload", "prefetch")]
+    assert len(loaded) == len(set(loaded)) and "sparse_structure_flow_model" in loaded
 
 
 def test_bad_residency_flags_fail_in_one_line(stub, image, tmp_path, capsys):

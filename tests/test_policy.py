@@ -364,6 +364,7 @@ def test_a_random_drawing_loader_is_not_prefetched_unless_opted_in(checkpoints):
     sizes = dict.fromkeys(loaders, size)
     out, sink = staged_run(loaders, budget=2 * size, prefetch=True, sizes=sizes)
     assert sink.kinds("prefetch") == []  # unmarked: loaded on demand, under preserved_rng
+    assert "'decoder', 'denoiser', 'encoder' will load on demand" in sink.events[0].note
     assert all(torch.equal(a, b) for a, b in zip(out, eager, strict=True))
     # Control: opted in by name although it draws random numbers -> the outputs change.
     out, sink = staged_run(loaders, budget=2 * size, prefetch=list(checkpoints), sizes=sizes)
