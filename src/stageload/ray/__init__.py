@@ -1,0 +1,180 @@
+"""Staged batches across a Ray cluster: actors that keep a pipeline, placed by measured peak.
+
+``run_batch(make_pipeline, calls)`` splits ``calls`` into chunks and runs each chunk on a
+Ray actor with ``pipe.stageload.map`` (stage-major: one load per model per chunk). Each
+actor asks Ray for ``memory=`` the pipeline's peak footprint, measured by a probe run of
+the first call under ``MemoryMeter`` (``memory="auto"``), read from a trace, or given.
+A chunk whose worker died is run again on another worker; its results come back together,
+keyed by call index, so none is lost or duplicated. Each worker meters itself; the driver
+collects the traces (``trace_dir=``) for one ``stageload report``.
+
+An optional extra (``pip install "stageload[ray]"``); ``import stageload`` never imports it.
+See docs/ray.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ._stream import BatchStream, Fault
+from ._worker import SEED_KEY, call_kwargs
+
+__all__ = [
+    "BatchStream",
+    "Fault",
+    "SEED_KEY",
+    "call_kwargs",
+    "connect",
+    "peak_from",
+    "report",
+    "run_batch",
+    "stream_batch",
+]
+
+
+def connect(**init_kwargs: Any) -> bool:
+    """Make sure this process talks to a Ray cluster; True when it started a local one.
+
+    Uses the connection the caller opened with ``ray.init``; else the running cluster
+    (``ray.init(address="auto")``, which follows ``RAY_ADDRESS``); else starts a local Ray
+    bound to 127.0.0.1 without the dashboard (``init_kwargs`` go to that ``ray.init``).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address="auto", log_to_driver=False)
+        return False
+    except ConnectionError:
+        pass
+    options = {"_node_ip_address": "127.0.0.1", "include_dashboard": False, **init_kwargs}
+    ray.init(**options)
+    return True
+
+
+def peak_from(source: str | os.PathLike[str]) -> int:
+    """The peak footprint recorded in a trace (JSONL) or a ``stageload report --json``
+    file (its highest peak over all columns)."""
+    import json
+
+    path = Path(source)
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("{") and '"traces"' in text[:4096]:
+        try:
+            peaks = [t.get("peak_footprint") for t in json.loads(text)["traces"]]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            peaks = []
+    else:
+        from ..report.trace import load_summary
+
+        peaks = [load_summary(path).peak_footprint]
+    peaks = [p for p in peaks if isinstance(p, int) and p > 0]
+    if not peaks:
+        raise ValueError(
+            f"memory={os.fspath(source)!r}: no peak footprint in that file; give a trace "
+            f"written by MemoryMeter or 'stageload meter', or memory= in bytes or '6G'"
+        )
+    return max(peaks)
+
+
+def stream_batch(
+    make_pipeline: Callable[[], Any],
+    calls: Sequence[Mapping[str, Any]],
+    *,
+    memory: int | str | os.PathLike[str] = "auto",
+    workers: int | None = None,
+    batch_size: int | None = None,
+    num_cpus: float = 1,
+    trace_dir: str | os.PathLike[str] | None = None,
+    max_restarts: int | None = None,
+) -> BatchStream:
+    """Like :func:`run_batch`, but yields ``(index, result)`` as each chunk finishes.
+
+    The returned :class:`BatchStream` is iterable once; ``.workers`` are the live actors,
+    ``.faults`` the chunks run again, ``.traces`` the collected trace paths (after the end).
+    """
+    return BatchStream(
+        make_pipeline,
+        calls,
+        memory=memory,
+        workers=workers,
+        batch_size=batch_size,
+        num_cpus=num_cpus,
+        trace_dir=trace_dir,
+        max_restarts=max_restarts,
+    )
+
+
+def run_batch(
+    make_pipeline: Callable[[], Any],
+    calls: Sequence[Mapping[str, Any]],
+    *,
+    memory: int | str | os.PathLike[str] = "auto",
+    workers: int | None = None,
+    batch_size: int | None = None,
+    num_cpus: float = 1,
+    trace_dir: str | os.PathLike[str] | None = None,
+    max_restarts: int | None = None,
+) -> list[Any]:
+    """Run ``calls`` of a staged pipeline on Ray actors; the results in call order.
+
+    Args:
+        make_pipeline: a zero-argument function (picklable: a module-level function or a
+            ``functools.partial``) that returns a staged diffusers pipeline, or any object
+            whose ``.stageload.map(calls)`` runs a batch. Each worker calls it once.
+        calls: keyword-argument dicts for the pipeline; an integer ``seed`` becomes that
+            call's ``generator=torch.Generator().manual_seed(seed)``.
+        memory: what each worker asks Ray for (``memory=``): bytes, a size (``"6G"``), a
+            trace or report file to read the peak from, or ``"auto"``: run the first call
+            in a probe task under ``MemoryMeter`` and take its peak footprint (its result
+            is kept).
+        workers: how many actors; ``None``: as many as fit, per alive node
+            ``min(memory // peak, CPU // num_cpus)``, at most one per chunk.
+        batch_size: calls per chunk (one ``map`` on a worker); ``None``: the calls split
+            evenly, one chunk per worker.
+        num_cpus: CPUs each worker asks for.
+        trace_dir: a folder for each worker's trace (``worker-K.jsonl``, and
+            ``probe.jsonl``); :func:`report` merges them.
+        max_restarts: how many replacement workers to start for dead ones (default: as
+            many as there are workers).
+
+    Example::
+
+        from functools import partial
+        images = run_batch(partial(load_pipeline, "/models/qwen"),
+                           [{"prompt": p, "seed": i} for i, p in enumerate(prompts)])
+    """
+    stream = stream_batch(
+        make_pipeline,
+        calls,
+        memory=memory,
+        workers=workers,
+        batch_size=batch_size,
+        num_cpus=num_cpus,
+        trace_dir=trace_dir,
+        max_restarts=max_restarts,
+    )
+    results: dict[int, Any] = {}
+    for index, result in stream:
+        results[index] = result
+    return [results[i] for i in range(len(calls))]
+
+
+def report(traces: Sequence[str | os.PathLike[str]] | str | os.PathLike[str]) -> str:
+    """One ``stageload report`` table over the workers' traces (a list, or their folder)."""
+    from ..report.processes import load_views
+    from ..report.tables import format_report
+    from ..report.trace import summarize
+
+    if isinstance(traces, (str, os.PathLike)):
+        paths: list[Any] = sorted(Path(traces).glob("*.jsonl"))
+        if not paths:
+            raise ValueError(f"no *.jsonl traces in {os.fspath(traces)!r}")
+    else:
+        paths = list(traces)
+    return format_report([summarize(view) for view in load_views(paths)])
+

@@ -1,0 +1,178 @@
+"""stageload.ray on a real local Ray bound to 127.0.0.1.
+
+One cluster for the module (starting Ray is the slow part), one probed batch shared by the
+checks that only read it, and one batch with a worker killed mid-run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import partial
+
+import pytest
+
+ray = pytest.importorskip("ray")
+torch = pytest.importorskip("torch")
+
+from stageload.ray import call_kwargs, report, stream_batch  # noqa: E402
+from stageload.ray._stream import fitting_workers  # noqa: E402
+from stageload.report.records import read_trace  # noqa: E402
+from stageload.report.trace import load_summary  # noqa: E402
+from stageload.testing.ray import STAGES, make_toy  # noqa: E402
+
+LOOPBACK = "127.0.0.1"
+HEAD_MEMORY = 4 << 30
+# Less than any Python process with torch imported holds.
+SMALL_MEMORY = 64 << 20
+WIDTH = 256
+MAKE = partial(make_toy, WIDTH)
+CALLS = [{"prompt": i, "seed": 100 + i, "steps": 2} for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Before any Ray process starts: no cluster mode for other OSes, and patience for a
+    # busy machine (raylet waits for its agents' port files; 2 CPUs shared with others).
+    env = {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_raylet_start_wait_time_s": "300",
+        "RAY_agent_register_timeout_ms": "300000",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        ray.init(
+            num_cpus=2,
+            memory=HEAD_MEMORY,
+            _node_ip_address=LOOPBACK,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+        # Everything the test started talks over loopback only.
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        assert [n["NodeManagerAddress"] for n in nodes] == [LOOPBACK]
+        yield {"head": nodes[0]["NodeID"]}
+    finally:
+        ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def local_results(calls):
+    pipe = MAKE()
+    return [pipe(**call_kwargs(c)) for c in calls]
+
+
+@pytest.fixture(scope="module")
+def batch(cluster, tmp_path_factory):
+    traces = tmp_path_factory.mktemp("ray-traces")
+    stream = stream_batch(MAKE, CALLS, trace_dir=traces)
+    seen = []
+    used = expected = None
+    for index, result in stream:
+        seen.append((index, result))
+        if used is None and stream.busy:
+            expected = len(stream.workers) * stream.peak
+            used = _memory_in_use(expected)
+    return {"stream": stream, "seen": seen, "traces": traces, "used": (used, expected)}
+
+
+def _memory_in_use(expected, wait=30.0):
+    """The cluster's memory resource in use, polled until it shows ``expected`` (Ray
+    reports resources with a delay); the last reading otherwise."""
+    deadline = time.monotonic() + wait
+    while True:
+        total = ray.cluster_resources().get("memory", 0)
+        free = ray.available_resources().get("memory", 0)
+        used = int(total - free)
+        if used == expected or time.monotonic() > deadline:
+            return used
+        time.sleep(0.2)
+
+
+def test_results_equal_a_local_sequential_run(batch):
+    seen = batch["seen"]
+    assert sorted(i for i, _ in seen) == list(range(len(CALLS)))  # each once
+    got = dict(seen)
+    expected = local_results(CALLS)
+    for i, want in enumerate(expected):
+        assert torch.equal(got[i], want), i
+    # Control: another seed gives another result, so equality above means something.
+    other = local_results([{**CALLS[0], "seed": 7}])[0]
+    assert not torch.equal(other, expected[0])
+
+
+def test_memory_requests_follow_the_measured_peak(batch, cluster):
+    stream = batch["stream"]
+    probe = load_summary(batch["traces"] / "probe.jsonl")
+    assert stream.peak == probe.peak_footprint > SMALL_MEMORY
+    # Ray's own accounting: the running workers hold peak bytes each of "memory".
+    used, expected = batch["used"]
+    assert used == expected and expected >= stream.peak
+    assert stream.placement and {p["node_id"] for p in stream.placement.values()} == {
+        cluster["head"]
+    }
+    # As many as fit: the node's 2 CPUs bound it here, not its memory ...
+    assert fitting_workers(stream.peak, 1) == {cluster["head"]: 2}
+    # ... and memory does once the peak is more than half of it; over all of it, none.
+    assert fitting_workers(HEAD_MEMORY // 2 + 1, 1) == {cluster["head"]: 1}
+    assert fitting_workers(HEAD_MEMORY + 1, 1) == {cluster["head"]: 0}
+
+
+def test_a_node_with_too_little_memory_gets_no_worker(cluster):
+    with pytest.raises(RuntimeError, match="no alive Ray node has room"):
+        dict(stream_batch(MAKE, CALLS[:2], memory=HEAD_MEMORY + (1 << 20)))
+
+
+def test_each_worker_loads_each_model_once(batch):
+    stream = batch["stream"]
+    assert len(stream.chunks) == len(stream.placement)  # one chunk per worker
+    models = [m for ms in STAGES.values() for m in ms]
+    for path in stream.traces:
+        if path.name == "probe.jsonl":
+            continue
+        loads = [e.model for e in read_trace(path).events if e.kind == "load"]
+        assert sorted(loads) == sorted(models), path.name
+    # Control: the same calls run one after another in one process load per call.
+    from stageload import ListSink, StagedModels
+
+    pipe = MAKE()
+    sink = ListSink()
+    pipe.models = StagedModels(pipe.models._loaders, stages=STAGES, events=sink)
+    for c in CALLS[:2]:
+        pipe(**call_kwargs(c))
+    assert sum(e.kind == "load" for e in sink.events) == 2 * len(models)
+
+
+def test_the_merged_report_has_one_column_per_worker(batch):
+    stream = batch["stream"]
+    text = report(batch["traces"])
+    header = text.splitlines()[2]
+    assert "probe" in header
+    for label in stream.placement:
+        assert label in header
+    assert report(stream.traces) == text
+
+
+def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing(cluster):
+    calls = [{"prompt": i, "seed": i, "sleep": 0.5} for i in range(6)]
+    stream = stream_batch(MAKE, calls, memory="400M", workers=2, batch_size=1)
+    seen = []
+    killed = None
+    for index, result in stream:
+        seen.append((index, result))
+        if killed is None:
+            # The stream hands out the next chunk before it yields: kill a worker that is
+            # running one now.
+            killed = next(iter(stream.busy))
+            ray.kill(stream.workers[killed])
+    assert sorted(i for i, _ in seen) == list(range(len(calls)))
+    assert stream.faults and stream.faults[0].worker == killed
+    expected = local_results(calls)
+    got = dict(seen)
+    for i, want in enumerate(expected):
+        assert torch.equal(got[i], want), i
