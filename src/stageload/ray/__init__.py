@@ -51,7 +51,12 @@ def connect(**init_kwargs: Any) -> bool:
         return False
     except ConnectionError:
         pass
-    options = {"_node_ip_address": "127.0.0.1", "include_dashboard": False, **init_kwargs}
+    options = {
+        "address": "local",
+        "_node_ip_address": "127.0.0.1",
+        "include_dashboard": False,
+        **init_kwargs,
+    }
     ray.init(**options)
     return True
 

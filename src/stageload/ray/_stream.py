@@ -228,13 +228,15 @@ class BatchStream:
                     restarts -= 1
                     start_worker()
                 continue
+            # The worker gets its next chunk before the results go out, so it computes
+            # while the caller handles them.
+            give(label)
             if kind == "ready":
                 self.placement[label] = value
             else:
                 assert chunk is not None
                 self.ran[chunk] = label
                 yield from zip(self.chunks[chunk], value, strict=True)
-            give(label)
         for label in list(self.workers):
             if label not in self.placement:  # never started (no room yet): not needed
                 ray.kill(self.workers.pop(label))
