@@ -1,4 +1,4 @@
-"""`import stageload` and the CLI stay lean: no torch, matplotlib or diffusers."""
+"""`import stageload` and the CLI stay lean: no torch, matplotlib, diffusers or ray."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-HEAVY = ("torch", "matplotlib", "diffusers", "transformers", "numpy")
+HEAVY = ("torch", "matplotlib", "diffusers", "transformers", "numpy", "ray")
 
 
 def modules_after(code: str) -> set[str]:
