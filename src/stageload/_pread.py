@@ -1,4 +1,5 @@
-"""Positioned reads into tensor memory, and huge pages for fresh destinations (Linux).
+"""Positioned reads into tensor memory, the threads that run them, and huge pages for
+fresh destinations (Linux).
 
 Kept apart from ``load`` so that the planning there reads on its own; nothing here knows
 about modules.
@@ -10,10 +11,13 @@ import ctypes
 import functools
 import os
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._checkpoint import CheckpointError
+from .release import return_memory_to_os
 
 if TYPE_CHECKING:
     import torch
@@ -73,3 +77,66 @@ def advise_huge_pages(ptr: int, nbytes: int) -> None:
     end = (ptr + nbytes) & ~(_HUGE - 1)
     if end - start >= _HUGE:
         madvise(start, end - start, _MADV_HUGEPAGE)
+
+
+def _run(jobs: list[Any], device: torch.device, threads: int, bounce_bytes: int) -> None:
+    """Run every chunk job; stop early on the first error and raise it (with the others)."""
+
+    local = threading.local()
+    stop = threading.Event()
+    pin = device.type in ("cuda", "mps")
+
+    def bounce() -> torch.Tensor:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = _bounce_buffer(pin, bounce_bytes)
+            local.buf = buf
+        return buf
+
+    def job(fd: int, path: Path, offset: int, n: int, dst: torch.Tensor, at: int, src: Any) -> None:
+        if stop.is_set():
+            return
+        try:
+            if src is None:  # same dtype, on the CPU: straight into the destination
+                pread_into(fd, path, offset, memory(dst, at, n))
+                return
+            buf = bounce()
+            pread_into(fd, path, offset, memory(buf, 0, n))
+            size = _itemsize(src)
+            first = at // size
+            dst.view(-1)[first : first + n // size].copy_(buf[:n].view(src))
+        except BaseException:
+            stop.set()
+            raise
+
+    if threads == 1:
+        for j in jobs:
+            job(*j)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="stageload-load") as pool:
+        futures = [pool.submit(job, *j) for j in jobs]
+        errors = [f.exception() for f in futures]
+    if any(j[6] is not None for j in jobs):
+        # The threads' bounce buffers sit in glibc's per-thread arenas: give them back now.
+        return_memory_to_os(collect=False)
+    raised = [e for e in errors if e is not None]
+    if raised:
+        raise raised[0]
+
+
+def _bounce_buffer(pin: bool, nbytes: int) -> torch.Tensor:
+    import torch
+
+    if pin:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:  # no pinning on this backend: pageable memory still works
+            pass
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+@functools.cache
+def _itemsize(dtype: torch.dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()

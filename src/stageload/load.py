@@ -17,11 +17,8 @@ half filled.
 
 from __future__ import annotations
 
-import functools
 import os
-import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,8 +31,8 @@ from ._checkpoint import (
     checkpoint_files,
     read_entries,
 )
-from ._pread import advise_huge_pages, memory, pread_into
-from .release import release, return_memory_to_os, unmark_released
+from ._pread import _itemsize, _run, advise_huge_pages, memory, pread_into  # noqa: F401 - re-export
+from .release import release, unmark_released
 
 if TYPE_CHECKING:
     import torch
@@ -295,62 +292,6 @@ def _read_all(
     return results, total
 
 
-def _run(jobs: list[Any], device: torch.device, threads: int, bounce_bytes: int) -> None:
-    """Run every chunk job; stop early on the first error and raise it (with the others)."""
-
-    local = threading.local()
-    stop = threading.Event()
-    pin = device.type in ("cuda", "mps")
-
-    def bounce() -> torch.Tensor:
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = _bounce_buffer(pin, bounce_bytes)
-            local.buf = buf
-        return buf
-
-    def job(fd: int, path: Path, offset: int, n: int, dst: torch.Tensor, at: int, src: Any) -> None:
-        if stop.is_set():
-            return
-        try:
-            if src is None:  # same dtype, on the CPU: straight into the destination
-                pread_into(fd, path, offset, memory(dst, at, n))
-                return
-            buf = bounce()
-            pread_into(fd, path, offset, memory(buf, 0, n))
-            size = _itemsize(src)
-            first = at // size
-            dst.view(-1)[first : first + n // size].copy_(buf[:n].view(src))
-        except BaseException:
-            stop.set()
-            raise
-
-    if threads == 1:
-        for j in jobs:
-            job(*j)
-        return
-    with ThreadPoolExecutor(threads, thread_name_prefix="stageload-load") as pool:
-        futures = [pool.submit(job, *j) for j in jobs]
-        errors = [f.exception() for f in futures]
-    if any(j[6] is not None for j in jobs):
-        # The threads' bounce buffers sit in glibc's per-thread arenas: give them back now.
-        return_memory_to_os(collect=False)
-    raised = [e for e in errors if e is not None]
-    if raised:
-        raise raised[0]
-
-
-def _bounce_buffer(pin: bool, nbytes: int) -> torch.Tensor:
-    import torch
-
-    if pin:
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError:  # no pinning on this backend: pageable memory still works
-            pass
-    return torch.empty(nbytes, dtype=torch.uint8)
-
-
 def _destination(
     old: torch.Tensor, dtype: torch.dtype, device: torch.device, misalign: int = 0
 ) -> torch.Tensor:
@@ -423,10 +364,3 @@ def _install(
         )
     for sub in module.modules():
         unmark_released(sub)  # a released module filled again is live again
-
-
-@functools.cache
-def _itemsize(dtype: torch.dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
