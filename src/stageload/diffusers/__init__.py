@@ -26,7 +26,15 @@ from ..policy import parse_budget
 from ..release import ReleasedModuleError, release
 from ..staged import StagedModels
 from . import _fill, _placeholder
-from ._args import _check_device, _check_pipeline_cls, _resolve_folder, check_keep
+from ._args import (
+    _MODEL_KWARGS,
+    _check_device,
+    _check_pipeline_cls,
+    _dtype_kwarg,
+    _load_component,
+    _resolve_folder,
+    check_keep,
+)
 from ._component_class import StagingRemovedError
 from ._plan import (
     check_fits,
@@ -42,16 +50,6 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["StagedPipeline", "StagingRemovedError", "default_plan", "staged_pipeline"]
-
-# from_pretrained arguments that also apply to each component's own from_pretrained.
-_MODEL_KWARGS = (
-    "variant",
-    "use_safetensors",
-    "low_cpu_mem_usage",
-    "device_map",
-    "revision",
-    "disable_mmap",
-)
 
 
 class StagedPipeline:
@@ -255,24 +253,6 @@ class StagedPipeline:
         )
 
 
-def _load_component(
-    cls: type, folder: Path, torch_dtype: torch.dtype | None, kwargs: Mapping[str, Any]
-) -> nn.Module:
-    """``cls.from_pretrained`` the way DiffusionPipeline.from_pretrained calls it."""
-    kwargs = dict(kwargs)
-    if _placeholder._is_transformers_model(cls):
-        import transformers
-        from packaging.version import Version
-
-        # As the pipeline's loader passes it: transformers 4.56 renamed torch_dtype to dtype,
-        # and None means each version's default (5.x: the checkpoint's dtype).
-        key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
-        kwargs[key] = torch_dtype
-    else:
-        kwargs["torch_dtype"] = torch_dtype
-    return cls.from_pretrained(str(folder), **kwargs)
-
-
 def staged_pipeline(
     pipeline_cls: type,
     path: str | os.PathLike[str],
@@ -401,18 +381,6 @@ def staged_pipeline(
         events.emit(note)
     emit_outer(note)  # under `stageload meter`, the plan goes into its trace too
     return pipe
-
-
-def _dtype_kwarg(torch_dtype: torch.dtype | None) -> dict[str, Any]:
-    """The pipeline's dtype argument: ``dtype`` from diffusers 0.42 (``torch_dtype`` warns
-    there), ``torch_dtype`` before."""
-    if torch_dtype is None:
-        return {}
-    try:
-        from diffusers.utils.deprecation_utils import _resolve_dtype  # noqa: F401
-    except ImportError:
-        return {"torch_dtype": torch_dtype}
-    return {"dtype": torch_dtype}
 
 
 def _user(state: StagedPipeline, name: str) -> Any:

@@ -1,4 +1,5 @@
-"""Checks of ``staged_pipeline``'s arguments, each failing with a message that says the fix."""
+"""Checks of ``staged_pipeline``'s arguments, each failing with a message that says the fix,
+and the ``from_pretrained`` arguments as each library version spells them."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import _placeholder
+
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
 
 def _check_pipeline_cls(pipeline_cls: Any) -> None:
@@ -106,3 +110,44 @@ def check_keep(keep: Any, staged: list[str], folder: Path) -> list[str]:
                 f"{', '.join(staged) or '(none)'}"
             )
     return keep
+
+
+# from_pretrained arguments that also apply to each component's own from_pretrained.
+_MODEL_KWARGS = (
+    "variant",
+    "use_safetensors",
+    "low_cpu_mem_usage",
+    "device_map",
+    "revision",
+    "disable_mmap",
+)
+
+
+def _load_component(
+    cls: type, folder: Path, torch_dtype: torch.dtype | None, kwargs: Mapping[str, Any]
+) -> nn.Module:
+    """``cls.from_pretrained`` the way DiffusionPipeline.from_pretrained calls it."""
+    kwargs = dict(kwargs)
+    if _placeholder._is_transformers_model(cls):
+        import transformers
+        from packaging.version import Version
+
+        # As the pipeline's loader passes it: transformers 4.56 renamed torch_dtype to dtype,
+        # and None means each version's default (5.x: the checkpoint's dtype).
+        key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+        kwargs[key] = torch_dtype
+    else:
+        kwargs["torch_dtype"] = torch_dtype
+    return cls.from_pretrained(str(folder), **kwargs)
+
+
+def _dtype_kwarg(torch_dtype: torch.dtype | None) -> dict[str, Any]:
+    """The pipeline's dtype argument: ``dtype`` from diffusers 0.42 (``torch_dtype`` warns
+    there), ``torch_dtype`` before."""
+    if torch_dtype is None:
+        return {}
+    try:
+        from diffusers.utils.deprecation_utils import _resolve_dtype  # noqa: F401
+    except ImportError:
+        return {"torch_dtype": torch_dtype}
+    return {"dtype": torch_dtype}
