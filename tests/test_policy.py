@@ -372,6 +372,24 @@ def test_a_random_drawing_loader_is_not_prefetched_unless_opted_in(checkpoints):
     assert not all(torch.equal(a, b) for a, b in zip(out, eager, strict=True))
 
 
+def test_a_loader_not_ready_for_background_is_loaded_on_demand(checkpoints):
+    """``background_ready()`` is asked at every decision: the diffusers adapter's first
+    load (from_pretrained) is unsafe beside a running call, its later refills are not."""
+    eager = eager_outputs(checkpoints)
+    ready = {"flag": False}
+    loaders = {n: block_rng_free(p) for n, p in checkpoints.items()}
+    for f in loaders.values():
+        f.background_ready = lambda: ready["flag"]
+    size = sum(t.numel() * 4 for t in Block().state_dict().values())
+    sizes = dict.fromkeys(loaders, size)
+    out, sink = staged_run(loaders, budget=2 * size, prefetch=True, sizes=sizes)
+    assert sink.kinds("prefetch") == []
+    assert all(torch.equal(a, b) for a, b in zip(out, eager, strict=True))
+    ready["flag"] = True  # control: the same loaders, now ready, are prefetched
+    out, sink = staged_run(loaders, budget=2 * size, prefetch=True, sizes=sizes)
+    assert len(sink.kinds("prefetch")) >= 3
+
+
 def test_a_model_being_prefetched_is_waited_for_not_loaded_twice():
     gate, started = threading.Event(), threading.Event()
     counts: dict[str, int] = {}

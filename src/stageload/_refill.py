@@ -74,6 +74,11 @@ def learn(module: nn.Module, files: list[Path]) -> str | None:
     return None
 
 
+def can_reload(module: nn.Module) -> bool:
+    """Whether :func:`reload` can refill ``module`` from its files (its first load learned how)."""
+    return module.__dict__.get(_RECIPE_ATTR) is not None
+
+
 def reload(
     module: nn.Module,
     device: torch.device,

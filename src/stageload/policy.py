@@ -17,16 +17,15 @@ Only loaders that draw no random numbers may run there. Mark them with :func:`rn
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from .budget import AUTO_RESERVE_MIN, AUTO_RESERVE_SHARE, over_budget, parse_budget
 from .events import REASON_BUDGET, REASON_NOT_IN_PLAN
+from .marks import is_rng_free, ready_for_background, rng_free
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-# Budget parsing lives in budget.py; importable from here too.
+# Budget parsing lives in budget.py, the loader marks in marks.py; importable from here too.
 __all__ = [
     "AUTO_RESERVE_MIN",
     "AUTO_RESERVE_SHARE",
@@ -35,44 +34,12 @@ __all__ = [
     "ReleaseUnlisted",
     "ResidencyPolicy",
     "is_rng_free",
+    "ready_for_background",
     "next_use",
     "over_budget",
     "parse_budget",
     "rng_free",
 ]
-
-#: The attribute :func:`rng_free` sets on a loader. ``loader.draws_random = False`` is the
-#: whole contract: anyone may set it without importing stageload.
-RNG_FREE_ATTR = "draws_random"
-
-
-def rng_free(loader: F) -> F:
-    """Declare that ``loader`` draws no random numbers, so it may be prefetched.
-
-    Sets ``loader.draws_random = False`` and returns the loader (usable as a decorator).
-    A loader qualifies when it builds its model without running random initialisers (on
-    ``meta``, or with ``init=False``-style constructors) and only copies weights in, and
-    when every model it asks the registry for qualifies too. Objects that take no
-    attributes (bound methods) are wrapped in a function that does.
-    """
-    try:
-        setattr(loader, RNG_FREE_ATTR, False)
-        return loader
-    except (AttributeError, TypeError):
-        pass
-
-    def load() -> Any:
-        return loader()
-
-    load.__qualname__ = getattr(loader, "__qualname__", "load")
-    setattr(load, RNG_FREE_ATTR, False)
-    return load  # type: ignore[return-value]
-
-
-def is_rng_free(loader: object) -> bool:
-    """True when ``loader`` is marked as drawing no random numbers (see :func:`rng_free`)."""
-    return getattr(loader, RNG_FREE_ATTR, True) is False
-
 
 @dataclass(frozen=True)
 class Plan:

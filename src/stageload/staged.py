@@ -28,6 +28,7 @@ from .policy import (
     over_budget,
     parse_budget,
     prefetchable,
+    ready_for_background,
     unprefetchable,
 )
 from .release import held_elsewhere, release
@@ -286,7 +287,11 @@ class StagedModels(LoadJobs, Mapping[str, "nn.Module"]):
             stages=self._plan,
             pinned=self._pinned,
             sizes={**self._given_sizes, **self._sizes},
-            prefetchable=self._prefetchable,
+            # A loader may be fit for a background thread only at times (see
+            # policy.ready_for_background): ask it at every decision, not once.
+            prefetchable=frozenset(
+                n for n in self._prefetchable if ready_for_background(self._loaders[n])
+            ),
         )
 
     def _emit(self, event: Event) -> None:

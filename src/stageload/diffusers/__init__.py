@@ -144,6 +144,8 @@ class StagedPipeline:
         # and reads weights in: no random numbers drawn, so it may be prefetched.
         if self._model_kwargs.get("low_cpu_mem_usage", True) is not False:
             load.draws_random = False  # type: ignore[attr-defined]
+        # Only refills go to the background: from_pretrained's meta set-up reaches other threads.
+        load.background_ready = lambda: _fill.can_reload(self._skeletons[name])  # type: ignore
         return load
 
     def _learn(self, name: str, skeleton: nn.Module) -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from .._checkpoint import checkpoint_files
-from .._refill import learn, reload
+from .._refill import can_reload, learn, reload
 
-__all__ = ["checkpoint_of", "learn", "reload"]
+__all__ = ["can_reload", "checkpoint_of", "learn", "reload"]
 
 
 def checkpoint_of(folder: Path, kwargs: Mapping[str, Any]) -> list[Path] | str:
