@@ -132,6 +132,13 @@ def test_a_node_with_too_little_memory_gets_no_worker(cluster):
         dict(stream_batch(MAKE, CALLS[:2], memory=HEAD_MEMORY + (1 << 20)))
 
 
+def test_bad_memory_fails_before_ray_is_touched():
+    with pytest.raises(ValueError, match="'8X'"):
+        stream_batch(MAKE, CALLS, memory="8X")  # at the call, not at the first result
+    with pytest.raises(TypeError, match="memory must be"):
+        stream_batch(MAKE, CALLS, memory=True)
+
+
 def test_each_worker_loads_each_model_once_per_chunk(batch):
     stream = batch["stream"]
     assert all(len(chunk) >= 2 for chunk in stream.chunks)  # several calls per chunk

@@ -93,6 +93,14 @@ class BatchStream:
         if batch_size is not None and (isinstance(batch_size, bool)
                                        or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+        if isinstance(memory, bool):
+            raise TypeError(
+                f"memory must be bytes, a size such as '6G', a trace path or 'auto', "
+                f"got {memory!r}"
+            )
+        auto = isinstance(memory, str) and memory.strip().lower() == "auto"
+        if isinstance(memory, str) and not auto and not os.path.isfile(memory):
+            parse_size(memory)  # a bad size fails here, before Ray is started
         self.make_pipeline = make_pipeline
         self.memory = memory
         self.requested_workers = workers
@@ -137,12 +145,7 @@ class BatchStream:
         """The per-worker request in bytes, and the probe's result if it ran one."""
         import ray
 
-        memory = self.memory
-        if isinstance(memory, bool):
-            raise TypeError(
-                f"memory must be bytes, a size such as '6G', a trace path or 'auto', "
-                f"got {memory!r}"
-            )
+        memory = self.memory  # its form was checked in __init__
         if isinstance(memory, int):
             return memory, {}
         if isinstance(memory, str) and memory.strip().lower() == "auto":
