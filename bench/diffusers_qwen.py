@@ -139,8 +139,8 @@ def checkpoint_weights(fixture: Path, dtype: str) -> dict[str, int]:
     in float32), others as stored."""
     import torch
 
-    from stageload._checkpoint import read_header
     from stageload.diffusers import _plan
+    from stageload.load.checkpoint import read_header
 
     run = getattr(torch, dtype).itemsize
     out: dict[str, int] = {}

@@ -47,8 +47,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from stageload import load as load_mod  # noqa: E402
 from stageload import load_weights, release  # noqa: E402
+from stageload.load import weights as load_mod  # noqa: E402
 
 GIB = 1 << 30
 HUGE = 2 << 20
@@ -267,7 +267,7 @@ def measure_raw(files: list[Path]) -> dict[str, float]:
 def fresh_case(gb: float, advise: bool) -> Callable[[], tuple[int, Any]]:
     """No file at all: allocate fresh memory and write every byte once (torch, 2 threads).
     The ceiling for any loader that leaves the weights in fresh process memory."""
-    from stageload._pread import advise_huge_pages
+    from stageload.load.reader import advise_huge_pages
 
     def run() -> tuple[int, Any]:
         t = torch.empty(int(gb * GIB), dtype=torch.uint8)

@@ -56,7 +56,7 @@ def local(path: str, n: int, trace: Path) -> dict:
         "from ray_batch import load_pipeline, calls",
         "from stageload import MemoryMeter",
         "from stageload.ray import call_kwargs",
-        "from stageload.outer import TRACE_ENV",
+        "from stageload.core.outer import TRACE_ENV",
         f"m = MemoryMeter({str(trace)!r}, 0.05, meta={{'label': 'local'}}).start()",
         f"os.environ[TRACE_ENV] = {str(trace)!r}",
         f"t = time.monotonic(); pipe = load_pipeline({path!r})",

@@ -62,7 +62,7 @@ def budget_bytes(sizes: dict[str, int], which: str) -> int:
 
 def demo_sizes() -> tuple[Any, Path, dict[str, int]]:
     from stageload.demo.pipeline import MODELS, SIZES, default_cache_dir, ensure_weights
-    from stageload.load import checkpoint_bytes
+    from stageload.load.checkpoint import checkpoint_bytes
 
     folder, _ = ensure_weights(SIZES["default"], default_cache_dir())
     sizes = {m: checkpoint_bytes(folder / f"{m}.safetensors") for m in MODELS}
@@ -75,7 +75,7 @@ def work_demo(mode: str, n: int, budget: int | None, sink: Any, times: list[floa
     from stageload import StagedModels
     from stageload.demo.pipeline import MODELS, STAGES, build_model
     from stageload.demo.pipeline import run_pipeline as pipeline
-    from stageload.load import from_safetensors
+    from stageload.load.weights import from_safetensors
 
     size, folder, sizes = demo_sizes()
     call = replace(size, batch=8, encode_passes=2, steps=4)

@@ -13,7 +13,7 @@ import torch
 
 from fixtures.tiny import load_block, save_block
 from stageload import BatchError, ListSink, StagedModels
-from stageload import batch as batch_module
+from stageload.core import batch as batch_module
 from stageload.report.trace import read_trace, stage_windows
 
 STAGES = {"encode": ["encoder"], "denoise": ["denoiser"], "decode": ["decoder"]}
@@ -85,7 +85,7 @@ def test_map_equals_calls_in_turn_and_loads_each_model_once(checkpoints, n):
     assert all(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
     assert counts == {"encoder": 1, "denoiser": 1, "decoder": 1}
     assert [e.stage for e in sink.kinds("stage")] == list(STAGES)
-    assert models._batch is None  # the hook is gone afterwards
+    assert not models.batch_running  # the hook is gone afterwards
 
 
 def test_without_the_per_call_rng_swap_outputs_differ(checkpoints, monkeypatch):
@@ -310,4 +310,4 @@ def test_an_interrupted_batch_unwinds_every_parked_call(checkpoints):
         models.map(fn, range(3))
     assert sorted(unwound) == [0, 1, 2]
     assert threading.active_count() == before
-    assert models._batch is None
+    assert not models.batch_running

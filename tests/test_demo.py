@@ -180,9 +180,7 @@ def test_an_interrupted_demo_leaves_no_worker_running() -> None:
         assert line == "ready"
         # Only the worker: other tests may have left multiprocessing's resource tracker
         # running as a child of this process, which is not ours to judge.
-        workers.extend(
-            c for c in psutil.Process().children() if worker in " ".join(c.cmdline())
-        )
+        workers.extend(c for c in psutil.Process().children() if worker in " ".join(c.cmdline()))
         raise KeyboardInterrupt
 
     worker = "import time; print('ready', flush=True); time.sleep(60)"

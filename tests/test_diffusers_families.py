@@ -195,18 +195,8 @@ def test_buffer_read_loads_the_placeholder(root: Path) -> None:
 
 
 def test_running_methods_load_and_structural_ones_do_not(root: Path) -> None:
-    from diffusers import AutoencoderKL
-    from transformers import ClapModel, CLIPModel, GPT2LMHeadModel
-
-    from stageload.diffusers._component_class import running_methods
-
-    assert {"get_text_features", "get_audio_features"} <= set(running_methods(ClapModel))
-    assert {"get_text_features", "get_image_features"} <= set(running_methods(CLIPModel))
-    assert "generate" in running_methods(GPT2LMHeadModel)
-    vae = set(running_methods(AutoencoderKL))
-    assert {"encode", "decode", "tiled_decode"} <= vae
-    assert not vae & {"enable_tiling", "set_attn_processor", "save_pretrained", "forward"}
-
+    """Methods that compute (get_text_features, generate) run a submodule, whose hook loads
+    the component; methods that only change settings (enable_tiling) load nothing."""
     family = FAMILIES["audioldm2"]
     pipe = staged_pipeline(family.cls, folder(family, root), keep=())
     pipe.vae.enable_tiling()

@@ -26,7 +26,7 @@ def modules_after(code: str) -> set[str]:
     [
         "import stageload",
         "import stageload.cli",
-        "import stageload.memory, stageload.units, stageload.events",
+        "import stageload.memory, stageload.units, stageload.core.events",
         # --help imports every subcommand module
         "import contextlib, stageload.cli\n"
         "with contextlib.suppress(SystemExit):\n    stageload.cli.main(['--help'])",

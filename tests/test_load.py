@@ -22,9 +22,10 @@ from stageload import (
     load_weights,
     release,
 )
-from stageload import load as load_mod
-from stageload.policy import is_rng_free
-from stageload.release import is_released
+from stageload.core.policy import is_rng_free
+from stageload.hooks.release import is_released
+from stageload.load import reader
+from stageload.load import weights as load_mod
 
 
 class Net(nn.Module):
@@ -209,7 +210,7 @@ def test_file_shrinking_during_the_read_is_caught(files, tmp_path):
         os.truncate(path, 100)
         buf = bytearray(64)
         with pytest.raises(CheckpointError, match="shrinks.safetensors: truncated: the file ended"):
-            load_mod.pread_into(fd, path, 80, memoryview(buf))
+            reader.pread_into(fd, path, 80, memoryview(buf))
     finally:
         os.close(fd)
 

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import stageload.diffusers as sd  # noqa: E402
 from stageload import ListSink  # noqa: E402
-from stageload.diffusers import _fill, staged_pipeline  # noqa: E402
+from stageload.diffusers import _args, staged_pipeline  # noqa: E402
+from stageload.load.refill import Recipe, learn  # noqa: E402
 
 try:  # the fixtures' home after the layout change, and before it
     from stageload.testing import diffusers as fixtures  # type: ignore[attr-defined]
@@ -113,18 +114,18 @@ def test_renamed_keys_fall_back_to_from_pretrained_with_a_note(
 
 
 def test_learn_refuses_values_that_differ_from_the_file(flux):
-    files = _fill.checkpoint_of(flux / "transformer", {})
+    files = _args.checkpoint_of(flux / "transformer", {})
     assert isinstance(files, list)
     from diffusers import FluxTransformer2DModel
 
     model = FluxTransformer2DModel.from_pretrained(flux / "transformer")
-    assert _fill.learn(model, files) is None
+    assert isinstance(learn(model, files), Recipe)
     # Control: a conversion on load that keeps the keys (here: one value changed).
     with torch.no_grad():
         model.proj_out.weight.view(-1)[0] += 1
-    assert "'proj_out.weight' differs from the file's" in (_fill.learn(model, files) or "")
+    assert "'proj_out.weight' differs from the file's" in str(learn(model, files))
 
 
 def test_checkpoint_of_follows_variant_and_use_safetensors(flux):
-    assert _fill.checkpoint_of(flux / "vae", {"use_safetensors": False}) == "use_safetensors=False"
-    assert "for variant 'fp16'" in str(_fill.checkpoint_of(flux / "vae", {"variant": "fp16"}))
+    assert _args.checkpoint_of(flux / "vae", {"use_safetensors": False}) == "use_safetensors=False"
+    assert "for variant 'fp16'" in str(_args.checkpoint_of(flux / "vae", {"variant": "fp16"}))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from stageload.cli import main
-from stageload.events import Event
+from stageload.core.events import Event
 from stageload.meter import MemoryMeter
 from stageload.meter.tracefile import read_records
 
@@ -52,7 +52,7 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
 
 def _tiny_staged(tmp_path: Path, meter: MemoryMeter):
     from fixtures.tiny import load_block, save_block
-    from stageload.staged import StagedModels
+    from stageload.core.staged import StagedModels
 
     files = {
         name: save_block(tmp_path / f"{name}.safetensors", seed=i)
@@ -201,7 +201,7 @@ def test_process_sampler_sees_a_peak_that_the_thread_sampler_misses(tmp_path: Pa
 _KILLED = textwrap.dedent(
     """
     import sys, time
-    from stageload.events import Event
+    from stageload.core.events import Event
     from stageload.meter import MemoryMeter
 
     meter = MemoryMeter(sys.argv[1], 0.02, sampler=sys.argv[2]).start()

@@ -20,9 +20,9 @@ from torch import nn
 
 from stageload import ListSink, StagedModels
 from stageload.cli import main
-from stageload.events import Event
+from stageload.core.events import Event
+from stageload.core.outer import EVENTS_ENV, TRACE_ENV, OuterTrace, command_env, outer_trace
 from stageload.meter.tracefile import TraceWriter, read_records
-from stageload.outer import EVENTS_ENV, TRACE_ENV, OuterTrace, command_env, outer_trace
 from stageload.report.processes import PIPELINE_KINDS, by_process
 from stageload.report.trace import load_summary, read_trace, summarize
 

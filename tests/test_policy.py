@@ -16,15 +16,15 @@ from torch import nn
 
 from fixtures.tiny import Block, load_block, save_block
 from stageload import ListSink, ModelLoadError, StagedModels, from_safetensors
-from stageload.memory import read_process, read_system
-from stageload.policy import (
+from stageload.core.policy import (
     AUTO_RESERVE_MIN,
     FurthestNextUse,
-    Plan,
+    PolicyView,
     is_rng_free,
     parse_budget,
     rng_free,
 )
+from stageload.memory import read_process, read_system
 
 KIB = 1024
 
@@ -190,7 +190,7 @@ def test_eviction_order_and_reasons():
     """Unplanned models first, then furthest next use (cyclic), ties: smaller first."""
     stages = {"a": ("A",), "b": ("B",), "c": ("C",), "d": ("D",)}
     sizes = {"A": 2, "B": 2, "C": 1, "D": 4, "X": 1}
-    plan = Plan(stages=stages, pinned=frozenset(), sizes=sizes)
+    plan = PolicyView(stages=stages, pinned=frozenset(), sizes=sizes)
     policy = FurthestNextUse(6)
     # In stage d: A is next used 1 stage on, B 2, C 3, X never.
     # Need 4 more: X, then the fewest planned models that free the rest, furthest first.

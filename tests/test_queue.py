@@ -187,10 +187,10 @@ def test_declared_needs_run_together_when_they_fit(
         pytest.skip(f"needs 3 GiB available, have {available}")
     a, b, log = tmp_path / "a", tmp_path / "b", tmp_path / "log"
     meet = "touch {me}; while [ ! -e {other} ]; do sleep 0.02; done; echo {name} >> {log}"
-    first = spawn("--memory", "1G", "--", "sh", "-c",
-                  meet.format(me=a, other=b, name="a", log=log))
-    second = spawn("--memory", "1G", "--", "sh", "-c",
-                   meet.format(me=b, other=a, name="b", log=log))
+    first = spawn("--memory", "1G", "--", "sh", "-c", meet.format(me=a, other=b, name="a", log=log))
+    second = spawn(
+        "--memory", "1G", "--", "sh", "-c", meet.format(me=b, other=a, name="b", log=log)
+    )
     assert finish(first)[0] == 0 and finish(second)[0] == 0
     assert sorted(log_lines(log)) == ["a", "b"]
 
@@ -213,9 +213,7 @@ def test_needs_over_half_of_available_run_one_after_the_other(
     assert log_lines(log) == ["first", "first-end", "second"]
 
 
-def test_learned_need_is_used_on_the_second_run(
-    home: Path, tmp_path: Path, spawn: Spawn
-) -> None:
+def test_learned_need_is_used_on_the_second_run(home: Path, tmp_path: Path, spawn: Spawn) -> None:
     """First run: never seen, alone. Second run: its learned peak fits beside a running 1G
     command, so it starts there; a command never seen waits ('busy') beside the same one."""
     log, go = tmp_path / "log", tmp_path / "go"
@@ -344,11 +342,11 @@ def test_queue_json_shows_running_and_waiting(
 def test_the_runs_trace_receives_the_commands_own_events(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The run's trace is the outer trace (stageload.outer, the path StagedModels sends its
+    """The run's trace is the outer trace (stageload.core.outer, the path StagedModels sends its
     events to) of the command. Control: --no-events keeps them out."""
     monkeypatch.setenv("PYTHONPATH", SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     emit = (
-        "from stageload.events import Event; from stageload.outer import outer_trace; "
+        "from stageload.core.events import Event; from stageload.core.outer import outer_trace; "
         "trace = outer_trace(); trace and trace.emit(Event('stage', stage='denoise'))"
     )
     assert main(["run", *FLAGS, "--", PY, "-c", emit]) == 0

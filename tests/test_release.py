@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from stageload import ReleasedModuleError, release
-from stageload.release import is_released, module_bytes
+from stageload.hooks.release import is_released, module_bytes
 
 TESTS = Path(__file__).parent
 
@@ -187,7 +187,7 @@ def test_release_rejects_non_modules():
 
 
 def test_unmark_released_restores_only_our_forward():
-    from stageload.release import unmark_released
+    from stageload.hooks.release import unmark_released
 
     model = nn.Linear(2, 2)
     release(model)

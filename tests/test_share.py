@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 from stageload import release, share
-from stageload.release import is_released
+from stageload.hooks.release import is_released
 
 
 class Backbone(nn.Linear):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stageload.events import Event
+from stageload.core.events import Event
 from stageload.meter.tracefile import FORMAT_VERSION, TraceWriter, read_records
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.outer import command_env
 from ..guard.process import EXIT_CANNOT_START
-from ..outer import command_env
 from ..units import format_duration, format_size
 from ._args import command_after_dashes, interval, unwritable_file
 

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from ..errors import StageloadError
 from ..units import format_duration, format_size
 from .pipeline import (
     MODELS,
@@ -84,7 +85,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from ..events import TeeSink
+    from ..core.events import TeeSink
     from ..meter import MemoryMeter
 
     # The same thread count in both runs: BLAS may sum in a different order otherwise.
@@ -126,7 +127,7 @@ class DemoResult:
         return asdict(self)
 
 
-class DemoRunError(RuntimeError):
+class DemoRunError(StageloadError, RuntimeError):
     """One of the two runs failed; the message holds the end of its output."""
 
 
@@ -302,4 +303,3 @@ def _print_to(stream: TextIO) -> Callable[[str], None]:
         print(line, file=stream, flush=True)
 
     return say
-

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from ..staged import StagedModels
+    from ..core.staged import StagedModels
 
 MODELS = ("encoder", "denoiser", "decoder")
 STAGES: dict[str, tuple[str, ...]] = {
@@ -225,7 +225,7 @@ def make_models(
 
     ``preserve_rng=False`` is the control that shows why loads must not touch the RNG.
     """
-    from ..staged import StagedModels
+    from ..core.staged import StagedModels
 
     if mode not in MODES:
         raise ValueError(f"unknown demo mode {mode!r}: use 'eager' or 'staged'")

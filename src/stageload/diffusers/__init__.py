@@ -20,12 +20,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..events import NOTE, Event, EventSink
-from ..outer import emit_outer
-from ..policy import parse_budget
-from ..release import ReleasedModuleError, release
-from ..staged import StagedModels
-from . import _fill, _placeholder
+from ..core.events import NOTE, Event, EventSink
+from ..core.outer import emit_outer
+from ..core.policy import parse_budget
+from ..core.staged import StagedModels
+from ..hooks.release import ReleasedModuleError, release
+from ..load.refill import Recipe, learn, reload
+from . import _placeholder
 from ._args import (
     _MODEL_KWARGS,
     _check_device,
@@ -34,8 +35,9 @@ from ._args import (
     _load_component,
     _resolve_folder,
     check_keep,
+    checkpoint_of,
 )
-from ._component_class import StagingRemovedError
+from ._placeholder import StageHook, StagingRemovedError
 from ._plan import (
     check_fits,
     choose_plan,
@@ -96,6 +98,8 @@ class StagedPipeline:
             name: {"device": device, "dtype": None} for name in self._skeletons
         }
         self._lock = threading.RLock()
+        # How each component refills from its files, learned at its first load.
+        self._recipes: dict[str, Recipe] = {}
         self._used: set[str] = set()  # components used at least once, for adaptive plans
         self._bridges: set[tuple[str, str]] = set()  # (stage, name): kept there, not run
         self._closed_at: tuple[str | None] | None = None
@@ -123,20 +127,11 @@ class StagedPipeline:
         def load() -> nn.Module:
             if self._closed_at is not None:  # close() is for good, models[name] included
                 raise ReleasedModuleError(name, self._closed_at[0])
-            target = self._targets[name]
             skeleton = self._skeletons[name]
-            if _fill.reload(skeleton, target["device"], target["dtype"], _placeholder.real_to):
-                return skeleton  # filled in place from the files, as the first load was
-            loaded = _load_component(
-                self._classes[name],
-                self.path / name,
-                self.torch_dtype,
-                self._model_kwargs,
-            )
-            if target["device"].type != "cpu" or target["dtype"] is not None:
-                loaded = loaded.to(device=target["device"], dtype=target["dtype"])
-            _placeholder.fill(skeleton, loaded)
-            self._learn(name, skeleton)
+            # Filling writes the placeholder's tensors; on this thread that must not count as
+            # a use of the empty placeholder (which would load it again).
+            with _placeholder.passthrough(skeleton):
+                self._fill(name, skeleton)
             return skeleton
 
         load.__qualname__ = f"load_{name}"
@@ -145,22 +140,38 @@ class StagedPipeline:
         if self._model_kwargs.get("low_cpu_mem_usage", True) is not False:
             load.draws_random = False  # type: ignore[attr-defined]
         # Only refills go to the background: from_pretrained's meta set-up reaches other threads.
-        load.background_ready = lambda: _fill.can_reload(self._skeletons[name])  # type: ignore
+        load.background_ready = lambda: name in self._recipes  # type: ignore[attr-defined]
         return load
+
+    def _fill(self, name: str, skeleton: nn.Module) -> None:
+        target = self._targets[name]
+        recipe = self._recipes.get(name)
+        if recipe is not None:  # refill in place from the files, as the first load was
+            reload(skeleton, recipe, target["device"], target["dtype"], _placeholder.real_to)
+            return
+        loaded = _load_component(
+            self._classes[name], self.path / name, self.torch_dtype, self._model_kwargs
+        )
+        if target["device"].type != "cpu" or target["dtype"] is not None:
+            loaded = loaded.to(device=target["device"], dtype=target["dtype"])
+        _placeholder.fill(skeleton, loaded)
+        self._learn(name, skeleton)
 
     def _learn(self, name: str, skeleton: nn.Module) -> None:
         """After the first from_pretrained load: may later loads read the files directly?"""
-        files = _fill.checkpoint_of(self.path / name, self._model_kwargs)
+        files = checkpoint_of(self.path / name, self._model_kwargs)
         if self._targets[name]["dtype"] is not None:
             # from_pretrained's dtype then .to(dtype) rounds twice; a direct read once.
-            why: str | None = "it was converted with .to(dtype) before its first load"
+            learned: Recipe | str = "it was converted with .to(dtype) before its first load"
         elif isinstance(files, str):
-            why = files
+            learned = files
         else:
-            why = _fill.learn(skeleton, files)
-        if why is not None and self._events is not None:
+            learned = learn(skeleton, files)
+        if not isinstance(learned, str):
+            self._recipes[name] = learned
+        elif self._events is not None:
             self._events.emit(
-                Event(NOTE, model=name, note=f"{name} reloads with from_pretrained: {why}")
+                Event(NOTE, model=name, note=f"{name} reloads with from_pretrained: {learned}")
             )
 
     def use(self, name: str) -> None:
@@ -173,7 +184,7 @@ class StagedPipeline:
         if self.adaptive and self._closed_at is None:
             with self._lock:
                 self._adapt(name)
-        if self.models._batch is not None and self._closed_at is None:
+        if self.models.batch_running and self._closed_at is None:
             # A call of map(): wait for the stage outside this lock, which the other calls
             # of the batch need while this one is parked (see stageload.batch).
             target = self._next_stage(name)
@@ -207,15 +218,17 @@ class StagedPipeline:
         with self._lock:
             skeleton = self._skeletons[name]
             target = self._targets[name]
+            hook = _placeholder.stage_hook(skeleton)
             if device is not None:
                 target["device"] = torch.device(device)
-                _placeholder.set_device(skeleton, target["device"])
+                if hook is not None:
+                    hook.execution_device = target["device"]
             if dtype is not None:
                 target["dtype"] = dtype
             if self.models.is_loaded(name):
                 _placeholder.real_to(skeleton, device=device, dtype=dtype)
-            elif dtype is not None:
-                _placeholder.cast_empty(skeleton, dtype)
+            elif dtype is not None:  # on meta only the dtype changes now; the device at load
+                _placeholder.real_to(skeleton, dtype=dtype)
 
     def _adapt(self, name: str) -> None:
         """Refine the default plan with this use of ``name`` (see the class docstring)."""
@@ -307,7 +320,7 @@ def staged_pipeline(
     """
     import torch
 
-    from ..rng import preserved_rng
+    from ..core.rng import preserved_rng
 
     _check_pipeline_cls(pipeline_cls)
     if "dtype" in from_pretrained_kwargs:  # diffusers >= 0.42 spells it dtype
@@ -374,7 +387,9 @@ def staged_pipeline(
         adaptive=stages is None,
     )
     for name, skeleton in skeletons.items():
-        _placeholder.attach(skeleton, _user(state, name), _mover(state, name), device, name)
+        _placeholder.attach(
+            skeleton, StageHook(name, _user(state, name), _mover(state, name), device)
+        )
     pipe.stageload = state
     state._pipeline = weakref.ref(pipe)  # for map(); the pipeline owns its stager
     summary = "; ".join(f"{s}: {', '.join(n)}" for s, n in state.plan.items())

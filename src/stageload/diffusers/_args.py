@@ -8,6 +8,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._external import version_at_least
+from ..load.checkpoint import checkpoint_files
 from . import _placeholder
 
 if TYPE_CHECKING:
@@ -128,13 +130,10 @@ def _load_component(
 ) -> nn.Module:
     """``cls.from_pretrained`` the way DiffusionPipeline.from_pretrained calls it."""
     kwargs = dict(kwargs)
-    if _placeholder._is_transformers_model(cls):
-        import transformers
-        from packaging.version import Version
-
+    if _placeholder.is_transformers_model(cls):
         # As the pipeline's loader passes it: transformers 4.56 renamed torch_dtype to dtype,
         # and None means each version's default (5.x: the checkpoint's dtype).
-        key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+        key = "dtype" if version_at_least("transformers", "4.56") else "torch_dtype"
         kwargs[key] = torch_dtype
     else:
         kwargs["torch_dtype"] = torch_dtype
@@ -146,8 +145,24 @@ def _dtype_kwarg(torch_dtype: torch.dtype | None) -> dict[str, Any]:
     there), ``torch_dtype`` before."""
     if torch_dtype is None:
         return {}
-    try:
-        from diffusers.utils.deprecation_utils import _resolve_dtype  # noqa: F401
-    except ImportError:
-        return {"torch_dtype": torch_dtype}
-    return {"dtype": torch_dtype}
+    return {"dtype" if version_at_least("diffusers", "0.42") else "torch_dtype": torch_dtype}
+
+
+def checkpoint_of(folder: Path, kwargs: Mapping[str, Any]) -> list[Path] | str:
+    """The safetensors files ``from_pretrained`` reads in ``folder``, or why there are none."""
+    if kwargs.get("use_safetensors") is False:
+        return "use_safetensors=False"
+    variant = kwargs.get("variant")
+    for stem in ("diffusion_pytorch_model", "model"):
+        if variant:
+            names = [
+                f"{stem}.{variant}.safetensors",
+                f"{stem}.safetensors.index.{variant}.json",
+                f"{stem}.{variant}.safetensors.index.json",
+            ]
+        else:
+            names = [f"{stem}.safetensors", f"{stem}.safetensors.index.json"]
+        for name in names:
+            if (folder / name).is_file():
+                return checkpoint_files(folder / name)
+    return f"no safetensors checkpoint{f' for variant {variant!r}' if variant else ''} in {folder}"

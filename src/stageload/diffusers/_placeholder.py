@@ -1,77 +1,235 @@
-"""One module object per staged component, for the pipeline's whole life.
+"""One module object per staged component, for the pipeline's whole life: the placeholder.
 
 The pipeline's attribute (``pipe.transformer``) is an instance of the component's real
-class, built from the checkpoint's config with its parameters on ``meta``: a skeleton that
-answers ``.config``, ``.dtype``, ``.device`` and every structural attribute without
-loading. Loading fills that same object in place from a freshly loaded model
-(:func:`fill`); releasing empties it again (``stageload.release`` moves its tensors to
-``meta``). Because the object never changes, whatever the pipeline attached to it before
-the load survives: Qwen-Image registers a forward hook on a text-encoder submodule and
-then calls the encoder, and that hook must fire on the real weights.
+class, built from the checkpoint's config with its parameters on ``meta``: it answers
+``.config``, ``.dtype`` and every structural attribute without loading. Loading fills that
+same object in place (:func:`fill` from a ``from_pretrained`` model, or
+``stageload.load.refill`` straight from the files); releasing empties it again. Because
+the object never changes, whatever the pipeline attached to it survives: Qwen-Image
+registers a forward hook on a text-encoder submodule, and that hook must fire on the real
+weights.
 
-The skeleton's class (``_component_class.staged_class``) is a subclass of the real one
-that makes the component ready before any use.
+How a use is caught: one :class:`StageHook` sits in the hook registry
+(``stageload.hooks.registry``) of every submodule of the placeholder, as diffusers' group
+offloading hooks the parts of a model. Any method that computes (``forward``, ``encode``,
+``decode``, ``get_text_features``, ``generate``) calls some submodule, and that call makes
+the component ready first: its stage is entered and it loads. No list of method names.
+
+What hooks cannot answer, and why the placeholder's class is a subclass of the real one
+(:func:`placeholder_class`), in one place:
+
+- ``.device``: the real class answers its first parameter's device, ``meta`` while the
+  weights are out, and pipelines move inputs there (``image.to(self.vae.device)``);
+- conversions (``to``, ``half``, ``cuda``, ...): all go through ``nn.Module._apply`` with an
+  opaque function, which fails on ``meta`` for a device change and must be remembered for
+  the next load (``pipe.to("cuda")`` while the VAE is out);
+- reading a parameter or buffer of an empty placeholder (LTX-Video reads
+  ``vae.latents_mean`` before decoding): attribute reads run no forward, so it loads there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..release import unmark_released
-from ._component_class import (
-    DEVICE_ATTR,
-    MOVE_ATTR,
-    USE_ATTR,
-    StageHook,
-    _module_type,
-    staged_class,
+from .._external import (
+    HF_HOOK_ATTR,
+    keep_in_fp32_modules,
+    non_persistent_buffers,
+    transformers_from_config,
+    version_at_least,
 )
+from ..errors import StageloadError
+from ..hooks.registry import HookRegistry, ModuleHook
+from ..hooks.release import is_released, unmark_released
+from ..load.checkpoint import DTYPES, read_header
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-# Per submodule: the plain attributes as they were after the last fill, to tell which ones
-# the pipeline or the user changed since (``vae.enable_tiling()``) and must keep.
-_SNAPSHOT_ATTR = "_stageload_snapshot"
+#: The registry name of the hook on every submodule of a placeholder.
+STAGE = "stage"
 
-# nn.Module's hook registries. The skeleton's dict objects are kept (RemovableHandles point
-# at them by weakref). A fill takes out the hooks the model itself registered (its
-# constructor, on the skeleton or the last load) and adds the loaded model's; hooks the
-# pipeline or the user registered on the skeleton stay.
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
-_SLOTS = ("_parameters", "_buffers")
-# Per submodule: hook registry name -> keys of the hooks the model registered itself.
-_MODEL_HOOKS_ATTR = "_stageload_model_hooks"
-# Set on the skeleton by us or by stageload.release; never taken from a loaded model.
-_OWN = frozenset(
-    {
-        USE_ATTR,
-        DEVICE_ATTR,
-        MOVE_ATTR,
-        _SNAPSHOT_ATTR,
-        _MODEL_HOOKS_ATTR,
-        "_hf_hook",
-        "_stageload_released",
+
+class StagingRemovedError(StageloadError, RuntimeError):
+    """Something tried to take a staged component's stageload hook off (diffusers'
+    ``remove_all_hooks``, which its offloading methods call first)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(
+            f"{name!r} is loaded per stage by stageload, and diffusers' remove_all_hooks() "
+            f"(called by enable_model_cpu_offload, enable_sequential_cpu_offload and "
+            f"reset_device_map) would remove that and leave it empty; a staged pipeline "
+            f"already keeps only the current stage's models in memory, so drop the offload "
+            f"call, or load the pipeline with from_pretrained to use diffusers' offloading"
+        )
+
+
+class StageHook(ModuleHook):
+    """A staged component's hook: in the registry of each of its submodules, and at
+    ``_hf_hook`` on the placeholder itself, where diffusers reads accelerate's hook
+    protocol (``pre_forward`` before ``encode``/``decode``, ``execution_device``).
+
+    ``use()`` enters the component's stage and loads it; ``move(device, dtype)`` records a
+    conversion for every later load.
+    """
+
+    no_grad = False  # accelerate's ModelHook field
+
+    def __init__(
+        self,
+        name: str,
+        use: Callable[[], None],
+        move: Callable[[torch.device | None, torch.dtype | None], None],
+        device: torch.device,
+    ) -> None:
+        self.name = name
+        self.use = use
+        self.move = move
+        self.execution_device = device
+        self._local = threading.local()
+
+    @property
+    def passthrough(self) -> bool:
+        """True on a thread where the stager itself fills or converts the weights: its
+        writes and conversions then act on the tensors, not on the stager's plan."""
+        return getattr(self._local, "passthrough", False)
+
+    @passthrough.setter
+    def passthrough(self, value: bool) -> None:
+        self._local.passthrough = value
+
+    # -- stageload's protocol ---------------------------------------------------------------
+    def pre_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.use()
+        return None
+
+    def revive(self, module: nn.Module) -> bool:
+        self.use()
+        return True
+
+    # -- accelerate's, as diffusers reads it ------------------------------------------------
+    def init_hook(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        self.use()
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        return output
+
+    def detach_hook(self, module: nn.Module) -> nn.Module:
+        # accelerate's remove_hook_from_module calls this; diffusers calls that from
+        # remove_all_hooks (enable_model_cpu_offload, enable_sequential_cpu_offload,
+        # reset_device_map). The placeholder would stay empty with nothing to load it, so
+        # refuse before anything is removed.
+        raise StagingRemovedError(self.name)
+
+    def __repr__(self) -> str:
+        return f"StageHook({self.name!r}, execution_device={self.execution_device!r})"
+
+
+def stage_hook(module: nn.Module) -> StageHook | None:
+    """The placeholder's hook, or None for a module that is not a placeholder (any more)."""
+    registry = HookRegistry.of(module)
+    hook = registry.get(STAGE) if registry is not None else None
+    return hook if isinstance(hook, StageHook) else None
+
+
+@contextlib.contextmanager
+def passthrough(module: nn.Module) -> Iterator[None]:
+    """Conversions of ``module`` inside the block act on its weights, not the stager's plan."""
+    hook = stage_hook(module)
+    if hook is None:
+        yield
+        return
+    hook.passthrough, before = True, hook.passthrough
+    try:
+        yield
+    finally:
+        hook.passthrough = before
+
+
+# -- the class -----------------------------------------------------------------------------------
+@functools.cache
+def placeholder_class(base: type) -> type:
+    """A subclass of ``base`` under the same name for what hooks cannot catch (see the
+    module's docstring): ``device``, conversions, and reads of an empty tensor."""
+    base_device = getattr(base, "device", None)
+
+    def device(self: Any) -> torch.device:
+        hook = stage_hook(self)
+        first = next(self.parameters(), None)
+        if hook is not None and (first is None or first.is_meta):
+            return hook.execution_device
+        if isinstance(base_device, property) and base_device.fget is not None:
+            return base_device.fget(self)
+        import torch
+
+        return first.device if first is not None else torch.device("cpu")
+
+    def _apply(self: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        hook = stage_hook(self)
+        if hook is None or hook.passthrough:
+            return super(cls, self)._apply(fn, *args, **kwargs)
+        # pipe.to("cuda", torch.float16) reaches every component: learn where ``fn`` sends
+        # a tensor like the weights, record that for every later load, and convert the
+        # weights now if they are in (on meta, only a dtype can change).
+        import torch
+
+        first = next((p for p in self.parameters() if p.is_floating_point()), None)
+        was = first.dtype if first is not None else torch.get_default_dtype()
+        probe = fn(torch.zeros(1, dtype=was, device=hook.execution_device))
+        device = probe.device if probe.device != hook.execution_device else None
+        dtype = probe.dtype if probe.dtype != was else None
+        if device is None and dtype is None:
+            return self
+        hook.move(device, dtype)
+        return self
+
+    def __getattr__(self: Any, name: str) -> Any:
+        # Parameters and buffers live in nn.Module's own tables, so nn.Module.__getattr__
+        # answers them: on an empty placeholder, on meta. Reading one loads it first.
+        value = super(cls, self).__getattr__(name)
+        if getattr(value, "is_meta", False) and is_released(self):
+            hook = stage_hook(self)
+            if hook is not None and not hook.passthrough:
+                hook.use()
+                value = super(cls, self).__getattr__(name)
+        return value
+
+    namespace: dict[str, Any] = {
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "__doc__": base.__doc__,
+        "device": property(device, doc="Where the model runs, also while it is not loaded."),
+        "_apply": _apply,
+        "__getattr__": __getattr__,
     }
-)
-_NOT_PLAIN = frozenset({*_HOOK_DICTS, *_SLOTS, "_modules", "forward", *_OWN})
+    cls = type(base.__name__, (base,), namespace)
+    return cls
 
 
+def real_class(module: nn.Module) -> type:
+    """The component's own class behind a placeholder's."""
+    cls = type(module)
+    return cls.__bases__[0] if cls is placeholder_class(cls.__bases__[0]) else cls
+
+
+def real_to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    """``.to()`` of the component's real class, on its weights, past the stager."""
+    with passthrough(module):
+        return real_class(module).to(module, *args, **kwargs)
+
+
+# -- building ------------------------------------------------------------------------------------
 def skeleton_dtype(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype ``cls.from_pretrained(folder, torch_dtype=...)`` gives the weights.
 
@@ -82,18 +240,12 @@ def skeleton_dtype(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> 
 
     if torch_dtype is not None:
         return torch_dtype
-    if _is_transformers_model(cls) and _transformers_major() >= 5:
+    if is_transformers_model(cls) and version_at_least("transformers", "5"):
         return _checkpoint_dtype(folder) or torch.get_default_dtype()
     return torch.get_default_dtype()
 
 
-def _transformers_major() -> int:
-    import transformers
-
-    return int(transformers.__version__.split(".")[0])
-
-
-def _is_transformers_model(cls: type) -> bool:
+def is_transformers_model(cls: type) -> bool:
     try:
         from transformers import PreTrainedModel
     except ImportError:
@@ -102,44 +254,34 @@ def _is_transformers_model(cls: type) -> bool:
 
 
 def _checkpoint_dtype(folder: Path) -> torch.dtype | None:
-    """The dtype of the first floating tensor in the folder's safetensors files (header only)."""
-    import json
-
+    """The dtype of the first floating tensor in the folder's safetensors files (headers)."""
     import torch
 
-    names = {
-        "F32": torch.float32,
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "F64": torch.float64,
-    }
     for file in sorted(folder.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        for key, info in header.items():
-            if key != "__metadata__" and info.get("dtype") in names:
-                return names[info["dtype"]]
+        for entry in read_header(file).values():
+            if entry.is_floating:
+                return getattr(torch, DTYPES[entry.dtype][0])
     return None
 
 
 def can_stage(cls: type) -> bool:
     """Whether a placeholder can be built for ``cls`` from its saved config."""
-    return _is_transformers_model(cls) or (
+    return is_transformers_model(cls) or (
         hasattr(cls, "load_config") and hasattr(cls, "from_config")
     )
 
 
 def build_skeleton(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
-    """An instance of ``staged_class(cls)`` built from the config in ``folder``, with every
-    parameter on ``meta`` in ``dtype`` (float32 where the class keeps modules in float32)."""
+    """An instance of ``placeholder_class(cls)`` built from the config in ``folder``, with
+    every parameter on ``meta`` in ``dtype`` (float32 where the class keeps modules in
+    float32)."""
     import torch
     from accelerate import init_empty_weights
 
-    if _is_transformers_model(cls):
+    if is_transformers_model(cls):
         config = cls.config_class.from_pretrained(str(folder))
         with init_empty_weights():
-            model = cls._from_config(config)
+            model = transformers_from_config(cls, config)
     elif hasattr(cls, "load_config") and hasattr(cls, "from_config"):
         config = cls.load_config(str(folder))
         with init_empty_weights():
@@ -150,137 +292,63 @@ def build_skeleton(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
             f"ModelMixin nor a transformers PreTrainedModel; keep it loaded (leave it out of "
             f"stages=)"
         )
-    keep_fp32 = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    keep_fp32 = keep_in_fp32_modules(cls)
     with torch.no_grad():
         for module_name, sub in model.named_modules():
             in_fp32 = any(k in module_name.split(".") for k in keep_fp32)
-            for key, param in list(sub._parameters.items()):
-                if param is None or not param.is_floating_point():
+            for key, param in list(sub.named_parameters(recurse=False)):
+                if not param.is_floating_point():
                     continue
                 want = (
                     torch.float32 if in_fp32 and dtype in (torch.float16, torch.bfloat16) else dtype
                 )
                 meta = torch.empty_like(param, device="meta", dtype=want)
-                sub._parameters[key] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
+                setattr(sub, key, torch.nn.Parameter(meta, requires_grad=param.requires_grad))
     model.eval()
-    model.__class__ = staged_class(cls)
-    _snapshot_all(model)
+    model.__class__ = placeholder_class(cls)
     return model
 
 
+def attach(skeleton: nn.Module, hook: StageHook) -> None:
+    """Put ``hook`` on every submodule of ``skeleton``, and where diffusers looks for it."""
+    for sub in skeleton.modules():
+        HookRegistry.attach(sub).add(STAGE, hook)
+    setattr(skeleton, HF_HOOK_ATTR, hook)
+
+
+# -- filling -------------------------------------------------------------------------------------
 def fill(skeleton: nn.Module, loaded: nn.Module) -> nn.Module:
-    """Move everything ``loaded`` holds into ``skeleton``, keeping every module object of the
-    skeleton (and the hooks on them). Returns ``skeleton``; ``loaded`` is spent."""
-    base = getattr(type(skeleton), "_stageload_base", type(skeleton))
+    """Give ``skeleton`` the tensors of ``loaded`` (a ``from_pretrained`` model of the same
+    class), keeping every module object of the skeleton and the hooks on them. Returns
+    ``skeleton``; ``loaded`` is spent.
+
+    Public torch only: ``load_state_dict(assign=True)`` takes the loaded tensors themselves
+    (their dtypes, devices and memory), tied ones staying tied; the non-persistent buffers
+    that ``__init__`` computes come over one by one.
+    """
+    import torch
+
+    base = real_class(skeleton)
     if not isinstance(loaded, base):
         raise TypeError(
             f"loaded a {type(loaded).__qualname__} for a {base.__qualname__} placeholder; the "
             f"checkpoint's class changed since the pipeline was built"
         )
-    _fill_module(skeleton, loaded, {})
-    return skeleton
-
-
-def _fill_module(dst: nn.Module, src: nn.Module, memo: dict[int, nn.Module]) -> None:
-    memo[id(src)] = dst
-    dst_children = dst.__dict__["_modules"]
-    for key, child in src.__dict__["_modules"].items():
-        if child is None:
-            dst_children[key] = None
-        elif id(child) in memo:  # shared submodule: keep it shared
-            dst_children[key] = memo[id(child)]
-        elif type(dst_children.get(key)) is type(child):
-            _fill_module(dst_children[key], child, memo)
-        else:  # the structure differs here: take the loaded module as it is
-            dst_children[key] = child
-            memo[id(child)] = child
-    for key in [k for k in dst_children if k not in src.__dict__["_modules"]]:
-        del dst_children[key]
-
-    d, s = dst.__dict__, src.__dict__
-    unmark_released(dst)  # the module is live again
-    for slot in _SLOTS:
-        # One assignment, not clear() then update(): a prefetch fills on a background
-        # thread, and a pipeline reading .dtype meanwhile must never see an empty slot.
-        d[slot] = s[slot]
-    model_hooks = d.get(_MODEL_HOOKS_ATTR, {})
-    for name in _HOOK_DICTS:
-        for key in model_hooks.get(name, ()):
-            d.get(name, {}).pop(key, None)  # the last load's (or the build's) own hooks
-        if name in s and s[name]:
-            d.setdefault(name, type(s[name])()).update(s[name])
-    d[_MODEL_HOOKS_ATTR] = _hook_keys(s)
-    # The snapshot holds each attribute as the last load (or the build) gave it; a value on
-    # the placeholder that differs was set since, by the pipeline or the user: keep it.
-    snapshot = d.get(_SNAPSHOT_ATTR, {})
-    given: dict[str, Any] = {}
-    for key, value in s.items():
-        if key in _NOT_PLAIN:
-            if key == "forward":  # the loaded model had its own instance forward
-                d[key] = value
-            continue
-        if isinstance(value, _module_type()) and id(value) in memo:
-            value = memo[id(value)]
-        given[key] = value
-        if key in d and key in snapshot and d[key] is not snapshot[key]:
-            continue
-        d[key] = value
-    d[_SNAPSHOT_ATTR] = given
-
-
-def _plain(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in d.items() if k not in _NOT_PLAIN}
-
-
-def _hook_keys(d: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
-    return {name: tuple(d[name]) for name in _HOOK_DICTS if d.get(name)}
-
-
-def _snapshot_all(model: nn.Module) -> None:
-    for sub in model.modules():
-        sub.__dict__[_SNAPSHOT_ATTR] = _plain(sub.__dict__)
-        sub.__dict__[_MODEL_HOOKS_ATTR] = _hook_keys(sub.__dict__)
-
-
-def attach(
-    skeleton: nn.Module,
-    use: Callable[[], None],
-    move: Callable[[torch.device | None, torch.dtype | None], None],
-    device: torch.device,
-    name: str = "?",
-) -> None:
-    """Route the skeleton's uses through ``use`` and ``.to()`` through ``move``."""
-    d = skeleton.__dict__
-    d[USE_ATTR] = use
-    d[MOVE_ATTR] = move
-    d["_hf_hook"] = StageHook(use, device, name)
-    set_device(skeleton, device)
-
-
-def set_device(skeleton: nn.Module, device: torch.device) -> None:
-    """The device the skeleton answers and the execution device its hook reports."""
-    skeleton.__dict__[DEVICE_ATTR] = device
-    hook = skeleton.__dict__.get("_hf_hook")
-    if isinstance(hook, StageHook):
-        hook.execution_device = device
-
-
-def real_to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-    """``.to()`` of the component's real class, past the stager."""
-    base = getattr(type(module), "_stageload_base", type(module))
-    return base.to(module, *args, **kwargs)
-
-
-def cast_empty(module: nn.Module, dtype: torch.dtype) -> None:
-    """Give the floating parameters of an empty (meta) module a new dtype."""
-    import torch
-
-    twins: dict[int, torch.nn.Parameter] = {}
-    for sub in module.modules():
-        for key, param in list(sub._parameters.items()):
-            if param is None or not param.is_floating_point() or not param.is_meta:
+    state = loaded.state_dict(keep_vars=True)
+    with passthrough(skeleton), torch.no_grad():
+        result = skeleton.load_state_dict(state, strict=False, assign=True)
+        if result.missing_keys or result.unexpected_keys:
+            raise TypeError(
+                f"the loaded {base.__qualname__} does not fit its placeholder "
+                f"(missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}); "
+                f"the checkpoint's config changed since the pipeline was built"
+            )
+        loaded_subs = dict(loaded.named_modules(remove_duplicate=False))
+        for prefix, sub in skeleton.named_modules(remove_duplicate=False):
+            source = loaded_subs.get(prefix)
+            if source is None:
                 continue
-            if id(param) not in twins:
-                meta = torch.empty_like(param, dtype=dtype, device="meta")
-                twins[id(param)] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
-            sub._parameters[key] = twins[id(param)]
+            for key in non_persistent_buffers(source):
+                setattr(sub, key, getattr(source, key))
+            unmark_released(sub)  # live again
+    return skeleton

@@ -171,7 +171,7 @@ def component_sizes(
     """Bytes each component takes once loaded as ``dtypes[name]``, from its safetensors
     headers alone (no weights read). A component without safetensors files is left out:
     its size is learned at its first load."""
-    from ..load import checkpoint_bytes
+    from ..load.checkpoint import checkpoint_bytes
 
     out: dict[str, int] = {}
     for name, dtype in dtypes.items():
@@ -267,12 +267,12 @@ def staged_components(sizes: Mapping[str, int], *, fraction: float = STAGE_FRACT
     return [name for name, size in sizes.items() if size >= fraction * largest]
 
 
-Plan = dict[str, tuple[str, ...]]
+StagePlan = dict[str, tuple[str, ...]]
 
 
 def refine(
     plan: Mapping[str, tuple[str, ...]], name: str, current: str | None, *, first_use: bool
-) -> tuple[Plan, list[str]] | None:
+) -> tuple[StagePlan, list[str]] | None:
     """The default plan after the pipeline uses ``name`` in stage ``current`` (``None``
     before any stage), or ``None`` if it stays as it is; with the plan, the stages where
     ``name`` is now only kept loaded between two uses (bridges).
@@ -311,7 +311,7 @@ def refine(
     return _with(plan, name, [here, *between]), between
 
 
-def _with(plan: Mapping[str, tuple[str, ...]], name: str, stages: Iterable[str]) -> Plan:
+def _with(plan: Mapping[str, tuple[str, ...]], name: str, stages: Iterable[str]) -> StagePlan:
     out = {stage: tuple(names) for stage, names in plan.items()}
     for stage in stages:
         if name not in out[stage]:

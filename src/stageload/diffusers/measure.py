@@ -34,8 +34,8 @@ class StageMarks:
     loading or releasing anything: stage windows for the modes that do not stage."""
 
     def __init__(self, pipe: Any, plan: dict[str, tuple[str, ...]], sink: Any) -> None:
-        from ..events import STAGE, Event
-        from ..hooks import on_call
+        from ..core.events import STAGE, Event
+        from ..hooks.on_call import on_call
 
         self._sink, self._stage, self._event = sink, None, lambda s: Event(STAGE, stage=s)
         for stage, names in plan.items():
@@ -80,8 +80,8 @@ def run(
     import torch
     from diffusers.utils import logging
 
+    from ..hooks.release import module_bytes
     from ..meter import MemoryMeter
-    from ..release import module_bytes
 
     # _qwen_processor: loading the Qwen fixtures needs their processor class imported.
     from . import _dtype_kwarg, _plan, _qwen_processor, staged_pipeline  # noqa: F401

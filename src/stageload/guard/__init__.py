@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ..events import Event
+from ..core.events import Event
+from ..core.outer import command_env
 from ..memory import SystemMemory, sample_errors, sample_sources, to_sample
-from ..outer import command_env
 from ..units import format_duration, format_size
 from .config import (
     Amount,

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..errors import StageloadError
 from ..memory import SystemMemory
 from ..units import format_duration, format_size, parse_percent_or_size, parse_size
 
@@ -143,7 +144,7 @@ def floors_warning(config: GuardConfig, reading: SystemMemory) -> str | None:
     return None
 
 
-class GuardSetupError(Exception):
+class GuardSetupError(StageloadError):
     """The guard could not set up (e.g. the trace file cannot be written); nothing ran."""
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import psutil
 
-from .._errors import PicklableError
+from ..errors import StageloadError
 from ..units import format_duration
 
 #: The command could not be started (not found, not executable), as a shell exits.
@@ -30,7 +30,7 @@ _STOP_POLL = 0.05
 _KILL_WAIT = 5.0
 
 
-class CannotStartError(PicklableError, Exception):
+class CannotStartError(StageloadError):
     """The command could not be started (not found, not executable, ...); ``cause`` says why."""
 
     def __init__(self, argv: Sequence[str], cause: OSError) -> None:

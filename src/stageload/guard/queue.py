@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from ..errors import StageloadError
+
 #: Environment variable that moves the state directory from ``~/.stageload``.
 HOME_ENV = "STAGELOAD_HOME"
 #: Environment variable for how often a waiting client looks again (a duration).
@@ -49,7 +51,7 @@ _LANE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 NeedSource = Literal["declared", "learned", "unknown"]
 
 
-class QueueSetupError(Exception):
+class QueueSetupError(StageloadError):
     """The state directory or a lane cannot be used; nothing was queued or run."""
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..events import Event
+from ..core.events import Event
 from ..memory import (
     read_device,
     read_process,

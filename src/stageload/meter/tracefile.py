@@ -32,8 +32,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..events import Event
-from ..outer import encode, event_record
+from ..core.events import Event
+from ..core.outer import encode, event_record
 
 #: Version of the trace format written in the start record.
 FORMAT_VERSION = 1

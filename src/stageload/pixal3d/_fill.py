@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._refill import learn, reload
-from ..release import is_released
+from ..hooks.release import is_released
+from ..load.refill import Recipe, learn, reload
 
 if TYPE_CHECKING:
     from torch import nn
@@ -27,28 +27,27 @@ class FastReload:
     def __init__(self, device: Any, note: Callable[[str, str], None]) -> None:
         self.device = device
         self._note = note
-        self._models: dict[str, nn.Module] = {}
+        self._models: dict[str, tuple[nn.Module, Recipe]] = {}
 
     def reload(self, name: str) -> nn.Module | None:
         """The released model of ``name`` filled again, or None when it must be built."""
         import torch
 
-        module = self._models.get(name)
-        if module is None or not is_released(module):
+        known = self._models.get(name)
+        if known is None or not is_released(known[0]):
             return None
-        if not reload(module, torch.device(self.device)):
-            return None
+        module, recipe = known
+        reload(module, recipe, torch.device(self.device))
         return module
 
     def learned(self, name: str, module: nn.Module, path: Any) -> None:
         """After a load by the port's ``from_pretrained(path)``: may it be refilled later?"""
         file = Path(f"{os.fspath(path)}.safetensors")
-        if not file.is_file():
-            why: str | None = f"no local checkpoint file {str(file)!r}"
-        else:
-            why = learn(module, [file])
-        if why is None:
-            self._models[name] = module
-        else:
+        learned = (
+            learn(module, [file]) if file.is_file() else f"no local checkpoint file {str(file)!r}"
+        )
+        if isinstance(learned, str):
             self._models.pop(name, None)
-            self._note(name, f"{name} reloads with the port's from_pretrained: {why}")
+            self._note(name, f"{name} reloads with the port's from_pretrained: {learned}")
+        else:
+            self._models[name] = (module, learned)

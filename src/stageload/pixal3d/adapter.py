@@ -16,6 +16,7 @@ fingerprints, for comparison.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -26,14 +27,15 @@ from typing import Any
 
 from torch import nn
 
-from ..events import NOTE, STAGE, Event, EventSink
-from ..hooks import on_call
-from ..outer import emit_outer
-from ..share import share
-from ..staged import Plan, ReleaseUnlisted, StagedModels
+from ..core.events import NOTE, STAGE, Event, EventSink
+from ..core.outer import emit_outer
+from ..core.policy import PolicyView, ReleaseUnlisted
+from ..core.staged import StagedModels
+from ..hooks.on_call import on_call
+from ..hooks.registry import patch
+from ..hooks.share import share
 from ._fill import FastReload
-from ._loaders import Loaders
-from ._parts import ExtractorRecipe, LazyEntry, NafRecipe, Unloaded
+from ._parts import ExtractorRecipe, Holder, LazyEntry, NafRecipe, Unloaded, build_on_device
 from .fingerprints import Fingerprints
 from .plan import BACKBONE, EXTRACTOR_STAGES, MODEL_NAMES, NAF, REMBG, STAGES, plan_for
 from .port import Port, PortError, api_mismatch
@@ -71,12 +73,23 @@ class SharedPartsLast(ReleaseUnlisted):
     def __init__(self, parts: Mapping[str, Sequence[str]] | None = None) -> None:
         self.parts = {stage: tuple(names) for stage, names in (parts or {}).items()}
 
-    def to_release(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
+    def to_release(self, stage: str, loaded: Sequence[str], plan: PolicyView) -> list[str]:
         names = super().to_release(stage, loaded, plan)
         return sorted(names, key=lambda name: name in (BACKBONE, NAF))  # stable sort
 
-    def to_prefetch(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
+    def to_prefetch(self, stage: str, loaded: Sequence[str], plan: PolicyView) -> list[str]:
         return [n for n in self.parts.get(stage, ()) if n in plan.stages[stage] and n not in loaded]
+
+
+@dataclass
+class Image:
+    """One image's run through the pipeline: the port's arguments for it, the stage it is
+    in, the stages it reached, and its latents' fingerprints."""
+
+    args: Any
+    fingerprints: Fingerprints
+    stage: str | None = None
+    reached: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -91,7 +104,7 @@ class RunResult:
     fingerprints_file: Path | None = None
 
 
-class Pixal3DRun(Loaders):
+class Pixal3DRun:
     """One run of the port: builds the pipeline (staged or eager), hooks its stage
     boundaries and samplers, runs it with :meth:`execute`, and cleans up on :meth:`close`.
 
@@ -124,7 +137,6 @@ class Pixal3DRun(Loaders):
             raise ValueError(f"build_on must be 'device' or 'cpu', got {build_on!r}")
         self.plan = plan_for(args.pipeline_type)  # refuses other pipelines before any work
         self.port = port
-        self.args = args
         self.load = load
         self.device: str = args.device
         self.events = events
@@ -132,9 +144,9 @@ class Pixal3DRun(Loaders):
         self.stop_after = stop_after
         self.on_device = build_on == "device"
         self.residency = {"budget": budget, "prefetch": prefetch}  # StagedModels' own checks
-        self.fingerprints = Fingerprints(fingerprints)
-        self.stage: str | None = None
-        self.reached: list[str] = []
+        # The image being run: the run's own, or, under a batch, each call's (see image).
+        self._own_image = Image(args, Fingerprints(fingerprints))
+        self._image: contextvars.ContextVar[Image] = contextvars.ContextVar("pixal3d_image")
         self.models: StagedModels | None = None
         self._stack = ExitStack()
         self._extractor_stage: dict[int, str] = {}
@@ -151,6 +163,17 @@ class Pixal3DRun(Loaders):
             self.close()
             raise
 
+    @property
+    def image(self) -> Image:
+        """The image being run: in a batch, the image of the call running now (each call of
+        ``StagedModels.map`` runs in its own context); otherwise the run's own."""
+        return self._image.get(self._own_image)
+
+    def run_image(self, image: Image) -> RunResult:
+        """Run ``image`` instead of the run's own, in this context (one call of a batch)."""
+        self._image.set(image)
+        return self.execute()
+
     # -- building ------------------------------------------------------------------------
     def _build_staged(self) -> Any:
         port, gen = self.port, self.port.generate
@@ -158,16 +181,16 @@ class Pixal3DRun(Loaders):
             raise api_mismatch(port.path, ["DINOv3ViTModel (the extractors' backbone class)"])
         from_pretrained = port.models.from_pretrained
         build_extractor = gen.build_image_cond_model
-        load_naf = gen._load_naf
-        port.models.from_pretrained = lambda path, *a, **k: Unloaded(path, a, k)
-        gen.build_image_cond_model = lambda *a, **k: ExtractorRecipe(a, k)
-        gen._load_naf = lambda *a, **k: NafRecipe(a, k)
-        try:
-            pipeline = gen.load_pipeline(self.args, self.device)
-        finally:
-            port.models.from_pretrained = from_pretrained
-            gen.build_image_cond_model = build_extractor
-            gen._load_naf = load_naf
+        # While the port builds its pipeline, its three loading functions record their
+        # arguments and return placeholders, so no weights are read.
+        with ExitStack() as recording:
+            for owner, attr, record in (
+                (port.models, "from_pretrained", lambda path, *a, **k: Unloaded(path, a, k)),
+                (gen, "build_image_cond_model", lambda *a, **k: ExtractorRecipe(a, k)),
+                (gen, "_load_naf", lambda *a, **k: NafRecipe(a, k)),
+            ):
+                recording.callback(patch(owner, attr, lambda _, record=record: record))
+            pipeline = gen.load_pipeline(self.image.args, self.device)
 
         found = getattr(pipeline, "models", None)
         if not isinstance(found, dict):
@@ -234,7 +257,7 @@ class Pixal3DRun(Loaders):
         return pipeline
 
     def _note(self, name: str, note: str) -> None:
-        self._emit(Event(NOTE, model=name, stage=self.stage, note=note))
+        self._emit(Event(NOTE, model=name, stage=self.image.stage, note=note))
 
     def _note_fallback(self, name: str, why: str | None) -> None:
         if why is not None:
@@ -242,11 +265,89 @@ class Pixal3DRun(Loaders):
                 Event(
                     NOTE,
                     model=name,
-                    stage=self.stage,
+                    stage=self.image.stage,
                     note=f"built on the CPU, then moved to {self.device}: building on the "
                     f"device failed ({why})",
                 )
             )
+
+    # -- loaders: one per model, extractor, shared part and the background remover ---------
+    def _load_model(
+        self, name: str, from_pretrained: Callable[..., Any], placeholder: Unloaded
+    ) -> nn.Module:
+        reloaded = self._fast.reload(name)  # refilled in place from its file (see _fill)
+        if reloaded is not None:
+            return reloaded
+
+        def build() -> Any:
+            return from_pretrained(
+                placeholder.path, *placeholder.call_args, **placeholder.call_kwargs
+            )
+
+        model, why = build_on_device(build, self.device, on_device=self.on_device)
+        self._note_fallback(name, why)
+        self._fast.learned(name, model.eval(), placeholder.path)
+        return model
+
+    def _load_extractor(
+        self, name: str, recipe: ExtractorRecipe, build: Callable[..., Any]
+    ) -> nn.Module:
+        # The backbone and NAF come from share(): the live ones if their entries are
+        # loaded (the policy loads them first), otherwise fresh ones.
+        extractor, why = build_on_device(
+            lambda: recipe.build(build, self._naf), self.device, on_device=self.on_device
+        )
+        self._note_fallback(name, why)
+        return extractor if isinstance(extractor, nn.Module) else Holder(extractor)
+
+    def _naf(self, recipe: NafRecipe) -> Any:
+        return self.port.generate._load_naf(*recipe.args, **recipe.kwargs)  # shared
+
+    def _load_backbone(
+        self, recipes: Mapping[str, ExtractorRecipe], build: Callable[..., Any]
+    ) -> nn.Module:
+        """The backbone(s) the extractors share. Only an extractor's constructor knows how
+        it calls ``from_pretrained``, so build each bare extractor (shared calls return the
+        live backbone or build it once) and keep the backbones found inside."""
+        found: dict[int, nn.Module] = {}
+        for name, recipe in recipes.items():
+            shell, why = build_on_device(
+                lambda recipe=recipe: recipe.build_bare(build),
+                self.device,
+                on_device=self.on_device,
+            )
+            self._note_fallback(name, why)
+            inside = {id(m) for m in Holder.wrap(shell).modules()}
+            for value in list(self._backbone_cache.values()):
+                if isinstance(value, nn.Module) and id(value) in inside:
+                    found.setdefault(id(value), value)
+            del shell  # its own small parts go; the backbone stays in share()'s cache
+        if not found:
+            raise RuntimeError(
+                "building the feature extractors called no "
+                f"{self.port.backbone_class.__qualname__}.from_pretrained: this port builds "
+                "its backbone another way than the one stageload.pixal3d was written for"
+            )
+        backbones = list(found.values())
+        return backbones[0] if len(backbones) == 1 else nn.ModuleList(backbones)
+
+    def _load_nafs(self, recipes: Sequence[NafRecipe]) -> nn.Module:
+        """The NAF upsampler(s) the extractors share, built from their recorded arguments."""
+        nafs: dict[int, nn.Module] = {}
+        for recipe in recipes:
+            naf = self._naf(recipe)
+            nafs.setdefault(id(naf), Holder.wrap(naf))
+        if len(nafs) == 1:
+            return next(iter(nafs.values()))
+        return nn.ModuleList(nafs.values())
+
+    def _load_rembg(self, rebuild: Callable[[], Any]) -> nn.Module:
+        # The first load takes the remover the port built; later ones (a second image)
+        # build it again, since the release left the first on meta.
+        rembg, self._rembg = self._rembg, None
+        if rembg is None:
+            rembg = rebuild()
+        return Holder.wrap(rembg).to(self.device)
 
     # -- boundaries ----------------------------------------------------------------------
     def _attach(self) -> None:
@@ -272,7 +373,7 @@ class Pixal3DRun(Loaders):
                 seen.add(id(sampler))
                 after = functools.partial(self._fingerprint, attr)
                 hooks.append(on_call(sampler, "sample", after=after))
-        if not seen and self.fingerprints.folder is not None:
+        if not seen and self.image.fingerprints.folder is not None:
             raise api_mismatch(
                 self.port.path, ["pipeline samplers (attributes *_sampler with sample())"]
             )
@@ -281,12 +382,13 @@ class Pixal3DRun(Loaders):
 
     def enter(self, stage: str) -> None:
         """Mark the start of ``stage``: staged runs release what it doesn't use."""
-        if stage == self.stage:
+        image = self.image
+        if stage == image.stage:
             return
         if self.stop_after is not None and STAGES.index(stage) > STAGES.index(self.stop_after):
             raise StopRun(self.stop_after)
-        self.stage = stage
-        self.reached.append(stage)
+        image.stage = stage
+        image.reached.append(stage)
         if self.models is not None:
             self.models.enter(stage)
         else:
@@ -301,14 +403,17 @@ class Pixal3DRun(Loaders):
         self._emit(
             Event(
                 NOTE,
-                stage=self.stage,
+                stage=self.image.stage,
                 note="get_proj_cond_shape received an extractor stageload does not know; "
                 "the stage is unchanged",
             )
         )
 
     def _fingerprint(self, sampler: str, result: Any, *args: Any, **kwargs: Any) -> None:
-        self.fingerprints.add(getattr(result, "samples", result), sampler=sampler, stage=self.stage)
+        image = self.image
+        image.fingerprints.add(
+            getattr(result, "samples", result), sampler=sampler, stage=image.stage
+        )
 
     def _emit(self, event: Event) -> None:
         # Events of the adapter itself (notes, an eager run's stages); StagedModels sends
@@ -320,33 +425,35 @@ class Pixal3DRun(Loaders):
     # -- running -------------------------------------------------------------------------
     def execute(self) -> RunResult:
         """Run the port as its ``main`` does: preprocess, camera, ``run()``, export."""
-        from PIL import Image
+        from PIL import Image as PILImage
 
         gen = self.port.generate
+        image_state = self.image
+        args = image_state.args
         output: Path | None = None
         stopped: str | None = None
         try:
-            image = Image.open(self.args.image)
+            picture = PILImage.open(args.image)
             with tempfile.TemporaryDirectory(prefix="stageload-pixal3d-") as tmp:
-                asset = gen.image_to_asset(self.pipeline, image, self.args, self.device, tmp)
+                asset = gen.image_to_asset(self.pipeline, picture, args, self.device, tmp)
             self.enter("export")
-            gen.asset_to_glb(asset, self.args.output, self.args)
-            output = Path(self.args.output)
+            gen.asset_to_glb(asset, args.output, args)
+            output = Path(args.output)
         except StopRun as stop:
             stopped = stop.stage
         finally:
-            written = self.fingerprints.write(
+            written = image_state.fingerprints.write(
                 load=self.load,
-                seed=getattr(self.args, "seed", None),
-                pipeline_type=self.args.pipeline_type,
+                seed=getattr(args, "seed", None),
+                pipeline_type=args.pipeline_type,
                 stopped_after=stopped,
             )
         return RunResult(
             load=self.load,
             output=output,
             stopped_after=stopped,
-            stages=list(self.reached),
-            fingerprints=list(self.fingerprints.records),
+            stages=list(image_state.reached),
+            fingerprints=list(image_state.fingerprints.records),
             fingerprints_file=written,
         )
 

@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 def budget_arg(text: str) -> str:
     """``--budget``: checked by the library's own parser, kept as given ('auto' is read
     when the run starts)."""
-    from ..policy import parse_budget
+    from ..core.policy import parse_budget
 
     try:
         parse_budget(text)
@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem is not None:
             return _fail(f"--fingerprints {opts.fingerprints!r}: {problem}")
 
-    from ..staged import ModelLoadError
+    from ..core.staged import ModelLoadError
     from .adapter import run
     from .plan import UnsupportedPipelineError, plan_for
     from .port import PortError, check_device, find_port, import_port

@@ -7,7 +7,7 @@ Light on purpose: the CLI imports it for ``--help``.
 
 from __future__ import annotations
 
-from .._errors import PicklableError
+from ..errors import StageloadError
 
 #: The pipeline's eight models, as keys of ``pipeline.models``.
 MODEL_NAMES: tuple[str, ...] = (
@@ -83,7 +83,7 @@ PLAN_1024_CASCADE: dict[str, tuple[str, ...]] = {
 PLANS: dict[str, dict[str, tuple[str, ...]]] = {"1024_cascade": PLAN_1024_CASCADE}
 
 
-class UnsupportedPipelineError(PicklableError, ValueError):
+class UnsupportedPipelineError(StageloadError, ValueError):
     """The port's pipeline type has no stage plan here."""
 
     def __init__(self, pipeline_type: object) -> None:

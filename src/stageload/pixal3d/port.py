@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..errors import StageloadError
 from .plan import EXTRACTOR_KEYS
 
 #: Environment variable naming the port's folder when ``--port`` is not given.
@@ -58,7 +59,7 @@ _PORT_MODULES = ("generate_mps", "pixal3d")
 _inserted: list[str] = []  # port folders this process put on sys.path
 
 
-class PortError(RuntimeError):
+class PortError(StageloadError, RuntimeError):
     """The port cannot be found, cannot be imported, or lacks part of the expected API."""
 
 

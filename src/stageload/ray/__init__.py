@@ -182,4 +182,3 @@ def report(traces: Sequence[str | os.PathLike[str]] | str | os.PathLike[str]) ->
     else:
         paths = list(traces)
     return format_report([summarize(view) for view in load_views(paths)])
-

@@ -87,16 +87,17 @@ class BatchStream:
         self.calls = list(calls)
         for call in self.calls:
             _check_call(call)
-        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
-                                    or workers < 1):
+        if workers is not None and (
+            isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
+        ):
             raise ValueError(f"workers must be a positive int or None, got {workers!r}")
-        if batch_size is not None and (isinstance(batch_size, bool)
-                                       or not isinstance(batch_size, int) or batch_size < 1):
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+        ):
             raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
         if isinstance(memory, bool):
             raise TypeError(
-                f"memory must be bytes, a size such as '6G', a trace path or 'auto', "
-                f"got {memory!r}"
+                f"memory must be bytes, a size such as '6G', a trace path or 'auto', got {memory!r}"
             )
         auto = isinstance(memory, str) and memory.strip().lower() == "auto"
         if isinstance(memory, str) and not auto and not os.path.isfile(memory):

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..outer import TRACE_ENV
+from ..core.outer import TRACE_ENV
 
 #: The key of a call that becomes its ``generator=`` on the worker.
 SEED_KEY = "seed"

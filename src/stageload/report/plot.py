@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._errors import PicklableError
+from ..errors import StageloadError
 from .processes import by_process
 from .tables import column_labels, stage_order
 from .trace import SETUP, Summary, Trace, read_trace, summarize
@@ -26,7 +26,7 @@ _MIB = 1 << 20
 _BAND_COLORS = ("#dbe9f6", "#fde9d5", "#e2f1de", "#ece3f3", "#f9e0e6", "#e6eef0")
 
 
-class PlotUnavailableError(PicklableError, RuntimeError):
+class PlotUnavailableError(StageloadError, RuntimeError):
     """matplotlib is not installed."""
 
     def __init__(self) -> None:

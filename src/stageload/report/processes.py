@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..outer import PROCESS
+from ..core.outer import PROCESS
 from .records import Trace, read_trace
 
 #: Event kinds that belong to a pipeline; a process that emitted one of these gets a view.

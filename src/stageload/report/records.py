@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._errors import PicklableError
+from ..errors import StageloadError
 from ..memory import DEVICE_KEYS as DEVICE_KEYS  # sample keys of device memory, report order
 
 #: The stage name of the time before the first ``stage`` event.
 SETUP = "setup"
 
 
-class TraceError(PicklableError, ValueError):
+class TraceError(StageloadError, ValueError):
     """A file could not be read as a trace; the message says which file and why."""
 
     def __init__(self, path: str | Path, reason: str) -> None:

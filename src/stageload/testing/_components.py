@@ -55,13 +55,13 @@ def _empty(factory: Callable[[], nn.Module], dtype: torch.dtype) -> nn.Module:
         model = factory()
     twins: dict[int, torch.nn.Parameter] = {}  # tied parameters stay one parameter
     for sub in model.modules():
-        for key, param in list(sub._parameters.items()):
-            if param is None or not param.is_floating_point():
+        for key, param in list(sub.named_parameters(recurse=False, remove_duplicate=False)):
+            if not param.is_floating_point():
                 continue
             if id(param) not in twins:
                 meta = torch.empty_like(param, dtype=dtype)
                 twins[id(param)] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
-            sub._parameters[key] = twins[id(param)]
+            setattr(sub, key, twins[id(param)])
     return model.to_empty(device="cpu")
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import StageloadError
 from ._cgroup_usage import CgroupUsage, _read, read_usage
 
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -46,15 +47,12 @@ _counter = itertools.count()
 _NAME = re.compile(re.escape(PREFIX) + r"(\d+)-\d+")
 
 
-class CgroupUnavailable(RuntimeError):
+class CgroupUnavailable(StageloadError, RuntimeError):
     """No memory cgroup can be made or entered here; ``reason`` says why."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.reason,))
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..staged import StagedModels
+from ..core.staged import StagedModels
 
 STAGES = {"encode": ["te"], "denoise": ["dit"], "decode": ["vae"]}
 

@@ -19,14 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._checkpoint import DTYPES, read_entries
-from .load import _load, _match, _targets
+from .checkpoint import DTYPES, read_entries
+from .weights import _load, _match, _targets
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-_RECIPE_ATTR = "_stageload_recipe"
 _PROBE = 4096  # bytes compared per tensor at the first load
 
 
@@ -43,10 +42,11 @@ class Recipe:
     alignment: dict[str, int]
 
 
-def learn(module: nn.Module, files: list[Path]) -> str | None:
-    """Check a freshly loaded ``module`` against ``files``; on success store the recipe.
+def learn(module: nn.Module, files: list[Path]) -> Recipe | str:
+    """Check a freshly loaded ``module`` against ``files``.
 
-    Returns ``None`` when later loads can use :func:`reload`, else the reason they cannot.
+    Returns the :class:`Recipe` that :func:`reload` refills it with later, or the reason
+    later loads cannot read the files directly. The caller keeps the recipe.
     """
     try:
         entries = read_entries(files)
@@ -70,28 +70,21 @@ def learn(module: nn.Module, files: list[Path]) -> str | None:
     alignment = {
         t.names[0]: t.tensor.data_ptr() % 64 for t in targets if t.tensor.device.type == "cpu"
     }
-    module.__dict__[_RECIPE_ATTR] = Recipe(list(files), dtypes, computed, alignment)
-    return None
-
-
-def can_reload(module: nn.Module) -> bool:
-    """Whether :func:`reload` can refill ``module`` from its files (its first load learned how)."""
-    return module.__dict__.get(_RECIPE_ATTR) is not None
+    return Recipe(list(files), dtypes, computed, alignment)
 
 
 def reload(
     module: nn.Module,
+    recipe: Recipe,
     device: torch.device,
     dtype: torch.dtype | None = None,
     real_to: Callable[..., Any] | None = None,
-) -> bool:
-    """Fill a released ``module`` in place as its first load did; False if it never learned."""
+) -> None:
+    """Fill a released ``module`` in place as its first load did (``recipe`` from
+    :func:`learn`); ``dtype`` converts afterwards, as ``.to(dtype)`` did the first time."""
     import torch
     from torch import nn
 
-    recipe: Recipe | None = module.__dict__.get(_RECIPE_ATTR)
-    if recipe is None:
-        return False
     with torch.no_grad():
         for target in _targets(module):
             name = target.names[0]
@@ -104,12 +97,11 @@ def reload(
                 continue
             if isinstance(old, nn.Parameter):
                 new = nn.Parameter(new, requires_grad=old.requires_grad)
-            for sub, slot, key in target.places:
-                getattr(sub, slot)[key] = new
+            for sub, key in target.places:
+                setattr(sub, key, new)
     _load(module, recipe.files, device=device, alignment=recipe.alignment)
     if dtype is not None:  # pipe.to(dtype): as the eager path, convert after loading
         (real_to or type(module).to)(module, dtype=dtype)
-    return True
 
 
 def _same_start(tensor: torch.Tensor, entry: Any) -> bool:

@@ -1,4 +1,4 @@
-"""Attach stage boundaries to methods of objects the user does not own."""
+"""Attach stage boundaries to methods of objects the user does not own (a :func:`patch`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-_MISSING = object()
+from .registry import patch
 
 
 def on_call(
@@ -39,36 +39,17 @@ def on_call(
         ) from None
     if not callable(original):
         raise TypeError(f"{type(obj).__name__}.{method} is not callable: {original!r}")
-    own = vars(obj).get(method, _MISSING) if hasattr(obj, "__dict__") else _MISSING
-    active = True
 
-    @functools.wraps(original)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not active:
-            return original(*args, **kwargs)
-        if before is not None:
-            before(*args, **kwargs)
-        result = original(*args, **kwargs)
-        if after is not None:
-            after(result, *args, **kwargs)
-        return result
+    def wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(inner)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if before is not None:
+                before(*args, **kwargs)
+            result = inner(*args, **kwargs)
+            if after is not None:
+                after(result, *args, **kwargs)
+            return result
 
-    try:
-        object.__setattr__(obj, method, wrapper)
-    except (AttributeError, TypeError) as exc:
-        raise TypeError(
-            f"cannot wrap {type(obj).__name__}.{method}: the object does not accept new "
-            f"attributes ({exc}); wrap a method of an object that has a __dict__"
-        ) from None
+        return wrapper
 
-    def remove() -> None:
-        nonlocal active
-        active = False
-        if vars(obj).get(method) is not wrapper:
-            return  # wrapped again on top of us: stay in the chain, as a pass-through
-        if own is _MISSING:
-            object.__delattr__(obj, method)
-        else:
-            object.__setattr__(obj, method, own)
-
-    return remove
+    return patch(obj, method, wrap)

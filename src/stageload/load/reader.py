@@ -1,8 +1,7 @@
 """Positioned reads into tensor memory, the threads that run them, and huge pages for
 fresh destinations (Linux).
 
-Kept apart from ``load`` so that the planning there reads on its own; nothing here knows
-about modules.
+Nothing here knows about modules: ``weights`` plans a load and hands the chunks here.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._checkpoint import CheckpointError
-from .release import return_memory_to_os
+from ..hooks.release import return_memory_to_os
+from .checkpoint import CheckpointError
 
 if TYPE_CHECKING:
     import torch
@@ -79,7 +78,7 @@ def advise_huge_pages(ptr: int, nbytes: int) -> None:
         madvise(start, end - start, _MADV_HUGEPAGE)
 
 
-def _run(jobs: list[Any], device: torch.device, threads: int, bounce_bytes: int) -> None:
+def run_chunks(jobs: list[Any], device: torch.device, threads: int, bounce_bytes: int) -> None:
     """Run every chunk job; stop early on the first error and raise it (with the others)."""
 
     local = threading.local()
@@ -102,7 +101,7 @@ def _run(jobs: list[Any], device: torch.device, threads: int, bounce_bytes: int)
                 return
             buf = bounce()
             pread_into(fd, path, offset, memory(buf, 0, n))
-            size = _itemsize(src)
+            size = src.itemsize
             first = at // size
             dst.view(-1)[first : first + n // size].copy_(buf[:n].view(src))
         except BaseException:
@@ -133,10 +132,3 @@ def _bounce_buffer(pin: bool, nbytes: int) -> torch.Tensor:
         except RuntimeError:  # no pinning on this backend: pageable memory still works
             pass
     return torch.empty(nbytes, dtype=torch.uint8)
-
-
-@functools.cache
-def _itemsize(dtype: torch.dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()

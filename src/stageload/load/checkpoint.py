@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import StageloadError
+
 INDEX_SUFFIX = ".index.json"
 # A header larger than this is not a safetensors header (the format caps it at 100 MB).
 _MAX_HEADER = 100_000_000
@@ -40,7 +42,7 @@ DTYPES: dict[str, tuple[str, int, bool]] = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(StageloadError, ValueError):
     """A checkpoint file that cannot be read as safetensors: truncated, corrupt or missing."""
 
     def __init__(self, path: Path | str, problem: str) -> None:
@@ -49,9 +51,6 @@ class CheckpointError(ValueError):
         super().__init__(
             f"{self.path}: {problem}; the file is damaged or incomplete, download or save it again"
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.problem))
 
 
 @dataclass(frozen=True)
@@ -189,7 +188,7 @@ def checkpoint_bytes(
     point tensors load as, as with ``load_weights(..., dtype=)``; integer and bool tensors
     keep theirs. ``None`` counts each tensor at its dtype in the file.
     """
-    want = _itemsize(dtype) if dtype is not None else None
+    want = float_itemsize(dtype) if dtype is not None else None
     total = 0
     for entry in read_entries(checkpoint_files(files)).values():
         if want is not None and entry.is_floating:
@@ -199,7 +198,8 @@ def checkpoint_bytes(
     return total
 
 
-def _itemsize(dtype: Any) -> int:
+def float_itemsize(dtype: Any) -> int:
+    """Bytes per element of a floating point dtype: a ``torch.dtype`` or its name."""
     name = str(dtype).removeprefix("torch.")
     for torch_name, size, floating in DTYPES.values():
         if torch_name == name and floating:

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._checkpoint import (
+from .._external import non_persistent_buffers
+from ..hooks.release import release, unmark_released
+from .checkpoint import (
     DTYPES,
     CheckpointError,
     Entry,
@@ -31,8 +33,7 @@ from ._checkpoint import (
     checkpoint_files,
     read_entries,
 )
-from ._pread import _itemsize, _run, advise_huge_pages, memory, pread_into  # noqa: F401 - re-export
-from .release import release, unmark_released
+from .reader import advise_huge_pages, run_chunks
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +65,7 @@ class _Target:
     """One tensor of the module (all the names it goes by, tied ones included)."""
 
     tensor: torch.Tensor
-    places: list[tuple[nn.Module, str, str]] = field(default_factory=list)  # (sub, slot, key)
+    places: list[tuple[nn.Module, str]] = field(default_factory=list)  # (submodule, key)
     names: list[str] = field(default_factory=list)
     persistent: bool = True
 
@@ -186,15 +187,17 @@ def from_safetensors(
 def _targets(module: nn.Module) -> list[_Target]:
     by_id: dict[int, _Target] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
-        for slot in ("_parameters", "_buffers"):
-            for key, t in getattr(sub, slot).items():
-                if t is None:
-                    continue
-                target = by_id.setdefault(id(t), _Target(t))
-                target.places.append((sub, slot, key))
-                target.names.append(f"{prefix}.{key}" if prefix else key)
-                if slot == "_buffers" and key in sub._non_persistent_buffers_set:
-                    target.persistent = False
+        computed = non_persistent_buffers(sub)
+        own = [
+            *sub.named_parameters(recurse=False, remove_duplicate=False),
+            *sub.named_buffers(recurse=False, remove_duplicate=False),
+        ]
+        for key, t in own:
+            target = by_id.setdefault(id(t), _Target(t))
+            target.places.append((sub, key))
+            target.names.append(f"{prefix}.{key}" if prefix else key)
+            if key in computed:
+                target.persistent = False
     return list(by_id.values())
 
 
@@ -285,7 +288,7 @@ def _read_all(
                     (fds[entry.file], entry.file, entry.offset + start, n, dst, start, convert)
                 )
         jobs.sort(key=lambda j: (str(j[1]), j[2]))  # file order: sequential runs per thread
-        _run(jobs, device, min(threads, max(1, len(jobs))), bounce)
+        run_chunks(jobs, device, min(threads, max(1, len(jobs))), bounce)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -310,7 +313,7 @@ def _destination(
         and old.untyped_storage().nbytes() == old.nbytes
     ):
         return old.detach()
-    itemsize = _itemsize(dtype)
+    itemsize = dtype.itemsize
     if device.type != "cpu" or misalign % itemsize or not 0 < misalign < 64:
         dst = torch.empty(old.shape, dtype=dtype, device=device)
     else:
@@ -333,6 +336,7 @@ def _install(
     strict: bool,
 ) -> None:
     """Put the loaded tensors into the module; one object per tied group keeps it tied."""
+    import torch
     from torch import nn
 
     unfilled: list[str] = []
@@ -352,8 +356,16 @@ def _install(
             if isinstance(old, nn.Parameter)
             else new
         )
-        for sub, slot, key in target.places:
-            getattr(sub, slot)[key] = value
+        try:
+            # The module's own tensor object takes the loaded contents, so every name it
+            # goes by (tied weights) sees them, and no module method runs: a prefetch fills
+            # on a background thread, where nn.Module.register_parameter may be patched by
+            # another thread's from_pretrained (accelerate's init_empty_weights moves every
+            # new parameter to meta, for every thread).
+            torch.utils.swap_tensors(old, value)
+        except RuntimeError:  # held elsewhere (a weakref, a view): re-register the new one
+            for sub, key in target.places:
+                setattr(sub, key, value)
     if unfilled and strict:
         raise ValueError(
             _listing(

@@ -12,15 +12,29 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext, suppress
 from typing import TYPE_CHECKING, Any
 
-from ._loading import SETUP, LoadJobs, ModelLoadError, _Job
-from .events import NOTE, REASON_CLOSE, REASON_EVICT, RELEASE, STAGE, Event, EventSink
+from ..errors import StageloadError
+from ..hooks.release import held_elsewhere, is_released, module_bytes, release
+from .batch import Batch
+from .events import (
+    LOAD,
+    NOTE,
+    PREFETCH,
+    REASON_CLOSE,
+    REASON_EVICT,
+    RELEASE,
+    RELOAD,
+    SETUP,
+    STAGE,
+    Event,
+    EventSink,
+)
 from .outer import outer_trace
 from .policy import (
-    Plan,
-    ReleaseUnlisted,
+    PolicyView,
     ResidencyPolicy,
     check_plan,
     check_sizes,
@@ -31,20 +45,55 @@ from .policy import (
     ready_for_background,
     unprefetchable,
 )
-from .release import held_elsewhere, release
+from .rng import preserved_rng
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from .batch import Batch
-
-# Plan, ReleaseUnlisted and ResidencyPolicy live in policy.py; importable from here as before.
-__all__ = ["SETUP", "ModelLoadError", "Plan", "ReleaseUnlisted", "ResidencyPolicy", "StagedModels"]
-
 Loader = Callable[[], "nn.Module"]
 
 
-class StagedModels(LoadJobs, Mapping[str, "nn.Module"]):
+class ModelLoadError(StageloadError, RuntimeError):
+    """A loader raised. The registry is left as it was; the cause is chained."""
+
+    def __init__(self, name: str, stage: str | None, cause: BaseException) -> None:
+        self.name = name
+        self.stage = stage
+        super().__init__(
+            f"loading model {name!r} for stage {stage or SETUP!r} failed: "
+            f"{type(cause).__name__}: {cause}"
+        )
+
+
+def _check_module(name: str, module: object) -> Exception | None:
+    """What is wrong with a loader's result, if anything."""
+    from torch import nn
+
+    if not isinstance(module, nn.Module):
+        return TypeError(
+            f"the loader for {name!r} returned {type(module).__module__}."
+            f"{type(module).__qualname__}, not a torch.nn.Module; make it return the "
+            f"model itself (e.g. `return MyModel.from_pretrained(path)`)"
+        )
+    if is_released(module):
+        return ValueError(
+            f"the loader for {name!r} returned a module that was already released; "
+            f"it must build a new module on every call instead of caching one"
+        )
+    return None
+
+
+class _Job:
+    """One load in progress: the future its waiters share, and the thread running it."""
+
+    def __init__(self, name: str, background: bool, purpose: str | None = None) -> None:
+        self.name = name
+        self.background = background
+        self.purpose = purpose  # the stage a prefetch is for
+        self.future: Future[nn.Module] = Future()
+
+
+class StagedModels(Mapping[str, "nn.Module"]):
     """A mapping from model name to ``nn.Module`` that loads and releases by stage.
 
     Example::
@@ -109,7 +158,7 @@ class StagedModels(LoadJobs, Mapping[str, "nn.Module"]):
         if self.prefetch:
             note = unprefetchable(self._plan, self._prefetchable)
             if note is not None:
-                self._emit(Event(NOTE, note=note))
+                self.emit(Event(NOTE, note=note))
 
     # -- mapping -------------------------------------------------------------------------
     def __getitem__(self, name: str) -> nn.Module:
@@ -184,6 +233,17 @@ class StagedModels(LoadJobs, Mapping[str, "nn.Module"]):
     def is_loaded(self, name: str) -> bool:
         return name in self._models
 
+    def resident(self) -> dict[str, nn.Module]:
+        """The loaded models by name, in load order; unlike ``models[name]``, this loads
+        nothing and notes nothing."""
+        with self._lock:
+            return dict(self._models)
+
+    @property
+    def batch_running(self) -> bool:
+        """Whether a :meth:`map` batch runs now (its calls park at stage changes)."""
+        return self._batch is not None
+
     # -- stage changes -------------------------------------------------------------------
     def enter(self, stage: str) -> None:
         """Enter ``stage``: release what the residency policy says (by default, every
@@ -203,7 +263,7 @@ class StagedModels(LoadJobs, Mapping[str, "nn.Module"]):
             self._stage = stage
             self._noted.clear()
             self._over_noted = False
-            self._emit(Event(STAGE, stage=stage))
+            self.emit(Event(STAGE, stage=stage))
             plan = self._plan_view()
             why = getattr(self.policy, "why", None)
             for name in self.policy.to_release(stage, list(self._models), plan):
@@ -250,9 +310,17 @@ class StagedModels(LoadJobs, Mapping[str, "nn.Module"]):
         is raised (``.results`` has every slot, ``.errors`` the failures), or with
         ``return_exceptions=True`` each exception is returned in its item's slot.
         """
-        from .batch import run_batch
-
-        return run_batch(self, fn, items, return_exceptions=return_exceptions)
+        if self._batch is not None:
+            raise RuntimeError(
+                "map() is already running a batch on these models; a call of a batch "
+                "cannot start another one on the same StagedModels"
+            )
+        batch = Batch(self, fn, items)
+        self._batch = batch  # enter() parks the batch's calls from now on
+        try:
+            return batch.run(return_exceptions=return_exceptions)
+        finally:
+            self._batch = None
 
     def evict(self, name: str) -> int:
         """Release one model now; returns the bytes freed (0 if it was not loaded)."""
@@ -282,8 +350,8 @@ class StagedModels(LoadJobs, Mapping[str, "nn.Module"]):
         self.close()
 
     # -- internals -----------------------------------------------------------------------
-    def _plan_view(self) -> Plan:
-        return Plan(
+    def _plan_view(self) -> PolicyView:
+        return PolicyView(
             stages=self._plan,
             pinned=self._pinned,
             sizes={**self._given_sizes, **self._sizes},
@@ -294,7 +362,10 @@ class StagedModels(LoadJobs, Mapping[str, "nn.Module"]):
             ),
         )
 
-    def _emit(self, event: Event) -> None:
+    def emit(self, event: Event) -> None:
+        """Send ``event`` where this registry's own events go: its sink and, under
+        ``stageload meter`` or ``guard --trace``, the outer trace. Adapters use it for
+        their notes."""
         if self._sink is not None:
             self._sink.emit(event)
         if self._outer is not None:
@@ -307,7 +378,7 @@ class StagedModels(LoadJobs, Mapping[str, "nn.Module"]):
         start = time.perf_counter()
         nbytes = release(module, name=name, stage=stage, keep=keep)
         seconds = time.perf_counter() - start
-        self._emit(
+        self.emit(
             Event(
                 RELEASE,
                 model=name,
@@ -328,7 +399,7 @@ class StagedModels(LoadJobs, Mapping[str, "nn.Module"]):
         over = over_budget(stage, resident, self._plan_view().sizes, self.budget, after)
         if over is not None:
             self._over_noted = True
-            self._emit(Event(NOTE, stage=stage, bytes=over[0], note=over[1]))
+            self.emit(Event(NOTE, stage=stage, bytes=over[0], note=over[1]))
 
     def _note_unplanned(self, name: str) -> None:
         if name in self._pinned or name in self._noted:
@@ -338,7 +409,7 @@ class StagedModels(LoadJobs, Mapping[str, "nn.Module"]):
             return
         self._noted.add(name)
         where = f"stage {stage!r}" if stage is not None else "setup, before any stage"
-        self._emit(
+        self.emit(
             Event(
                 NOTE,
                 model=name,
@@ -346,3 +417,104 @@ class StagedModels(LoadJobs, Mapping[str, "nn.Module"]):
                 note=f"{name!r} used in {where}, which does not list it in the plan",
             )
         )
+
+    # -- loading: one job per model name, run without the lock ----------------------------
+    def _loading(self) -> list[str]:
+        if not hasattr(self._local, "loading"):
+            self._local.loading = []
+        return self._local.loading
+
+    def _in_background(self) -> bool:
+        return getattr(self._local, "background", False)
+
+    def _cycle_error(self, name: str) -> None:
+        # A loader may use another model (models["backbone"]), but a cycle would wait on
+        # its own future forever.
+        loading = self._loading()
+        cycle = " -> ".join([*loading[loading.index(name) :], name])
+        raise RuntimeError(
+            f"the loader for {name!r} needs {name!r} itself ({cycle}); a loader must "
+            f"build its model, not ask the registry for it"
+        )
+
+    def _start(self, name: str, *, background: bool, purpose: str | None = None) -> _Job:
+        """Register a load (lock held): from now on, others asking for ``name`` wait."""
+        job = _Job(name, background, purpose)
+        self._jobs[name] = job
+        return job
+
+    def _run_background(self, job: _Job) -> None:
+        self._local.background = True
+        with suppress(Exception):  # kept in the job's future; raised at first use
+            self._run(job)
+
+    def _wait_background(self) -> None:
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if j.background]
+        for job in jobs:
+            job.future.exception()  # waits; a failure is raised at first use, not here
+
+    def _wait(self, job: _Job) -> nn.Module:
+        """The job's module; a failed load raises ModelLoadError here (once, for a prefetch)."""
+        try:
+            return job.future.result()
+        except Exception as exc:
+            with self._lock:
+                if self._jobs.get(job.name) is job:
+                    del self._jobs[job.name]  # seen: the next access loads again
+            raise ModelLoadError(job.name, self._stage, exc) from exc
+
+    def _run(self, job: _Job) -> None:
+        """Run ``job``'s loader on this thread, without the lock, and install its module."""
+        name, stage = job.name, self._stage
+        # preserved_rng() only works on the thread that draws: in the background it would
+        # restore a stale state over the main thread's draws (hence rng_free loaders only).
+        guard = preserved_rng() if self.preserve_rng and not job.background else nullcontext()
+        loading = self._loading()
+        start = time.perf_counter()
+        loading.append(name)
+        try:
+            with guard:
+                module = self._loaders[name]()
+        except Exception as exc:
+            self._failed(job, stage, exc)
+            raise ModelLoadError(name, stage, exc) from exc
+        finally:
+            loading.pop()
+        problem = _check_module(name, module)
+        if problem is not None:
+            self._failed(job, stage, problem)
+            raise problem
+        seconds = time.perf_counter() - start
+        with self._lock:
+            # Count only what this load added: a backbone that another loaded model already
+            # holds (see share()) is not counted twice.
+            nbytes = module_bytes(module, exclude=self._models.values())
+            kind = PREFETCH if job.background else RELOAD if name in self._ever_loaded else LOAD
+            self._models[name] = module
+            self._sizes[name] = nbytes
+            self._ever_loaded.add(name)
+            del self._jobs[name]
+            note = f"for stage {job.purpose!r}" if job.purpose else None
+            self.emit(
+                Event(kind, model=name, stage=stage, bytes=nbytes, seconds=seconds, note=note)
+            )
+            if not job.background:
+                self._check_budget(stage, after=name)
+        job.future.set_result(module)
+
+    def _failed(self, job: _Job, stage: str | None, exc: Exception) -> None:
+        with self._lock:
+            if not job.background:
+                del self._jobs[job.name]  # the registry is left as it was
+            else:  # kept until first use, which raises it
+                self.emit(
+                    Event(
+                        NOTE,
+                        model=job.name,
+                        stage=stage,
+                        note=f"prefetch of {job.name!r} failed ({type(exc).__name__}: {exc}); "
+                        f"its first use raises ModelLoadError",
+                    )
+                )
+        job.future.set_exception(exc)

@@ -17,32 +17,17 @@ Only loaders that draw no random numbers may run there. Mark them with :func:`rn
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from .budget import AUTO_RESERVE_MIN, AUTO_RESERVE_SHARE, over_budget, parse_budget
 from .events import REASON_BUDGET, REASON_NOT_IN_PLAN
-from .marks import is_rng_free, ready_for_background, rng_free
 
-# Budget parsing lives in budget.py, the loader marks in marks.py; importable from here too.
-__all__ = [
-    "AUTO_RESERVE_MIN",
-    "AUTO_RESERVE_SHARE",
-    "FurthestNextUse",
-    "Plan",
-    "ReleaseUnlisted",
-    "ResidencyPolicy",
-    "is_rng_free",
-    "ready_for_background",
-    "next_use",
-    "over_budget",
-    "parse_budget",
-    "rng_free",
-]
+F = TypeVar("F", bound=Callable[..., Any])
+
 
 @dataclass(frozen=True)
-class Plan:
+class PolicyView:
     """What a residency policy may look at: the stage plan and what is known of the models.
 
     ``stages`` is in pipeline order; calls cycle through it. ``sizes`` holds bytes per
@@ -64,11 +49,11 @@ class ResidencyPolicy(Protocol):
     the ``release`` event of a model it released (``"not in plan"``, ``"budget"``).
     """
 
-    def to_release(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
+    def to_release(self, stage: str, loaded: Sequence[str], plan: PolicyView) -> list[str]:
         """Names of loaded models to release on entering ``stage``."""
         ...
 
-    def to_prefetch(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
+    def to_prefetch(self, stage: str, loaded: Sequence[str], plan: PolicyView) -> list[str]:
         """Names to load right after entering ``stage``, before anyone asks: in a
         background thread when the registry prefetches, else right away."""
         ...
@@ -77,14 +62,14 @@ class ResidencyPolicy(Protocol):
 class ReleaseUnlisted:
     """Release every loaded model that the entered stage does not list (pinned ones stay)."""
 
-    def to_release(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
+    def to_release(self, stage: str, loaded: Sequence[str], plan: PolicyView) -> list[str]:
         wanted = set(plan.stages[stage]) | plan.pinned
         return [name for name in loaded if name not in wanted]
 
-    def to_prefetch(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
+    def to_prefetch(self, stage: str, loaded: Sequence[str], plan: PolicyView) -> list[str]:
         return []
 
-    def why(self, name: str, stage: str, plan: Plan) -> str:
+    def why(self, name: str, stage: str, plan: PolicyView) -> str:
         return REASON_NOT_IN_PLAN
 
 
@@ -122,7 +107,7 @@ class FurthestNextUse:
         return f"FurthestNextUse(budget={self.budget!r}, prefetch={self.prefetch!r})"
 
     # -- the protocol --------------------------------------------------------------------
-    def to_release(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
+    def to_release(self, stage: str, loaded: Sequence[str], plan: PolicyView) -> list[str]:
         victims = self.victims(stage, loaded, plan)
         if not self.prefetch:
             return victims
@@ -130,13 +115,13 @@ class FurthestNextUse:
         early, _ = self._prefetch_plan(stage, staying, plan)
         return victims + early
 
-    def to_prefetch(self, stage: str, loaded: Sequence[str], plan: Plan) -> list[str]:
+    def to_prefetch(self, stage: str, loaded: Sequence[str], plan: PolicyView) -> list[str]:
         if not self.prefetch:
             return []
         _, names = self._prefetch_plan(stage, loaded, plan)
         return names
 
-    def why(self, name: str, stage: str, plan: Plan) -> str:
+    def why(self, name: str, stage: str, plan: PolicyView) -> str:
         listed = any(name in names for names in plan.stages.values())
         return REASON_BUDGET if listed else REASON_NOT_IN_PLAN
 
@@ -145,7 +130,7 @@ class FurthestNextUse:
         self,
         stage: str,
         loaded: Sequence[str],
-        plan: Plan,
+        plan: PolicyView,
         *,
         protect: frozenset[str] = frozenset(),
     ) -> list[str]:
@@ -171,7 +156,7 @@ class FurthestNextUse:
         return chosen + _fewest_furthest(planned, far, size, excess)
 
     def _prefetch_plan(
-        self, stage: str, loaded: Sequence[str], plan: Plan
+        self, stage: str, loaded: Sequence[str], plan: PolicyView
     ) -> tuple[list[str], list[str]]:
         """(models to release early, models to prefetch) for the stage after ``stage``."""
         order = list(plan.stages)
@@ -258,7 +243,7 @@ def check_sizes(
     sizes: Mapping[str, int | str] | None, loaders: Mapping[str, Any]
 ) -> dict[str, int]:
     """``StagedModels(sizes=...)`` as bytes per model, or a clear error."""
-    from .units import parse_size
+    from ..units import parse_size
 
     if sizes is None:
         return {}
@@ -361,3 +346,133 @@ def unprefetchable(stages: Mapping[str, Sequence[str]], allowed: frozenset[str])
         f"are not marked as drawing no random numbers; mark them with stageload.rng_free() "
         f"or list them in prefetch=[...] (docs/residency.md)"
     )
+
+
+# -- the budget ---------------------------------------------------------------------------
+#: What ``budget="auto"`` keeps free for working memory (activations, temporaries): this
+#: share of the memory the process may use, and never less than ``AUTO_RESERVE_MIN``.
+AUTO_RESERVE_SHARE = 0.10
+AUTO_RESERVE_MIN = 1 << 30
+
+
+def parse_budget(value: int | str) -> int:
+    """A memory budget in bytes from ``12884901888``, ``"12G"``, ``"80%"`` or ``"auto"``.
+
+    ``"80%"`` is a share of the memory this process may use (the machine's, or its memory
+    cgroup's limit when lower). ``"auto"`` is the memory available now (cgroup-aware, as
+    ``stageload.memory.read_system`` reads it) minus a reserve for working memory:
+    ``AUTO_RESERVE_SHARE`` of the total, at least ``AUTO_RESERVE_MIN``.
+    """
+    from ..units import parse_size
+
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(
+            f"budget must be bytes (int), a size like '12G', a share like '80%' or 'auto'; "
+            f"got {value!r}"
+        )
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text == "auto" or (text is not None and text.endswith("%")):
+        from ..memory import read_system
+
+        system = read_system()
+        if text == "auto":
+            if system.available is None or system.total is None:
+                why = system.errors.get("available") or system.errors.get("total") or "unknown"
+                raise ValueError(
+                    f"budget='auto' needs the available memory, which cannot be read here "
+                    f"({why}); pass a size instead, e.g. budget='12G'"
+                )
+            reserve = max(AUTO_RESERVE_MIN, int(system.total * AUTO_RESERVE_SHARE))
+            budget = system.available - reserve
+            if budget <= 0:
+                raise ValueError(
+                    f"budget='auto' leaves nothing: {system.available} bytes available, "
+                    f"{reserve} kept for working memory; free memory or pass a size"
+                )
+            return budget
+        try:
+            share = float(text[:-1])  # type: ignore[index]
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 100:
+            raise ValueError(
+                f"invalid budget {value!r}: a share is between 0% and 100%, e.g. '80%'"
+            )
+        if system.total is None:
+            raise ValueError(
+                f"budget={value!r} needs the total memory, which cannot be read here "
+                f"({system.errors.get('total', 'unknown')}); pass a size, e.g. budget='12G'"
+            )
+        return int(system.total * share / 100)
+    try:
+        budget = parse_size(value)
+    except ValueError:
+        raise ValueError(
+            f"invalid budget {value!r}: use bytes, a size like '12G', a share like '80%', or 'auto'"
+        ) from None
+    if budget <= 0:
+        raise ValueError(f"budget must be positive, got {value!r}; e.g. budget='12G'")
+    return budget
+
+
+def over_budget(
+    stage: str, resident: Iterable[str], sizes: Mapping[str, int], budget: int, after: str | None
+) -> tuple[int, str] | None:
+    """(bytes over, note) when ``resident`` models exceed ``budget`` in ``stage``, else None."""
+    from ..units import format_size
+
+    total = sum(sizes.get(n, 0) for n in resident)
+    if total <= budget:
+        return None
+    what = f"after loading {after!r}" if after else "its models"
+    return total - budget, (
+        f"stage {stage!r} holds {format_size(total)} with {what}, over the budget of "
+        f"{format_size(budget)} by {format_size(total - budget)}; it runs anyway (give "
+        f"sizes= to plan ahead, or raise the budget)"
+    )
+
+
+# -- loader marks: which loaders may run on a background thread -----------------------------
+#: The attribute :func:`rng_free` sets on a loader. ``loader.draws_random = False`` is the
+#: whole contract: anyone may set it without importing stageload.
+RNG_FREE_ATTR = "draws_random"
+
+
+def rng_free(loader: F) -> F:
+    """Declare that ``loader`` draws no random numbers, so it may be prefetched.
+
+    Sets ``loader.draws_random = False`` and returns the loader (usable as a decorator).
+    A loader qualifies when it builds its model without running random initialisers (on
+    ``meta``, or with ``init=False``-style constructors) and only copies weights in, and
+    when every model it asks the registry for qualifies too. Objects that take no
+    attributes (bound methods) are wrapped in a function that does.
+    """
+    try:
+        setattr(loader, RNG_FREE_ATTR, False)
+        return loader
+    except (AttributeError, TypeError):
+        pass
+
+    def load() -> Any:
+        return loader()
+
+    load.__qualname__ = getattr(loader, "__qualname__", "load")
+    setattr(load, RNG_FREE_ATTR, False)
+    return load  # type: ignore[return-value]
+
+
+#: A loader may carry ``background_ready()``: False while a load now would not be safe on
+#: another thread (the diffusers adapter's first load goes through ``from_pretrained``,
+#: whose meta-device set-up patches torch for every thread).
+BACKGROUND_READY_ATTR = "background_ready"
+
+
+def ready_for_background(loader: object) -> bool:
+    """Whether a prefetch may run ``loader`` on a background thread now."""
+    check = getattr(loader, BACKGROUND_READY_ATTR, None)
+    return True if check is None else bool(check())
+
+
+def is_rng_free(loader: object) -> bool:
+    """True when ``loader`` is marked as drawing no random numbers (see :func:`rng_free`)."""
+    return getattr(loader, RNG_FREE_ATTR, True) is False

@@ -25,24 +25,39 @@ the registry's own lock, which no parked call holds.
 from __future__ import annotations
 
 import contextvars
-import sys
+import gc
 import threading
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ..errors import StageloadError
+from ..units import format_size
 from .events import NOTE, Event
 from .rng import RngState, capture_rng, restore_rng
-from .units import format_size
 
 if TYPE_CHECKING:
-    from .staged import StagedModels
+    from torch import nn
 
 _SCHEDULER = -1
-# How deep the intermediates estimate looks into a local's containers and attributes.
-_DEPTH = 3
 
 
-class BatchError(RuntimeError):
+class BatchHost(Protocol):
+    """What a batch needs of the registry it runs on (``StagedModels`` is one)."""
+
+    @property
+    def stage(self) -> str | None: ...
+
+    @property
+    def stages(self) -> Mapping[str, tuple[str, ...]]: ...
+
+    def enter(self, stage: str) -> None: ...
+
+    def emit(self, event: Event) -> None: ...
+
+    def resident(self) -> dict[str, nn.Module]: ...
+
+
+class BatchError(StageloadError, RuntimeError):
     """Some calls of a :meth:`StagedModels.map` batch raised; every other call ran to its end.
 
     ``results`` holds each item's return value, or its exception; ``errors`` maps the
@@ -60,9 +75,6 @@ class BatchError(RuntimeError):
             f"The other results are in .results; map(..., return_exceptions=True) returns "
             f"them with each exception in its item's slot instead"
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.results, self.errors))
 
 
 class _Abandoned(BaseException):
@@ -84,9 +96,10 @@ class _Call:
 
 
 class Batch:
-    """One run of :meth:`StagedModels.map`; ``StagedModels.enter`` calls :meth:`park`."""
+    """One run of :meth:`StagedModels.map`: the registry runs it with :meth:`run`, and its
+    ``enter`` calls :meth:`park` while the batch runs."""
 
-    def __init__(self, models: StagedModels, fn: Callable[[Any], Any], items: Iterable[Any]):
+    def __init__(self, models: BatchHost, fn: Callable[[Any], Any], items: Iterable[Any]):
         if not callable(fn):
             raise TypeError(f"map() takes the function to run first, got {fn!r}")
         self.models = models
@@ -149,11 +162,6 @@ class Batch:
     def run(self, *, return_exceptions: bool = False) -> list[Any]:
         import torch
 
-        if self.models._batch is not None:
-            raise RuntimeError(
-                "map() is already running a batch on these models; a call of a batch "
-                "cannot start another one on the same StagedModels"
-            )
         if not self._items:
             return []
         entry = capture_rng()
@@ -170,7 +178,7 @@ class Batch:
             thread.start()
             assert thread.ident is not None
             self._by_thread[thread.ident] = call
-        self.models._batch = self
+        self._before = _live_storages()  # what the batch's own tensors are counted beside
         try:
             for call in self._calls:  # setup: each call runs until its first stage change
                 self._resume(call)
@@ -183,8 +191,6 @@ class Batch:
         except BaseException:
             self._abandon()
             raise
-        finally:
-            self.models._batch = None
         for call in self._calls:
             assert call.thread is not None
             call.thread.join()
@@ -209,8 +215,8 @@ class Batch:
     def _enter(self, stage: str, live: list[_Call]) -> None:
         waiting = [c.index for c in live if c.want == stage]
         parked = len(live)
-        held = intermediates(self._calls, self.models)
-        self.models._emit(
+        held = held_bytes(self._before, self.models.resident())
+        self.models.emit(
             Event(
                 NOTE,
                 stage=stage,
@@ -243,72 +249,44 @@ class Batch:
                 call.thread.join()
 
 
-def intermediates(calls: list[_Call], models: StagedModels) -> int:
-    """Bytes of the distinct tensor storages the batch holds besides the loaded models.
+def held_bytes(before: set[int], models: Mapping[str, nn.Module]) -> int:
+    """Bytes of the tensor storages alive now that were not at ``before`` and that no
+    loaded model holds: what parked calls and finished results keep between stages.
 
-    Counted: tensors reachable from the locals of parked calls' frames (into lists,
-    tuples, dicts and plain objects' attributes, ``_DEPTH`` levels deep), and finished
-    calls' results. Not counted: the loaded models' parameters and buffers, modules
-    themselves, and memory that no Python object points to (allocator caches).
+    Found with ``gc.get_objects()`` (torch tensors are tracked by the collector), so it
+    sees tensors wherever they are held: a frame's locals, a closure, a cache. Not
+    counted: memory no tensor owns (allocator caches, the call threads' stacks).
     """
+    known = before | {ptr for module in models.values() for ptr in _storages(module)}
+    return sum(n for ptr, n in _live_storage_sizes().items() if ptr not in known)
+
+
+def _storages(module: nn.Module) -> set[int]:
+    return {
+        t.untyped_storage().data_ptr()
+        for t in (*module.parameters(), *module.buffers())
+        if not t.is_meta
+    }
+
+
+def _live_storage_sizes() -> dict[int, int]:
     import torch
-    from torch import nn
 
-    weights: set[int] = set()
-    for name in models.loaded():
-        module = models._models.get(name)
-        if module is not None:
-            for tensor in [*module.parameters(), *module.buffers()]:
-                if not tensor.is_meta:
-                    weights.add(tensor.untyped_storage().data_ptr())
-    seen: set[int] = set()
-    storages: dict[int, int] = {}
-    skip = (Batch, _Call, type(models), nn.Module, type, threading.Thread)
-
-    def visit(obj: Any, depth: int) -> None:
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            if obj.is_meta or obj.layout != torch.strided:
-                return
+    sizes: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta and obj.layout == torch.strided:
             storage = obj.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr and ptr not in weights:
-                storages[ptr] = storage.nbytes()
-            return
-        if depth >= _DEPTH or isinstance(obj, skip) or callable(obj):
-            return
-        if isinstance(obj, (list, tuple, set, frozenset)):
-            for value in obj:
-                visit(value, depth + 1)
-        elif isinstance(obj, dict):
-            for value in obj.values():
-                visit(value, depth + 1)
-        elif isinstance(getattr(obj, "__dict__", None), dict):
-            for value in vars(obj).values():
-                visit(value, depth + 1)
-
-    frames = sys._current_frames()
-    for call in calls:
-        if call.done:
-            visit(call.result, 0)
-            continue
-        frame = frames.get(call.thread.ident) if call.thread is not None else None
-        while frame is not None:
-            if frame.f_code.co_filename not in _NOT_CALLERS:
-                for value in frame.f_locals.values():
-                    visit(value, 0)
-            frame = frame.f_back
-    return sum(storages.values())
+            if storage.data_ptr():
+                sizes[storage.data_ptr()] = storage.nbytes()
+    return sizes
 
 
-# The batch's and the registry's own frames, and the thread's start-up, hold none.
-_NOT_CALLERS = frozenset({__file__, __file__.rsplit("/", 1)[0] + "/staged.py", threading.__file__})
+def _live_storages() -> set[int]:
+    return set(_live_storage_sizes())
 
 
 def run_batch(
-    models: StagedModels,
+    models: BatchHost,
     fn: Callable[[Any], Any],
     items: Iterable[Any],
     *,

@@ -17,12 +17,14 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-from ._errors import PicklableError
+from ..errors import StageloadError
+from .registry import HookRegistry, ModuleHook
 
-_RELEASED_ATTR = "_stageload_released"
+#: The name of the hook :func:`release` adds to every module it empties.
+RELEASED = "released"
 
 
-class ReleasedModuleError(PicklableError, RuntimeError):
+class ReleasedModuleError(StageloadError, RuntimeError):
     """A module was called after its weights were released."""
 
     def __init__(self, name: str | None, stage: str | None) -> None:
@@ -44,12 +46,12 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
 
 def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
     for sub in module.modules():
-        for p in sub._parameters.values():
-            if p is not None:
-                yield p
-        for b in sub._buffers.values():
-            if b is not None:
-                yield b
+        yield from _own_tensors(sub)
+
+
+def _own_tensors(sub: nn.Module) -> Iterable[torch.Tensor]:
+    yield from sub.parameters(recurse=False)
+    yield from sub.buffers(recurse=False)
 
 
 def storage_sizes(module: nn.Module) -> dict[tuple[str, int], int]:
@@ -72,7 +74,7 @@ def module_bytes(module: nn.Module, *, exclude: Iterable[nn.Module] = ()) -> int
 def held_elsewhere(module: nn.Module, others: Mapping[str, nn.Module]) -> str | None:
     """Why releasing ``module`` beside ``others`` frees less than it holds: how much of its
     storage the named modules still hold (a shared backbone, a submodule), or None."""
-    from .units import format_size
+    from ..units import format_size
 
     mine = storage_sizes(module)
     holders: list[str] = []
@@ -88,9 +90,35 @@ def held_elsewhere(module: nn.Module, others: Mapping[str, nn.Module]) -> str | 
     return f"{kept} of its weights stay, still held by {', '.join(holders)}"
 
 
+class ReleasedHook(ModuleHook):
+    """On a module :func:`release` emptied: a call asks the hooks of ``owner`` (the module
+    released as a whole) whether one revives it, and raises ReleasedModuleError if none
+    does. Without this, the call would fail deep in torch on a meta tensor."""
+
+    def __init__(self, name: str | None, stage: str | None, owner: nn.Module) -> None:
+        self.name = name
+        self.stage = stage
+        self.owner = owner
+
+    def pre_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        registry = HookRegistry.of(self.owner)
+        for hook in registry.hooks() if registry is not None else ():
+            if hook.revive(self.owner):
+                return None
+        raise ReleasedModuleError(self.name, self.stage)
+
+
 def is_released(module: nn.Module) -> bool:
-    """True when ``module`` was released by :func:`release`."""
-    return hasattr(module, _RELEASED_ATTR)
+    """True when ``module`` was released by :func:`release` (and not filled since)."""
+    registry = HookRegistry.of(module)
+    return registry is not None and RELEASED in registry
+
+
+def released_as(module: nn.Module) -> tuple[str | None, str | None] | None:
+    """``(name, stage)`` a released module was released with, else None."""
+    registry = HookRegistry.of(module)
+    hook = registry.get(RELEASED) if registry is not None else None
+    return (hook.name, hook.stage) if isinstance(hook, ReleasedHook) else None
 
 
 def release(
@@ -129,23 +157,28 @@ def release(
         for sub in module.modules():
             if id(sub) in kept_modules:
                 continue
-            for slots in (sub._parameters, sub._buffers):
-                for key, t in list(slots.items()):
-                    if t is None or t.is_meta:
-                        continue
-                    skey = _storage_key(t)
-                    if skey in kept_storage:
-                        continue
-                    twin = replaced.get(id(t))
-                    if twin is None:
-                        twin = _meta_twin(t)
-                        replaced[id(t)] = twin
-                    slots[key] = twin
-                    if skey not in freed:
-                        freed[skey] = t.untyped_storage().nbytes()
-                        devices.add(t.device.type)
-                        _empty_storage(t)
-            _mark_released(sub, name, stage)
+            named = [
+                *sub.named_parameters(recurse=False, remove_duplicate=False),
+                *sub.named_buffers(recurse=False, remove_duplicate=False),
+            ]
+            for key, t in named:
+                if t.is_meta:
+                    continue
+                skey = _storage_key(t)
+                if skey in kept_storage:
+                    continue
+                twin = replaced.get(id(t))
+                if twin is None:
+                    twin = _meta_twin(t)
+                    replaced[id(t)] = twin
+                # nn.Module.__setattr__ puts a Parameter into the parameters and a tensor
+                # under a buffer's name into the buffers, keeping its persistence.
+                setattr(sub, key, twin)
+                if skey not in freed:
+                    freed[skey] = t.untyped_storage().nbytes()
+                    devices.add(t.device.type)
+                    _empty_storage(t)
+            HookRegistry.attach(sub).add(RELEASED, ReleasedHook(name, stage, module))
     replaced.clear()
     return_memory_to_os(devices, collect=False)
     return sum(freed.values())
@@ -175,31 +208,10 @@ def _empty_storage(t: torch.Tensor) -> None:
         t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
-def _mark_released(module: nn.Module, name: str | None, stage: str | None) -> None:
-    original = type(module).forward
-
-    @functools.wraps(original)
-    def released_forward(*args: Any, **kwargs: Any) -> Any:
-        raise ReleasedModuleError(name, stage)
-
-    # An instance attribute shadows the class's forward, so both module(x) and
-    # module.forward(x) raise our error instead of a meta-tensor error deep in torch.
-    released_forward._stageload_stub = True  # type: ignore[attr-defined]
-    object.__setattr__(module, "forward", released_forward)
-    object.__setattr__(module, _RELEASED_ATTR, (name, stage))
-
-
 def unmark_released(module: nn.Module) -> None:
-    """Undo :func:`release`'s marks on this one module (not its children).
-
-    For adapters that refill a released module in place with freshly loaded weights:
-    the module's own forward comes back. An instance ``forward`` that someone else set
-    is left alone.
-    """
-    own = module.__dict__.get("forward")
-    if getattr(own, "_stageload_stub", False):
-        del module.__dict__["forward"]
-    module.__dict__.pop(_RELEASED_ATTR, None)
+    """Take :func:`release`'s hook off this one module (not its children): for loaders
+    that refill a released module in place, which is live again afterwards."""
+    HookRegistry.remove(module, RELEASED)
 
 
 @functools.lru_cache(maxsize=1)

@@ -6,6 +6,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+#: The name of the time before the first stage is entered.
+SETUP = "setup"
+
 #: Event kinds emitted by the core. The guard adds ``guard``; users may add their own.
 LOAD = "load"
 RELOAD = "reload"

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .registry import patch
 from .release import is_released
 
 _MISSING = object()
@@ -51,18 +52,21 @@ def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     return (freeze(args), freeze(kwargs))
 
 
-class _Slot:
-    """Every active ``share()`` of one ``owner.attr``: one wrapper on the owner, one cache
-    per block, innermost last. Blocks may exit in any order; the owner gets its own
-    attribute back when the last one exits, so no stale wrapper is left behind."""
+def _unpatched(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("share(): the slot was used before its patch was installed")
 
-    def __init__(self, owner: Any, attr: str, own: Any, original: Any) -> None:
+
+class _Slot:
+    """Every active ``share()`` of one ``owner.attr``: one patch of the owner, one cache per
+    block, innermost last. Blocks may exit in any order; the patch goes with the last one,
+    so no stale wrapper is left behind."""
+
+    def __init__(self, owner: Any, attr: str) -> None:
         self.owner = owner
         self.attr = attr
-        self.own = own  # the owner's own attribute before the first block (or _MISSING)
-        self.original = original  # what the wrapper calls to build
+        self.original: Callable[..., Any] = _unpatched  # what a build calls (set by patch)
+        self.remove: Callable[[], None] = lambda: None
         self.caches: list[dict[Hashable, Any]] = []
-        self.installed: Any = None  # the value set on the owner
         self.lock = threading.Lock()  # guards caches and building, never held while building
         # key -> (thread id, done): one build per key at a time, so a prefetch thread and
         # the caller never build the same instance twice.
@@ -90,9 +94,9 @@ class _Slot:
             # Another thread is building it (a prefetch): wait, then take what it built.
             builder[1].wait()
         if return_plain:
-            return self.original(*args, **kwargs)
+            return self._build(args, kwargs)
         try:
-            value = self.original(*args, **kwargs)
+            value = self._build(args, kwargs)
             with self.lock:
                 for cache in self.caches:
                     cache[key] = value
@@ -102,6 +106,9 @@ class _Slot:
                     del self.building[key]
             done.set()
         return value
+
+    def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.original(*args, **kwargs)
 
     def _cached(self, key: Hashable) -> Any:
         """The live shared value for ``key`` or ``_MISSING``; forgets a released one."""
@@ -163,31 +170,20 @@ def share(owner: Any, attr: str) -> Iterator[dict[Hashable, Any]]:
 
 
 def _install(owner: Any, attr: str) -> _Slot:
-    try:
-        original = getattr(owner, attr)
-    except AttributeError:
-        raise AttributeError(f"{owner!r} has no attribute {attr!r} to share") from None
-    if not callable(original):
-        raise TypeError(f"{owner!r}.{attr} is not callable: {original!r}")
-    own = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-    slot = _Slot(owner, attr, own, original)
+    slot = _Slot(owner, attr)
 
-    @functools.wraps(original)
-    def shared(*args: Any, **kwargs: Any) -> Any:
-        return slot.call(args, kwargs)
+    def wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
+        slot.original = inner  # what a build calls: the attribute as it was before us
 
-    # On a class, a plain function would bind to instances; staticmethod keeps the
-    # already-bound original (e.g. a classmethod) callable both ways.
-    slot.installed = staticmethod(shared) if isinstance(owner, type) else shared
-    setattr(owner, attr, slot.installed)
+        @functools.wraps(inner)
+        def shared(*args: Any, **kwargs: Any) -> Any:
+            return slot.call(args, kwargs)
+
+        return shared
+
+    slot.remove = patch(owner, attr, wrap)
     return slot
 
 
 def _uninstall(slot: _Slot) -> None:
-    owner, attr = slot.owner, slot.attr
-    if hasattr(owner, "__dict__") and vars(owner).get(attr, _MISSING) is not slot.installed:
-        return  # someone wrapped ours since: leave theirs; ours now just calls through
-    if slot.own is _MISSING:
-        delattr(owner, attr)
-    else:
-        setattr(owner, attr, slot.own)
+    slot.remove()

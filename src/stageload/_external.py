@@ -1,0 +1,63 @@
+"""Every private or version-dependent API of torch, diffusers, accelerate and transformers
+that stageload relies on, named in one place. ``tests/test_external.py`` pins the behaviour
+each one is used for, so an upgrade that changes it fails there, not deep in a run.
+
+Nothing here is imported at ``import stageload``: each function imports its library.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+def version_at_least(distribution: str, version: str) -> bool:
+    """Whether the installed ``distribution`` is at least ``version`` (False if absent).
+
+    The one version check: transformers 4.56 renamed ``torch_dtype`` to ``dtype`` in
+    ``from_pretrained``, transformers 5 loads weights in the checkpoint's dtype by default,
+    and diffusers 0.42 spells the pipeline's dtype argument ``dtype``.
+    """
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    from packaging.version import Version
+
+    try:
+        return Version(installed(distribution)) >= Version(version)
+    except PackageNotFoundError:
+        return False
+
+
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """Names of ``module``'s own buffers that ``state_dict()`` leaves out (computed in
+    ``__init__``, such as rotary tables): torch keeps them in a private set."""
+    return set(module._non_persistent_buffers_set)
+
+
+#: The one ``nn.Module`` method that ``to``, ``cpu``, ``cuda``, ``half``, ``float``,
+#: ``bfloat16``, ``double`` and ``type`` all call with a conversion function: overriding it
+#: sees every conversion of a module, whichever method asked.
+CONVERT_METHOD = "_apply"
+
+
+def transformers_from_config(cls: type, config: Any) -> nn.Module:
+    """A transformers model built from ``config`` with no weights read: ``_from_config`` is
+    the constructor ``from_pretrained`` itself uses (it applies the config's dtype and
+    attention implementation), where plain ``cls(config)`` does not."""
+    return cls._from_config(config)  # type: ignore[attr-defined]
+
+
+def keep_in_fp32_modules(cls: type) -> tuple[str, ...]:
+    """Submodule names that diffusers and transformers keep in float32 when loading in
+    half precision (a model class's ``_keep_in_fp32_modules``)."""
+    return tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+
+
+#: accelerate's hook attribute: diffusers' ``apply_forward_hook`` (``encode``/``decode``)
+#: calls ``module._hf_hook.pre_forward(module)``, ``DiffusionPipeline._execution_device``
+#: reads ``_hf_hook.execution_device``, and ``remove_all_hooks`` calls
+#: ``_hf_hook.detach_hook(module)`` before deleting it.
+HF_HOOK_ATTR = "_hf_hook"

@@ -1,0 +1,27 @@
+"""The base of every stageload exception: it carries data and survives pickling.
+
+Python pickles an exception as ``cls(*self.args)``. Ours take their fields in ``__init__``
+and pass only the message on, so that call would fail on unpickling (``TypeError``) or fill
+the fields with the message. :class:`StageloadError` pickles the message and the fields as
+they are instead, so errors cross process boundaries (the queue, Ray) intact; psutil's
+``Error`` defines ``__reduce__`` for the same reason (``psutil/_common.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    exc = cls.__new__(cls, *args)  # sets .args; __init__ is not run again
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
+class StageloadError(Exception):
+    """An error raised by stageload. Subclasses add a builtin category (``ValueError``,
+    ``RuntimeError``) as a second base, so ``except ValueError`` still catches them."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, dict(vars(self))))

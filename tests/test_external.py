@@ -1,0 +1,137 @@
+"""Pins the behaviour of every private or version-dependent API in ``stageload._external``:
+an upgrade of torch, diffusers, accelerate or transformers that changes one fails here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from stageload import _external
+
+
+def test_version_at_least_reads_the_installed_distribution() -> None:
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    assert _external.version_at_least("torch", f"{major}.{minor}")
+    assert not _external.version_at_least("torch", f"{major + 1}.0")
+    assert not _external.version_at_least("no-such-distribution-here", "0")
+
+
+def test_non_persistent_buffers_are_the_ones_state_dict_leaves_out() -> None:
+    module = nn.Module()
+    module.register_buffer("kept", torch.zeros(2))
+    module.register_buffer("computed", torch.ones(2), persistent=False)
+    assert _external.non_persistent_buffers(module) == {"computed"}
+    assert set(module.state_dict()) == {"kept"}
+
+
+class _Recording(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+        self.calls: list[str] = []
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append(_external.CONVERT_METHOD)
+        return super()._apply(fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        lambda m: m.to(torch.float16),
+        lambda m: m.to("cpu"),
+        lambda m: m.half(),
+        lambda m: m.float(),
+        lambda m: m.bfloat16(),
+        lambda m: m.double(),
+        lambda m: m.type(torch.float16),
+        lambda m: m.cpu(),
+    ],
+)
+def test_every_conversion_goes_through_one_method(convert: Any) -> None:
+    module = _Recording()
+    assert getattr(nn.Module, _external.CONVERT_METHOD)  # the method exists
+    convert(module)
+    assert module.calls == [_external.CONVERT_METHOD]
+
+
+def test_load_state_dict_assign_takes_the_tensors_themselves() -> None:
+    """``fill`` relies on it: the placeholder ends up holding the loaded tensors, tied
+    ones staying one tensor."""
+    with torch.device("meta"):
+        skeleton = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    skeleton[1].weight = skeleton[0].weight
+    loaded = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    loaded[1].weight = loaded[0].weight
+    state = loaded.state_dict(keep_vars=True)
+    skeleton.load_state_dict(state, assign=True)
+    assert skeleton[0].weight is loaded[0].weight
+    assert skeleton[1].weight is skeleton[0].weight
+
+
+def test_keep_in_fp32_modules_is_read_from_the_class() -> None:
+    pytest.importorskip("transformers")
+    from transformers import T5EncoderModel
+
+    assert "wo" in _external.keep_in_fp32_modules(T5EncoderModel)
+    assert _external.keep_in_fp32_modules(nn.Linear) == ()
+
+
+def test_transformers_from_config_builds_without_reading_weights() -> None:
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2Model
+
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=16, n_positions=8)
+    with torch.device("meta"):
+        model = _external.transformers_from_config(GPT2Model, config)
+    assert isinstance(model, GPT2Model)
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_diffusers_reads_accelerates_hook_attribute() -> None:
+    """``apply_forward_hook`` (encode/decode) calls ``_hf_hook.pre_forward``,
+    ``_execution_device`` reads ``_hf_hook.execution_device``, and ``remove_all_hooks``
+    calls ``_hf_hook.detach_hook``: the three things a placeholder's hook answers."""
+    pytest.importorskip("diffusers")
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline
+
+    class Hook:
+        execution_device = torch.device("cpu")
+
+        def __init__(self) -> None:
+            self.seen: list[str] = []
+
+        def pre_forward(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+            self.seen.append("pre_forward")
+            return args, kwargs
+
+        def post_forward(self, module: Any, output: Any) -> Any:
+            return output
+
+        def detach_hook(self, module: Any) -> Any:
+            self.seen.append("detach_hook")
+            return module
+
+    vae = AutoencoderKL(
+        block_out_channels=(8,), norm_num_groups=8, latent_channels=4, sample_size=8
+    )
+    hook = Hook()
+    setattr(vae, _external.HF_HOOK_ATTR, hook)
+    vae.decode(torch.zeros(1, 4, 4, 4))
+    assert hook.seen == ["pre_forward"]
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        unet=None,
+        scheduler=DDIMScheduler(),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    hook.execution_device = torch.device("meta")  # a value only the hook could give
+    assert pipe._execution_device == torch.device("meta")
+    pipe.remove_all_hooks()
+    assert hook.seen == ["pre_forward", "detach_hook"]
