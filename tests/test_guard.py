@@ -676,6 +676,28 @@ def test_second_signal_sends_sigkill_at_once(
     assert "SIGKILL at once on a second signal" in err.decode()
 
 
+def test_two_signals_back_to_back_send_sigkill_at_once(
+    tmp_path: Path,
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    track: Callable[[int], None],
+) -> None:
+    """Two signals sent in a row, with no pause: both may be in before the guard starts its
+    stop, and the second must still count as the second (it waited the 60 s grace).
+
+    SIGINT then SIGTERM: two SIGINTs this close may be merged into one by the kernel (a
+    standard signal pending twice is delivered once), and one signal is not two."""
+    pidfile = tmp_path / "pid"
+    guard, child = _start_guard(spawn, track, pidfile, "ignore-term", "--grace", "60s")
+    time.sleep(0.2)  # the guard is in its watch loop
+    os.kill(guard.pid, signal.SIGINT)
+    os.kill(guard.pid, signal.SIGTERM)
+    _, err = guard.communicate(timeout=20)  # far less than the 60 s grace
+    no_traceback(err.decode())
+    assert guard.returncode == 128 + signal.SIGINT == 130
+    assert wait_gone(child)
+    assert "SIGKILL at once on a second signal" in err.decode()
+
+
 def test_signal_ignored_at_start_stays_ignored(
     tmp_path: Path,
     spawn: Callable[..., subprocess.Popen[bytes]],

@@ -260,13 +260,16 @@ class Guard:
                 stop_reason = rule.observe(reading)
                 if stop_reason is not None:
                     code, outcome = EXIT_STOPPED, "stopped"
-                    reason = "stopped by the guard: " + self._stop(group, stop_reason)
+                    reason = "stopped by the guard: " + self._stop(
+                        group, stop_reason, len(self._signals.received)
+                    )
                     break
                 if self._signals.received:
                     sig = self._signals.received[0]
                     code, outcome = 128 + sig, "signalled"
                     why = f"guard got {signal.Signals(sig).name}"
-                    reason = self._stop(group, why) + "; command stopped"
+                    # Only the first signal started this stop; any after it is the second.
+                    reason = self._stop(group, why, 1) + "; command stopped"
                     break
                 self._sleep(rule.next_poll(reading, cfg.poll), group)  # type: ignore[arg-type]
             ran = clock() - started
@@ -280,15 +283,18 @@ class Guard:
         except BaseException:
             # A guard that fails must not leave a heavy command running unwatched.
             if not group.leader_exited() or group.members():
-                self._stop(group, "the guard failed")
+                self._stop(group, "the guard failed", len(self._signals.received))
             raise
         finally:
             group.close()
 
-    def _wind_down(self, group: CommandGroup) -> str:
+    def _wind_down(self, group: CommandGroup, signals_before: int) -> str:
         """SIGTERM the group, SIGKILL what is left after the grace period (or at once on a
-        further signal to the guard); return the SIGKILL's reason, or ``""``."""
-        signals_before = len(self._signals.received)
+        further signal to the guard); return the SIGKILL's reason, or ``""``.
+
+        ``signals_before`` is how many signals the guard had taken in when it decided to
+        stop: any beyond them is a further one. It is counted by the caller at the decision,
+        not here, because a second signal may already be in by now (two back to back)."""
         killed, count = group.wind_down(
             float(self.config.grace),  # type: ignore[arg-type]
             clock=self.probes.clock,
@@ -310,13 +316,13 @@ class Guard:
                 f"stop: the command exited, leaving {count} processes in its group running; "
                 f"SIGTERM to process group {group.pgid}"
             )
-            self._wind_down(group)
+            self._wind_down(group, len(self._signals.received))
         return count, bool(count and self.config.leave_group)
 
-    def _stop(self, group: CommandGroup, why: str) -> str:
+    def _stop(self, group: CommandGroup, why: str, signals_before: int) -> str:
         """Stop the group (``_wind_down``) and reap the command; the reason for the result."""
         self._emit(f"stop: {why}; SIGTERM to process group {group.pgid}")
-        killed = self._wind_down(group)
+        killed = self._wind_down(group, signals_before)
         with contextlib.suppress(Exception):
             returncode = group.reap(timeout=_KILL_WAIT)
             self._emit(f"exit: {exit_reason(returncode)}")
