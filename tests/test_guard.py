@@ -235,14 +235,37 @@ def test_stop_and_reach_stops_the_whole_group_at_the_floor(
     assert main(["report", str(trace)]) == 0  # the report reads the guard's trace
 
 
-def test_no_collateral_sibling_and_escaped_process_survive(
+# A command whose child double-forks and calls setsid() (the way a daemon detaches): the
+# grandchild leaves the command's group and tree at once, and sleeps on, ignoring SIGTERM
+# when asked. Writes "command escaped" pids.
+DAEMONIZER = """
+import os, signal, sys, time
+pids, mode = sys.argv[1], sys.argv[2]
+command = os.getpid()
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        if mode == "ignore-term":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with open(pids + ".tmp", "w") as f:
+            f.write(f"{command} {os.getpid()}\\n")
+        os.rename(pids + ".tmp", pids)
+        time.sleep(60)
+    os._exit(0)
+os.wait()
+time.sleep(60)
+"""
+
+
+def test_no_collateral_sibling_survives_and_a_setsid_child_is_stopped(
     tmp_path: Path,
     capfd: pytest.CaptureFixture[str],
     spawn: Callable[..., subprocess.Popen[bytes]],
     track: Callable[[int], None],
 ) -> None:
-    """Only the command's process group is signalled: a sibling the test started, and a
-    grandchild that left the group with setsid(), are left running."""
+    """Only what the command started is stopped: a sibling the test started runs on, while
+    a child that left the group with setsid() (reparented to the guard when the command's
+    group goes) is stopped with it."""
     sibling = spawn([PY, "-c", "import time; time.sleep(60)"])
     pids = tmp_path / "pids"
     escaper = f"""
@@ -266,8 +289,65 @@ time.sleep(60)
     assert result.exit_code == EXIT_STOPPED
     child, escaped = (int(p) for p in pids.read_text().split())
     assert wait_gone(child)
-    assert not gone(escaped), "a process outside the group was signalled"
     assert sibling.poll() is None, "the sibling was signalled"
+    if sys.platform.startswith("linux"):  # a subreaper: Linux only (docs/guard.md)
+        assert wait_gone(escaped), "the child that called setsid() outlived the stop"
+        assert result.escaped == 1
+        assert "1 processes that had left its group (setsid) stopped" in err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="child subreaper is Linux only")
+@pytest.mark.parametrize("mode", ["plain", "ignore-term"])
+def test_a_double_forked_setsid_daemon_is_stopped_with_the_command(
+    mode: str, tmp_path: Path, capfd: pytest.CaptureFixture[str], track: Callable[[int], None]
+) -> None:
+    """The daemon leaves the group and the tree before the guard ever sees it; reparented
+    to the guard (a subreaper), it is stopped: SIGTERM, or SIGKILL after the grace."""
+    pids = tmp_path / "pids"
+
+    def on_start(group: object) -> None:
+        for pid in wait_for(pids).split():
+            track(int(pid))
+
+    config = GuardConfig(
+        [PY, "-c", DAEMONIZER, str(pids), mode], wait_free="0", kill_free="100%", grace="0.5s"
+    )
+    result = Guard(config, stderr=sys.stderr, on_start=on_start).run()
+    err = capfd.readouterr().err
+    no_traceback(err)
+    assert result.exit_code == EXIT_STOPPED
+    command, daemon = (int(p) for p in pids.read_text().split())
+    assert wait_gone(command) and wait_gone(daemon, 5.0), "the daemon outlived the stop"
+    assert result.escaped == 1, err
+    assert "1 processes that had left its group (setsid) stopped" in err.splitlines()[-1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="child subreaper is Linux only")
+def test_a_daemon_left_by_a_command_that_exits_is_stopped_unless_leave_group(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], track: Callable[[int], None]
+) -> None:
+    """The command exits by itself after detaching a daemon: stopped like a leftover;
+    with --leave-group it runs on and the summary says so."""
+    for flags, stopped in (([], True), (["--leave-group"], False)):
+        pids = tmp_path / f"pids{len(flags)}"
+        script = DAEMONIZER.replace(
+            "os.wait()\ntime.sleep(60)",
+            "os.wait()\n" + (f"while not os.path.exists({str(pids)!r}): time.sleep(0.02)"),
+        )
+        code = main(["guard", "--wait-free", "0", "--grace", "0.5s", *flags, "--",
+                     PY, "-c", script, str(pids), "plain"])  # fmt: skip
+        daemon = int(pids.read_text().split()[1])
+        track(daemon)
+        err = capfd.readouterr().err
+        no_traceback(err)
+        assert code == 0
+        last = err.strip().splitlines()[-1]
+        if stopped:
+            assert wait_gone(daemon, 5.0)
+            assert "1 processes that had left its group (setsid) stopped" in last
+        else:
+            assert not gone(daemon)
+            assert "1 processes that had left its group (setsid) left running" in last
 
 
 def _stop_when_ready(
@@ -696,6 +776,35 @@ def test_two_signals_back_to_back_send_sigkill_at_once(
     assert guard.returncode == 128 + signal.SIGINT == 130
     assert wait_gone(child)
     assert "SIGKILL at once on a second signal" in err.decode()
+
+
+def test_a_guard_killed_with_sigkill_takes_its_command_group_with_it(
+    tmp_path: Path,
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    track: Callable[[int], None],
+) -> None:
+    """SIGKILL to the guard (nothing of it runs any more): its watchdog sees the pipe close
+    and SIGKILLs the command's group, the command and a child it started (ignoring SIGTERM)."""
+    pidfile, member = tmp_path / "pid", tmp_path / "member"
+    script = (
+        f"import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {SLEEPER!r}, {str(member)!r}, 'ignore-term'])\n"
+        f"exec(compile({SLEEPER!r}, 'sleeper', 'exec'))\n"
+    )
+    guard = spawn(
+        guard_cli("--wait-free", "0", "--", PY, "-c", script, str(pidfile), "ignore-term"),
+        env=guard_env(),
+        stderr=subprocess.PIPE,
+    )
+    command = int(wait_for(pidfile))
+    track(command)
+    child = int(wait_for(member))
+    track(child)
+    assert os.getpgid(child) == os.getpgid(command) == command
+    guard.kill()
+    guard.wait(10)
+    assert wait_gone(command, 5.0), "the command outlived its guard"
+    assert wait_gone(child, 5.0), "the command's group outlived its guard"
 
 
 def test_signal_ignored_at_start_stays_ignored(

@@ -187,10 +187,10 @@ def test_declared_needs_run_together_when_they_fit(
         pytest.skip(f"needs 3 GiB available, have {available}")
     a, b, log = tmp_path / "a", tmp_path / "b", tmp_path / "log"
     meet = "touch {me}; while [ ! -e {other} ]; do sleep 0.02; done; echo {name} >> {log}"
-    first = spawn("--memory", "1G", "--", "sh", "-c",
-                  meet.format(me=a, other=b, name="a", log=log))
-    second = spawn("--memory", "1G", "--", "sh", "-c",
-                   meet.format(me=b, other=a, name="b", log=log))
+    first = spawn("--memory", "1G", "--", "sh", "-c", meet.format(me=a, other=b, name="a", log=log))
+    second = spawn(
+        "--memory", "1G", "--", "sh", "-c", meet.format(me=b, other=a, name="b", log=log)
+    )
     assert finish(first)[0] == 0 and finish(second)[0] == 0
     assert sorted(log_lines(log)) == ["a", "b"]
 
@@ -213,9 +213,7 @@ def test_needs_over_half_of_available_run_one_after_the_other(
     assert log_lines(log) == ["first", "first-end", "second"]
 
 
-def test_learned_need_is_used_on_the_second_run(
-    home: Path, tmp_path: Path, spawn: Spawn
-) -> None:
+def test_learned_need_is_used_on_the_second_run(home: Path, tmp_path: Path, spawn: Spawn) -> None:
     """First run: never seen, alone. Second run: its learned peak fits beside a running 1G
     command, so it starts there; a command never seen waits ('busy') beside the same one."""
     log, go = tmp_path / "log", tmp_path / "go"
@@ -242,8 +240,8 @@ def test_sigkill_of_clients_leaves_nothing_stale(
     home: Path, tmp_path: Path, spawn: Spawn, request: pytest.FixtureRequest
 ) -> None:
     """A waiting client killed with SIGKILL disappears from the lane and the next one goes
-    on; a client killed while its command runs leaves its place to that command until it
-    ends, and then nothing."""
+    on; a client killed while its command runs takes that command with it (its watchdog
+    SIGKILLs the group), and its place goes."""
     log, go = tmp_path / "log", tmp_path / "go"
     held = spawn("--who", "a", *gate(log, "held", go))
     wait_until(lambda: log_lines(log) == ["held"], "the first to start")
@@ -255,11 +253,37 @@ def test_sigkill_of_clients_leaves_nothing_stale(
     doomed.send_signal(signal.SIGKILL)
     doomed.wait(10)
     assert [w["owner"] for w in lane(home)["waiting"]] == ["c"]
-    # The running client crashes: its command, in its own session, runs on and keeps its
-    # place until it ends; then c starts.
+    (running,) = lane(home)["running"]
+    command = psutil.Process(running["pid"])
+    request.addfinalizer(lambda: _kill_session(command))
+    held.send_signal(signal.SIGKILL)
+    held.wait(10)
+    wait_until(lambda: _gone(command), "the command to go with its client", timeout=5)
+    assert finish(after)[0] == 0
+    assert log_lines(log) == ["held", "after"]
+    assert os.listdir(home / "lanes/ram/tickets") == []
+
+
+def test_a_command_whose_client_and_watchdog_died_keeps_its_place_until_it_ends(
+    home: Path, tmp_path: Path, spawn: Spawn, request: pytest.FixtureRequest
+) -> None:
+    """The safety net under the watchdog: if both the client and its watchdog are killed,
+    the command runs on unguarded; its ticket stays, 'orphaned', with its need counted,
+    until it ends; then the next starts."""
+    log, go = tmp_path / "log", tmp_path / "go"
+    held = spawn("--who", "a", *gate(log, "held", go))
+    wait_until(lambda: log_lines(log) == ["held"], "the first to start")
+    after = spawn("--who", "c", *echo(log, "after"))
+    wait_until(lambda: len(lane(home)["waiting"]) == 1, "c to queue")
     (running,) = lane(home)["running"]
     orphan = psutil.Process(running["pid"])
     request.addfinalizer(lambda: _kill_session(orphan))
+    (watchdog,) = [
+        p for p in psutil.Process(held.pid).children()
+        if "stageload-guard-watchdog" in " ".join(p.cmdline())
+    ]  # fmt: skip
+    watchdog.kill()
+    wait_until(lambda: _gone(watchdog), "the watchdog to die")
     held.send_signal(signal.SIGKILL)
     held.wait(10)
     now = lane(home)
@@ -269,6 +293,13 @@ def test_sigkill_of_clients_leaves_nothing_stale(
     assert finish(after)[0] == 0
     assert log_lines(log) == ["held", "held-end", "after"]
     assert os.listdir(home / "lanes/ram/tickets") == []
+
+
+def _gone(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _kill_session(proc: psutil.Process) -> None:

@@ -28,7 +28,7 @@ nothing starts beside it.
 
 State: ~/.stageload/ (STAGELOAD_HOME to change it), one folder per lane, coordinated with
 flock; no daemon. A client killed while waiting leaves nothing behind; one killed while
-its command runs leaves that command's place until the command ends.
+its command runs takes the command with it (SIGKILL to its group).
 Each run's trace goes under lanes/LANE/traces/ (or to --trace), with the command's own
 StagedModels events (STAGELOAD_TRACE; --no-events to leave them out); each finished run adds
 one line to lanes/LANE/history.jsonl. STAGELOAD_QUEUE_POLL sets how often a waiting

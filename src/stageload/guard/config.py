@@ -166,6 +166,9 @@ class GuardResult:
     leftovers: int = 0
     #: True when they were left running (``leave_group``), False when the guard stopped them.
     left_running: bool = False
+    #: Processes that had left the command's group (``setsid``) and were found when it
+    #: ended or was stopped: stopped with it (or left running, as ``left_running`` says).
+    escaped: int = 0
 
     def summary(self) -> str:
         """The final stderr line: waited, ran, peak footprint, swap growth, why it ended,
@@ -173,9 +176,11 @@ class GuardResult:
         ran = "did not run" if self.ran is None else f"ran {format_duration(self.ran)}"
         growth = "-" if self.swap_growth is None else _signed_size(self.swap_growth)
         rest = ""
+        what = "left running (--leave-group)" if self.left_running else "stopped"
         if self.leftovers:
-            what = "left running (--leave-group)" if self.left_running else "stopped"
             rest = f"; {self.leftovers} processes it left in its group {what}"
+        if self.escaped:
+            rest += f"; {self.escaped} processes that had left its group (setsid) {what}"
         return (
             f"stageload guard: waited {format_duration(self.waited)}, {ran}, "
             f"peak footprint {format_size(self.peak_footprint)}, swap {growth}; "

@@ -16,9 +16,10 @@ A client holds ``LOCK_EX`` on its own ticket's open file for as long as it lives
 kernel drops that lock when the process dies, however it dies. Whoever reads the lane
 (another client, ``stageload queue``) does so under the lane lock and treats a ticket whose
 lock it can take as dead and removes it, so a client killed with SIGKILL leaves nothing
-that holds up the others. One exception: when the dead client's command still runs (it has
-its own session, so it outlives the client), its ticket stays, marked ``orphaned``, with
-its need counted, until that command ends. A ticket is created and locked under the lane
+that holds up the others. A client's command dies with it (the guard's watchdog, see
+``process``). Should it still run (the watchdog was killed too), its ticket stays, marked
+``orphaned``, with its need counted, until that command ends: a safety net kept for that
+case, at the cost of one pid check per dead ticket. A ticket is created and locked under the lane
 lock, so no reader sees one that is not locked yet.
 """
 
