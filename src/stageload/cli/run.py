@@ -72,7 +72,9 @@ def _memory(text: str) -> int | str:
         return "auto"
     try:
         return size(text)
-    except argparse.ArgumentTypeError:
+    except argparse.ArgumentTypeError as exc:
+        if "too large" in str(exc):
+            raise argparse.ArgumentTypeError(f"invalid --memory: {exc}") from None
         raise argparse.ArgumentTypeError(
             f"invalid --memory {text!r}: give a size such as '6G' or '512M', or 'auto' to "
             "use the peak learned from the lane's history"

@@ -123,7 +123,8 @@ def compile_busy(pattern: str | re.Pattern[str]) -> re.Pattern[str]:
         return pattern
     try:
         return re.compile(pattern)
-    except re.error as exc:
+    except (re.error, OverflowError, RecursionError) as exc:
+        # OverflowError: a repeat count over what re can hold ('a{99999999999}')
         raise ValueError(
             f"invalid --busy pattern {pattern!r}: {exc}; it is a Python regular expression "
             r"searched in full command lines, e.g. 'ffmpeg' or 'python .*train\.py'"
