@@ -680,6 +680,29 @@ def test_config_rejects_bad_values_like_the_flags() -> None:
         GuardConfig(["true"], poll=0)
 
 
+def test_config_fields_hold_their_final_types() -> None:
+    """Converted at construction: what the guard reads is bytes, seconds and Amounts,
+    whatever form they were given in, and ``dataclasses.replace`` takes them back."""
+    import dataclasses
+
+    config = GuardConfig(
+        ("true",), wait_free="12G", kill_free=Amount.parse("5%"), swap_limit=16 * GiB,
+        swap_budget="1G", quiet_for="1m", start_timeout=5, poll="100ms", grace="2s",
+        busy=["ffmpeg"],
+    )  # fmt: skip
+    assert config.command == ["true"]
+    assert config.wait_free == Amount("bytes", 12 * GiB) and config.kill_free.kind == "percent"
+    assert (config.swap_limit, config.swap_budget) == (16 * GiB, GiB)
+    assert (config.quiet_for, config.start_timeout, config.poll, config.grace) == (
+        60.0, 5.0, 0.1, 2.0,
+    )  # fmt: skip
+    assert isinstance(config.start_timeout, float)
+    assert [p.pattern for p in config.busy_patterns] == ["ffmpeg"]
+    again = dataclasses.replace(config, start_timeout=1.5, trace="t.jsonl")
+    assert (again.start_timeout, again.trace, again.swap_budget) == (1.5, "t.jsonl", GiB)
+    assert again.busy_patterns == config.busy_patterns
+
+
 # -- signals (the guard as a real subprocess) -------------------------------------------
 
 

@@ -181,7 +181,7 @@ class Guard:
                 if pattern.pattern not in running and pattern.search(cmdline):
                     running[pattern.pattern] = pid
                     last_seen[pattern.pattern] = now
-        quiet_for = float(self.config.quiet_for)  # type: ignore[arg-type]
+        quiet_for = self.config.quiet_for
         blockers: list[tuple[object, str]] = []
         for pattern in self.config.busy_patterns:
             name = pattern.pattern
@@ -248,7 +248,7 @@ class Guard:
         cfg = self.config
         clock = self.probes.clock
         started = clock()
-        rule = StopRule(cfg.kill_free, int(cfg.swap_budget), admitted.swap_used)  # type: ignore[arg-type]
+        rule = StopRule(cfg.kill_free, cfg.swap_budget, admitted.swap_used)
         peak: int | None = None
         reading = admitted
         try:
@@ -289,7 +289,7 @@ class Guard:
                     # Only the first signal started this stop; any after it is the second.
                     reason = self._stop(group, why, 1) + "; command stopped"
                     break
-                self._sleep(rule.next_poll(reading, cfg.poll), group)  # type: ignore[arg-type]
+                self._sleep(rule.next_poll(reading, cfg.poll), group)
             ran = clock() - started
             growth = rule.swap_growth(reading)
             left, left_running, escaped = leftovers
@@ -325,7 +325,7 @@ class Guard:
         stop: any beyond them is a further one. It is counted by the caller at the decision,
         not here, because a second signal may already be in by now (two back to back)."""
         killed, count = group.wind_down(
-            float(self.config.grace),  # type: ignore[arg-type]
+            self.config.grace,
             clock=self.probes.clock,
             # No exit fd here: once the leader is gone it stays readable, and the wait is
             # for the rest of the group.
