@@ -428,6 +428,25 @@ def test_processes_the_command_left_in_its_group_are_stopped(
     assert last.endswith("(exit 3)")
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="child subreaper is Linux only")
+def test_the_guard_reaps_what_was_reparented_to_it(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], track: Callable[[int], None]
+) -> None:
+    """As a subreaper the guard adopts the children its command left when it exited; once
+    it has stopped them it reaps them, so a process that runs guards (this one) does not
+    collect zombies."""
+    code, children = _leave_behind(tmp_path)
+    for pid in children:
+        track(pid)
+    no_traceback(capfd.readouterr().err)
+    assert code == 3
+    mine = {c.pid: c for c in psutil.Process().children()}
+    zombies = [
+        pid for pid in children if pid in mine and mine[pid].status() == psutil.STATUS_ZOMBIE
+    ]
+    assert zombies == [], "stopped children were left as zombies of the guard's process"
+
+
 def test_leave_group_keeps_what_the_command_left_running(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], track: Callable[[int], None]
 ) -> None:

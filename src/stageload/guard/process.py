@@ -258,9 +258,22 @@ class CommandGroup:
         return list(found.values())
 
     def _reap_escapers(self) -> None:
-        """Release the pids of ended escapers reparented to us (only ours: never another
-        child of this process, whose parent may want its status)."""
-        for pid in self.escapers - self._reaped_escapers:
+        """Release the pids of processes of the command reparented to us (a subreaper) that
+        ended: escapers we saw, and members of the group (those are ours by their group id,
+        while the leader is unreaped). Only ours: another child of this process may have a
+        parent that wants its status."""
+        zombies = set(self.escapers - self._reaped_escapers)
+        if not self._reaped:
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process().children():
+                    with contextlib.suppress(OSError, psutil.Error):
+                        if (
+                            child.pid != self.pid
+                            and child.status() == psutil.STATUS_ZOMBIE
+                            and os.getpgid(child.pid) == self.pgid
+                        ):
+                            zombies.add(child.pid)
+        for pid in zombies:
             try:
                 done, _ = os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
@@ -349,6 +362,7 @@ class CommandGroup:
 
         Negative values mean the leader died from that signal.
         """
+        self._reap_escapers()  # before the leader: its group id tells the members
         code = self.popen.wait(timeout)
         self._reaped = True
         self._reap_escapers()
