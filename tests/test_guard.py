@@ -235,14 +235,37 @@ def test_stop_and_reach_stops_the_whole_group_at_the_floor(
     assert main(["report", str(trace)]) == 0  # the report reads the guard's trace
 
 
-def test_no_collateral_sibling_and_escaped_process_survive(
+# A command whose child double-forks and calls setsid() (the way a daemon detaches): the
+# grandchild leaves the command's group and tree at once, and sleeps on, ignoring SIGTERM
+# when asked. Writes "command escaped" pids.
+DAEMONIZER = """
+import os, signal, sys, time
+pids, mode = sys.argv[1], sys.argv[2]
+command = os.getpid()
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        if mode == "ignore-term":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with open(pids + ".tmp", "w") as f:
+            f.write(f"{command} {os.getpid()}\\n")
+        os.rename(pids + ".tmp", pids)
+        time.sleep(60)
+    os._exit(0)
+os.wait()
+time.sleep(60)
+"""
+
+
+def test_no_collateral_sibling_survives_and_a_setsid_child_is_stopped(
     tmp_path: Path,
     capfd: pytest.CaptureFixture[str],
     spawn: Callable[..., subprocess.Popen[bytes]],
     track: Callable[[int], None],
 ) -> None:
-    """Only the command's process group is signalled: a sibling the test started, and a
-    grandchild that left the group with setsid(), are left running."""
+    """Only what the command started is stopped: a sibling the test started runs on, while
+    a child that left the group with setsid() (reparented to the guard when the command's
+    group goes) is stopped with it."""
     sibling = spawn([PY, "-c", "import time; time.sleep(60)"])
     pids = tmp_path / "pids"
     escaper = f"""
@@ -266,8 +289,65 @@ time.sleep(60)
     assert result.exit_code == EXIT_STOPPED
     child, escaped = (int(p) for p in pids.read_text().split())
     assert wait_gone(child)
-    assert not gone(escaped), "a process outside the group was signalled"
     assert sibling.poll() is None, "the sibling was signalled"
+    if sys.platform.startswith("linux"):  # a subreaper: Linux only (docs/guard.md)
+        assert wait_gone(escaped), "the child that called setsid() outlived the stop"
+        assert result.escaped == 1
+        assert "1 processes that had left its group (setsid) stopped" in err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="child subreaper is Linux only")
+@pytest.mark.parametrize("mode", ["plain", "ignore-term"])
+def test_a_double_forked_setsid_daemon_is_stopped_with_the_command(
+    mode: str, tmp_path: Path, capfd: pytest.CaptureFixture[str], track: Callable[[int], None]
+) -> None:
+    """The daemon leaves the group and the tree before the guard ever sees it; reparented
+    to the guard (a subreaper), it is stopped: SIGTERM, or SIGKILL after the grace."""
+    pids = tmp_path / "pids"
+
+    def on_start(group: object) -> None:
+        for pid in wait_for(pids).split():
+            track(int(pid))
+
+    config = GuardConfig(
+        [PY, "-c", DAEMONIZER, str(pids), mode], wait_free="0", kill_free="100%", grace="0.5s"
+    )
+    result = Guard(config, stderr=sys.stderr, on_start=on_start).run()
+    err = capfd.readouterr().err
+    no_traceback(err)
+    assert result.exit_code == EXIT_STOPPED
+    command, daemon = (int(p) for p in pids.read_text().split())
+    assert wait_gone(command) and wait_gone(daemon, 5.0), "the daemon outlived the stop"
+    assert result.escaped == 1, err
+    assert "1 processes that had left its group (setsid) stopped" in err.splitlines()[-1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="child subreaper is Linux only")
+def test_a_daemon_left_by_a_command_that_exits_is_stopped_unless_leave_group(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], track: Callable[[int], None]
+) -> None:
+    """The command exits by itself after detaching a daemon: stopped like a leftover;
+    with --leave-group it runs on and the summary says so."""
+    for flags, stopped in (([], True), (["--leave-group"], False)):
+        pids = tmp_path / f"pids{len(flags)}"
+        script = DAEMONIZER.replace(
+            "os.wait()\ntime.sleep(60)",
+            "os.wait()\n" + (f"while not os.path.exists({str(pids)!r}): time.sleep(0.02)"),
+        )
+        code = main(["guard", "--wait-free", "0", "--grace", "0.5s", *flags, "--",
+                     PY, "-c", script, str(pids), "plain"])  # fmt: skip
+        daemon = int(pids.read_text().split()[1])
+        track(daemon)
+        err = capfd.readouterr().err
+        no_traceback(err)
+        assert code == 0
+        last = err.strip().splitlines()[-1]
+        if stopped:
+            assert wait_gone(daemon, 5.0)
+            assert "1 processes that had left its group (setsid) stopped" in last
+        else:
+            assert not gone(daemon)
+            assert "1 processes that had left its group (setsid) left running" in last
 
 
 def _stop_when_ready(
@@ -346,6 +426,25 @@ def test_processes_the_command_left_in_its_group_are_stopped(
     last = err.strip().splitlines()[-1]
     assert "command exited with code 3; 2 processes it left in its group stopped" in last
     assert last.endswith("(exit 3)")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="child subreaper is Linux only")
+def test_the_guard_reaps_what_was_reparented_to_it(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], track: Callable[[int], None]
+) -> None:
+    """As a subreaper the guard adopts the children its command left when it exited; once
+    it has stopped them it reaps them, so a process that runs guards (this one) does not
+    collect zombies."""
+    code, children = _leave_behind(tmp_path)
+    for pid in children:
+        track(pid)
+    no_traceback(capfd.readouterr().err)
+    assert code == 3
+    mine = {c.pid: c for c in psutil.Process().children()}
+    zombies = [
+        pid for pid in children if pid in mine and mine[pid].status() == psutil.STATUS_ZOMBIE
+    ]
+    assert zombies == [], "stopped children were left as zombies of the guard's process"
 
 
 def test_leave_group_keeps_what_the_command_left_running(
@@ -600,6 +699,29 @@ def test_config_rejects_bad_values_like_the_flags() -> None:
         GuardConfig(["true"], poll=0)
 
 
+def test_config_fields_hold_their_final_types() -> None:
+    """Converted at construction: what the guard reads is bytes, seconds and Amounts,
+    whatever form they were given in, and ``dataclasses.replace`` takes them back."""
+    import dataclasses
+
+    config = GuardConfig(
+        ("true",), wait_free="12G", kill_free=Amount.parse("5%"), swap_limit=16 * GiB,
+        swap_budget="1G", quiet_for="1m", start_timeout=5, poll="100ms", grace="2s",
+        busy=["ffmpeg"],
+    )  # fmt: skip
+    assert config.command == ["true"]
+    assert config.wait_free == Amount("bytes", 12 * GiB) and config.kill_free.kind == "percent"
+    assert (config.swap_limit, config.swap_budget) == (16 * GiB, GiB)
+    assert (config.quiet_for, config.start_timeout, config.poll, config.grace) == (
+        60.0, 5.0, 0.1, 2.0,
+    )  # fmt: skip
+    assert isinstance(config.start_timeout, float)
+    assert [p.pattern for p in config.busy_patterns] == ["ffmpeg"]
+    again = dataclasses.replace(config, start_timeout=1.5, trace="t.jsonl")
+    assert (again.start_timeout, again.trace, again.swap_budget) == (1.5, "t.jsonl", GiB)
+    assert again.busy_patterns == config.busy_patterns
+
+
 # -- signals (the guard as a real subprocess) -------------------------------------------
 
 
@@ -674,6 +796,57 @@ def test_second_signal_sends_sigkill_at_once(
     assert guard.returncode == 128 + signal.SIGINT == 130
     assert wait_gone(child)
     assert "SIGKILL at once on a second signal" in err.decode()
+
+
+def test_two_signals_back_to_back_send_sigkill_at_once(
+    tmp_path: Path,
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    track: Callable[[int], None],
+) -> None:
+    """Two signals sent in a row, with no pause: both may be in before the guard starts its
+    stop, and the second must still count as the second (it waited the 60 s grace).
+
+    SIGINT then SIGTERM: two SIGINTs this close may be merged into one by the kernel (a
+    standard signal pending twice is delivered once), and one signal is not two."""
+    pidfile = tmp_path / "pid"
+    guard, child = _start_guard(spawn, track, pidfile, "ignore-term", "--grace", "60s")
+    time.sleep(0.2)  # the guard is in its watch loop
+    os.kill(guard.pid, signal.SIGINT)
+    os.kill(guard.pid, signal.SIGTERM)
+    _, err = guard.communicate(timeout=20)  # far less than the 60 s grace
+    no_traceback(err.decode())
+    assert guard.returncode == 128 + signal.SIGINT == 130
+    assert wait_gone(child)
+    assert "SIGKILL at once on a second signal" in err.decode()
+
+
+def test_a_guard_killed_with_sigkill_takes_its_command_group_with_it(
+    tmp_path: Path,
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    track: Callable[[int], None],
+) -> None:
+    """SIGKILL to the guard (nothing of it runs any more): its watchdog sees the pipe close
+    and SIGKILLs the command's group, the command and a child it started (ignoring SIGTERM)."""
+    pidfile, member = tmp_path / "pid", tmp_path / "member"
+    script = (
+        f"import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {SLEEPER!r}, {str(member)!r}, 'ignore-term'])\n"
+        f"exec(compile({SLEEPER!r}, 'sleeper', 'exec'))\n"
+    )
+    guard = spawn(
+        guard_cli("--wait-free", "0", "--", PY, "-c", script, str(pidfile), "ignore-term"),
+        env=guard_env(),
+        stderr=subprocess.PIPE,
+    )
+    command = int(wait_for(pidfile))
+    track(command)
+    child = int(wait_for(member))
+    track(child)
+    assert os.getpgid(child) == os.getpgid(command) == command
+    guard.kill()
+    guard.wait(10)
+    assert wait_gone(command, 5.0), "the command outlived its guard"
+    assert wait_gone(child, 5.0), "the command's group outlived its guard"
 
 
 def test_signal_ignored_at_start_stays_ignored(

@@ -240,8 +240,8 @@ def test_sigkill_of_clients_leaves_nothing_stale(
     home: Path, tmp_path: Path, spawn: Spawn, request: pytest.FixtureRequest
 ) -> None:
     """A waiting client killed with SIGKILL disappears from the lane and the next one goes
-    on; a client killed while its command runs leaves its place to that command until it
-    ends, and then nothing."""
+    on; a client killed while its command runs takes that command with it (its watchdog
+    SIGKILLs the group), and its place goes."""
     log, go = tmp_path / "log", tmp_path / "go"
     held = spawn("--who", "a", *gate(log, "held", go))
     wait_until(lambda: log_lines(log) == ["held"], "the first to start")
@@ -253,11 +253,37 @@ def test_sigkill_of_clients_leaves_nothing_stale(
     doomed.send_signal(signal.SIGKILL)
     doomed.wait(10)
     assert [w["owner"] for w in lane(home)["waiting"]] == ["c"]
-    # The running client crashes: its command, in its own session, runs on and keeps its
-    # place until it ends; then c starts.
+    (running,) = lane(home)["running"]
+    command = psutil.Process(running["pid"])
+    request.addfinalizer(lambda: _kill_session(command))
+    held.send_signal(signal.SIGKILL)
+    held.wait(10)
+    wait_until(lambda: _gone(command), "the command to go with its client", timeout=5)
+    assert finish(after)[0] == 0
+    assert log_lines(log) == ["held", "after"]
+    assert os.listdir(home / "lanes/ram/tickets") == []
+
+
+def test_a_command_whose_client_and_watchdog_died_keeps_its_place_until_it_ends(
+    home: Path, tmp_path: Path, spawn: Spawn, request: pytest.FixtureRequest
+) -> None:
+    """The safety net under the watchdog: if both the client and its watchdog are killed,
+    the command runs on unguarded; its ticket stays, 'orphaned', with its need counted,
+    until it ends; then the next starts."""
+    log, go = tmp_path / "log", tmp_path / "go"
+    held = spawn("--who", "a", *gate(log, "held", go))
+    wait_until(lambda: log_lines(log) == ["held"], "the first to start")
+    after = spawn("--who", "c", *echo(log, "after"))
+    wait_until(lambda: len(lane(home)["waiting"]) == 1, "c to queue")
     (running,) = lane(home)["running"]
     orphan = psutil.Process(running["pid"])
     request.addfinalizer(lambda: _kill_session(orphan))
+    (watchdog,) = [
+        p for p in psutil.Process(held.pid).children()
+        if "stageload-guard-watchdog" in " ".join(p.cmdline())
+    ]  # fmt: skip
+    watchdog.kill()
+    wait_until(lambda: _gone(watchdog), "the watchdog to die")
     held.send_signal(signal.SIGKILL)
     held.wait(10)
     now = lane(home)
@@ -267,6 +293,13 @@ def test_sigkill_of_clients_leaves_nothing_stale(
     assert finish(after)[0] == 0
     assert log_lines(log) == ["held", "held-end", "after"]
     assert os.listdir(home / "lanes/ram/tickets") == []
+
+
+def _gone(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _kill_session(proc: psutil.Process) -> None:
@@ -455,3 +488,86 @@ def test_memory_admission_under_a_real_cgroup_limit(
     go.touch()
     assert finish(held)[0] == 0
     assert log_lines(log) == ["first", "second", "first-end"]
+
+
+# -- state files that are not what the queue wrote -------------------------------------
+
+
+@pytest.mark.parametrize("content", ["null", "[1, 2]", '"x"', '{"a": "soon", "b": null}'])
+def test_owners_json_of_the_wrong_type_counts_as_no_starts(
+    content: str, home: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Valid JSON that is not owner -> time: the runs and the board go on, and the next
+    start rewrites the file whole."""
+    assert main(["run", *FLAGS, "--who", "a", "--", "true"]) == 0  # creates the lane
+    owners = home / "lanes/ram/owners.json"
+    owners.write_text(content)
+    assert main(["queue", "--lane", "ram"]) == 0
+    assert main(["run", *FLAGS, "--who", "b", "--", "true"]) == 0
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "error:" not in err, err
+    assert list(json.loads(owners.read_text())) == ["b"]
+
+
+@pytest.mark.parametrize("name", ["owners.json", "seq", "lock", "history.jsonl"])
+def test_a_folder_in_place_of_a_state_file_is_one_line_naming_it(
+    name: str, home: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", *FLAGS, "--", "true"]) == 0  # creates the lane and its files
+    path = home / "lanes/ram" / name
+    path.unlink(missing_ok=True)
+    path.mkdir()
+    (path / "keep").write_text("")  # a folder with something in it: never removed for you
+    capfd.readouterr()
+    ran = tmp_path / "ran"
+    assert main(["run", *FLAGS, "--", "touch", str(ran)]) == 2
+    codes = [main(["queue", "--history", "1"])]
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line]
+    assert lines[0].startswith("stageload run: error: ") and str(path) in lines[0], lines
+    assert not ran.exists()
+    if name == "seq":  # read only to queue a command
+        assert codes == [0] and len(lines) == 1
+    else:
+        assert codes == [2] and len(lines) == 2 and str(path) in lines[1], lines
+    assert path.is_dir() and (path / "keep").exists()
+
+
+def test_emptying_seq_while_a_ticket_lives_keeps_numbers_and_order(
+    home: Path, tmp_path: Path, spawn: Spawn
+) -> None:
+    """seq emptied by hand while one client runs and one waits: the next client gets a
+    number above both (no clash with a live ticket), and so its place behind them."""
+    log, go = tmp_path / "log", tmp_path / "go"
+    held = spawn("--who", "a", *gate(log, "held", go))
+    wait_until(lambda: log_lines(log) == ["held"], "the first to start")
+    second = spawn("--who", "a", *echo(log, "second"))
+    wait_until(lambda: len(lane(home)["waiting"]) == 1, "the second to queue")
+    (home / "lanes/ram/seq").write_text("")
+    third = spawn("--who", "a", *echo(log, "third"))
+    wait_until(lambda: len(lane(home)["waiting"]) == 2, "the third to queue")
+    assert sorted(os.listdir(home / "lanes/ram/tickets")) == [f"{n:012d}.json" for n in (1, 2, 3)]
+    go.touch()
+    for proc in (held, second, third):
+        assert finish(proc)[0] == 0
+    assert log_lines(log) == ["held", "held-end", "second", "third"]
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_stageload_home_is_refused(
+    value: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Set but empty (STAGELOAD_HOME=$UNSET) is an error, not a silent ~/.stageload."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("STAGELOAD_HOME", value)
+    ran = tmp_path / "ran"
+    assert main(["run", *FLAGS, "--", "touch", str(ran)]) == 2
+    assert main(["queue"]) == 2
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 2 and all("STAGELOAD_HOME is set but empty" in e for e in err), err
+    assert "unset it to use ~/.stageload" in err[0]
+    assert not ran.exists() and not (tmp_path / ".stageload").exists()

@@ -9,6 +9,21 @@ _SIZE_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50}
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$", re.IGNORECASE)
 _DURATION_SCALE = {"ms": 0.001, "s": 1.0, "": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 
+#: The largest size accepted: 8 EiB - 1, what a signed 64-bit byte count holds. Beyond it a
+#: number is a typo, and turning it into an int (or a C value) fails far from the flag.
+SIZE_MAX = (1 << 63) - 1
+#: The longest duration accepted: 100 years. Beyond that no timeout or interval means
+#: anything, and the OS's timers (select, sleep: 2**63 ns, 292 years) overflow.
+DURATION_MAX = 100 * 365.25 * 86400
+
+
+def _shown(text: object) -> str:
+    """``repr(text)``, cut short for the 401-digit number a typo or a fuzzer gives."""
+    shown = repr(text)
+    if len(shown) <= 40:
+        return shown
+    return f"{shown[:18]}...{shown[-8:]} ({len(str(text))} characters)"
+
 
 def parse_size(text: str | int) -> int:
     """Parse a size such as ``"12G"``, ``"512MiB"``, ``"1.5g"`` or ``"4096"`` into bytes.
@@ -17,16 +32,25 @@ def parse_size(text: str | int) -> int:
     """
     if isinstance(text, int):
         if text < 0:
-            raise ValueError(f"size must not be negative, got {text!r}")
+            raise ValueError(f"size must not be negative, got {_shown(text)}")
+        if text > SIZE_MAX:
+            raise ValueError(_too_large_size(text))
         return text
     match = _SIZE_RE.match(str(text))
     if not match:
         raise ValueError(
-            f"invalid size {text!r}: use a number with an optional unit, "
+            f"invalid size {_shown(text)}: use a number with an optional unit, "
             "e.g. '8G', '512M' or '1.5GiB'"
         )
     number, unit, _ = match.groups()
-    return int(float(number) * (1 << _SIZE_SHIFT[unit.lower()]))
+    value = float(number) * (1 << _SIZE_SHIFT[unit.lower()])  # inf for 400 digits
+    if not value <= SIZE_MAX:
+        raise ValueError(_too_large_size(text))
+    return int(value)
+
+
+def _too_large_size(text: object) -> str:
+    return f"size {_shown(text)} is too large: give less than 8 EiB (8192P), e.g. '8G' or '512M'"
 
 
 def parse_percent_or_size(text: str) -> tuple[str, float]:
@@ -37,31 +61,42 @@ def parse_percent_or_size(text: str) -> tuple[str, float]:
     """
     s = str(text).strip()
     if s.endswith("%") or re.fullmatch(r"\d+(\.\d+)?", s):
-        value = float(s.rstrip("%"))
+        try:
+            value = float(s.rstrip("%"))
+        except ValueError:
+            value = -1.0  # "x%": not a number, reported as not a percentage
         if not 0 <= value <= 100:
-            raise ValueError(f"invalid percentage {text!r}: must be between 0 and 100")
+            raise ValueError(f"invalid percentage {_shown(text)}: must be between 0 and 100")
         return "percent", value
-    try:
-        return "bytes", float(parse_size(s))
-    except ValueError:
+    if not _SIZE_RE.match(s):
         raise ValueError(
-            f"invalid amount {text!r}: use a percentage like '40%' or a size like '12G'"
-        ) from None
+            f"invalid amount {_shown(text)}: use a percentage like '40%' or a size like '12G'"
+        )
+    return "bytes", float(parse_size(s))  # a size too large says so
 
 
 def parse_duration(text: str | float) -> float:
     """Parse a duration such as ``"1m"``, ``"30s"``, ``"500ms"`` or ``"2.5"`` (seconds)."""
     if isinstance(text, (int, float)):
         if text < 0:
-            raise ValueError(f"duration must not be negative, got {text!r}")
+            raise ValueError(f"duration must not be negative, got {_shown(text)}")
+        if not text <= DURATION_MAX:  # also NaN
+            raise ValueError(_too_long(text))
         return float(text)
     if str(text).strip().startswith("-"):
-        raise ValueError(f"duration must not be negative, got {text!r}: e.g. '30s' or '1m'")
+        raise ValueError(f"duration must not be negative, got {_shown(text)}: e.g. '30s' or '1m'")
     match = _DURATION_RE.match(str(text))
     if not match:
-        raise ValueError(f"invalid duration {text!r}: use e.g. '30s', '1m', '500ms' or '2.5'")
+        raise ValueError(f"invalid duration {_shown(text)}: use e.g. '30s', '1m', '500ms' or '2.5'")
     number, unit = match.groups()
-    return float(number) * _DURATION_SCALE[(unit or "").lower()]
+    seconds = float(number) * _DURATION_SCALE[(unit or "").lower()]
+    if not seconds <= DURATION_MAX:
+        raise ValueError(_too_long(text))
+    return seconds
+
+
+def _too_long(text: object) -> str:
+    return f"duration {_shown(text)} is too long: at most 100 years, e.g. '30s', '1m' or '2h'"
 
 
 def format_size(n: int | float | None, *, precision: int = 1) -> str:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from ._args import interval, unusable_folder
 
+_THREADS_MAX = 4096
+
 HELP = "run a built-in 3-model pipeline eager and staged; compare memory per stage and outputs"
 DESCRIPTION = """\
 Build a small three-stage pipeline (encoder -> denoiser loop -> decoder) with real weights:
@@ -72,6 +74,14 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         print(f"stageload demo: error: --threads must be at least 1, got {args.threads!r}",
               file=sys.stderr)  # fmt: skip
+        return 2
+    if args.threads is not None and args.threads > _THREADS_MAX:
+        # torch takes a C int (a larger one is an overflow deep in the run), and far more
+        # threads than cores only slow it down.
+        shown = str(args.threads)
+        shown = shown if len(shown) <= 24 else f"{shown[:12]}... ({len(shown)} digits)"
+        print(f"stageload demo: error: --threads must be at most {_THREADS_MAX}, got {shown}; "
+              "e.g. --threads 2", file=sys.stderr)  # fmt: skip
         return 2
     # Checked now rather than as an OSError halfway, which would read as a failed run (3).
     for flag, folder in (("-o", args.output), ("--cache", args.cache)):

@@ -29,9 +29,11 @@ It samples every --poll seconds, by default adaptively: every 0.5 s, faster (dow
 0.1 s) as the margin shrinks.
 
 Stopping: CMD runs in its own process group. The guard sends SIGTERM to that group,
-then SIGKILL to whatever is left after --grace. It never signals anything outside the
-group. SIGINT, SIGTERM or SIGHUP to the guard stop CMD the same way; a second signal
+then SIGKILL to whatever is left after --grace. It never signals anything CMD did not
+start. SIGINT, SIGTERM or SIGHUP to the guard stop CMD the same way; a second signal
 sends SIGKILL at once. Signals ignored when the guard started (nohup) stay ignored.
+On Linux, processes that left CMD's group (setsid) are stopped with it. If the guard
+itself is killed (kill -9), a watchdog SIGKILLs CMD's group at once.
 
 Exit codes:
   CMD's own       CMD ended by itself (128+N if it died from signal N)

@@ -28,7 +28,7 @@ nothing starts beside it.
 
 State: ~/.stageload/ (STAGELOAD_HOME to change it), one folder per lane, coordinated with
 flock; no daemon. A client killed while waiting leaves nothing behind; one killed while
-its command runs leaves that command's place until the command ends.
+its command runs takes the command with it (SIGKILL to its group).
 Each run's trace goes under lanes/LANE/traces/ (or to --trace), with the command's own
 StagedModels events (STAGELOAD_TRACE; --no-events to leave them out); each finished run adds
 one line to lanes/LANE/history.jsonl. STAGELOAD_QUEUE_POLL sets how often a waiting
@@ -72,7 +72,9 @@ def _memory(text: str) -> int | str:
         return "auto"
     try:
         return size(text)
-    except argparse.ArgumentTypeError:
+    except argparse.ArgumentTypeError as exc:
+        if "too large" in str(exc):
+            raise argparse.ArgumentTypeError(f"invalid --memory: {exc}") from None
         raise argparse.ArgumentTypeError(
             f"invalid --memory {text!r}: give a size such as '6G' or '512M', or 'auto' to "
             "use the peak learned from the lane's history"

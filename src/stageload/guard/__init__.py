@@ -4,7 +4,8 @@ machine down.
 ``run_guard(GuardConfig([...]))`` waits for admission (free memory, swap headroom, no busy
 processes), starts the command in its own process group, samples memory while it runs, and
 stops the group (SIGTERM, then SIGKILL after a grace period) when swap grows past its budget
-or available memory stays under the floor. It touches nothing outside the group it started.
+or available memory stays under the floor. It touches nothing the command did not start:
+its group, and on Linux the descendants that left the group (``process``).
 Thresholds, configuration and result live in ``config``, the probes and the stop rule in
 ``watch``, process-group control in ``process``.
 """
@@ -33,7 +34,14 @@ from .config import (
     compile_busy,
     floors_warning,
 )
-from .process import EXIT_CANNOT_START, CannotStartError, CommandGroup, exit_reason, exit_status
+from .process import (
+    EXIT_CANNOT_START,
+    CannotStartError,
+    CommandGroup,
+    exit_reason,
+    exit_status,
+    subreaper,
+)
 from .watch import (
     POLL_MAX,
     Probes,
@@ -173,7 +181,7 @@ class Guard:
                 if pattern.pattern not in running and pattern.search(cmdline):
                     running[pattern.pattern] = pid
                     last_seen[pattern.pattern] = now
-        quiet_for = float(self.config.quiet_for)  # type: ignore[arg-type]
+        quiet_for = self.config.quiet_for
         blockers: list[tuple[object, str]] = []
         for pattern in self.config.busy_patterns:
             name = pattern.pattern
@@ -222,16 +230,25 @@ class Guard:
 
     def _watch(self, admitted: SystemMemory, waited: float) -> GuardResult:
         cfg = self.config
-        clock = self.probes.clock
         # The command's StagedModels append their events to the trace (stageload.outer);
         # the file exists and is empty since run() opened it.
         trace = None if self._trace is None else self._trace.path
-        try:
-            group = CommandGroup(cfg.command, env=command_env(trace, events=cfg.events))
-        except CannotStartError as exc:
-            return GuardResult(EXIT_CANNOT_START, "cannot_start", str(exc), waited)
+        # A subreaper while the command runs (Linux): what leaves its group is reparented
+        # here, not to init, and is stopped with it.
+        with subreaper():
+            try:
+                group = CommandGroup(cfg.command, env=command_env(trace, events=cfg.events))
+            except CannotStartError as exc:
+                return GuardResult(EXIT_CANNOT_START, "cannot_start", str(exc), waited)
+            return self._watch_group(group, admitted, waited)
+
+    def _watch_group(
+        self, group: CommandGroup, admitted: SystemMemory, waited: float
+    ) -> GuardResult:
+        cfg = self.config
+        clock = self.probes.clock
         started = clock()
-        rule = StopRule(cfg.kill_free, int(cfg.swap_budget), admitted.swap_used)  # type: ignore[arg-type]
+        rule = StopRule(cfg.kill_free, cfg.swap_budget, admitted.swap_used)
         peak: int | None = None
         reading = admitted
         try:
@@ -245,7 +262,8 @@ class Guard:
                 self.on_start(group)
             code: int
             outcome: Outcome
-            leftovers = (0, False)  # processes the command left in its group; left running
+            # processes the command left in its group; whether left running; escaped ones
+            leftovers = (0, False, 0)
             while True:
                 reading, footprint = self._sample(group.pid)
                 if footprint is not None and (peak is None or footprint > peak):
@@ -260,37 +278,54 @@ class Guard:
                 stop_reason = rule.observe(reading)
                 if stop_reason is not None:
                     code, outcome = EXIT_STOPPED, "stopped"
-                    reason = "stopped by the guard: " + self._stop(group, stop_reason)
+                    reason = "stopped by the guard: " + self._stop(
+                        group, stop_reason, len(self._signals.received)
+                    )
                     break
                 if self._signals.received:
                     sig = self._signals.received[0]
                     code, outcome = 128 + sig, "signalled"
                     why = f"guard got {signal.Signals(sig).name}"
-                    reason = self._stop(group, why) + "; command stopped"
+                    # Only the first signal started this stop; any after it is the second.
+                    reason = self._stop(group, why, 1) + "; command stopped"
                     break
-                self._sleep(rule.next_poll(reading, cfg.poll), group)  # type: ignore[arg-type]
+                self._sleep(rule.next_poll(reading, cfg.poll), group)
             ran = clock() - started
             growth = rule.swap_growth(reading)
+            left, left_running, escaped = leftovers
             result = GuardResult(
-                code, outcome, reason, waited, ran, peak, growth, group.pid, *leftovers
+                code,
+                outcome,
+                reason,
+                waited,
+                ran,
+                peak,
+                growth,
+                group.pid,
+                left,
+                left_running,
+                max(escaped, len(group.escapers)),
             )
             if self._trace is not None:
                 self._trace.end(exit_code=code)
             return result
         except BaseException:
             # A guard that fails must not leave a heavy command running unwatched.
-            if not group.leader_exited() or group.members():
-                self._stop(group, "the guard failed")
+            if not group.leader_exited() or group.members() or group.escaped():
+                self._stop(group, "the guard failed", len(self._signals.received))
             raise
         finally:
             group.close()
 
-    def _wind_down(self, group: CommandGroup) -> str:
+    def _wind_down(self, group: CommandGroup, signals_before: int) -> str:
         """SIGTERM the group, SIGKILL what is left after the grace period (or at once on a
-        further signal to the guard); return the SIGKILL's reason, or ``""``."""
-        signals_before = len(self._signals.received)
+        further signal to the guard); return the SIGKILL's reason, or ``""``.
+
+        ``signals_before`` is how many signals the guard had taken in when it decided to
+        stop: any beyond them is a further one. It is counted by the caller at the decision,
+        not here, because a second signal may already be in by now (two back to back)."""
         killed, count = group.wind_down(
-            float(self.config.grace),  # type: ignore[arg-type]
+            self.config.grace,
             clock=self.probes.clock,
             # No exit fd here: once the leader is gone it stays readable, and the wait is
             # for the rest of the group.
@@ -301,22 +336,23 @@ class Guard:
             self._emit(f"kill: {killed}; {count} processes left in the group")
         return killed
 
-    def _leftovers(self, group: CommandGroup) -> tuple[int, bool]:
+    def _leftovers(self, group: CommandGroup) -> tuple[int, bool, int]:
         """After the command exited by itself: how many processes of its group it left
-        running, stopped as a supervisor would unless ``leave_group``; (count, left)."""
-        count = len(group.members())
-        if count and not self.config.leave_group:
+        running, and how many that left the group; stopped as a supervisor would unless
+        ``leave_group``; (in the group, left running, escaped)."""
+        count, escaped = len(group.members()), len(group.escaped())
+        if (count or escaped) and not self.config.leave_group:
             self._emit(
-                f"stop: the command exited, leaving {count} processes in its group running; "
-                f"SIGTERM to process group {group.pgid}"
+                f"stop: the command exited, leaving {count} processes in its group and "
+                f"{escaped} that left it running; SIGTERM to process group {group.pgid}"
             )
-            self._wind_down(group)
-        return count, bool(count and self.config.leave_group)
+            self._wind_down(group, len(self._signals.received))
+        return count, bool((count or escaped) and self.config.leave_group), escaped
 
-    def _stop(self, group: CommandGroup, why: str) -> str:
+    def _stop(self, group: CommandGroup, why: str, signals_before: int) -> str:
         """Stop the group (``_wind_down``) and reap the command; the reason for the result."""
         self._emit(f"stop: {why}; SIGTERM to process group {group.pgid}")
-        killed = self._wind_down(group)
+        killed = self._wind_down(group, signals_before)
         with contextlib.suppress(Exception):
             returncode = group.reap(timeout=_KILL_WAIT)
             self._emit(f"exit: {exit_reason(returncode)}")

@@ -63,43 +63,62 @@ class Amount:
 # -- configuration and result ----------------------------------------------------------
 
 
-@dataclass
+@dataclass(init=False)
 class GuardConfig:
     """What to run and the rules to admit, watch and stop it. Defaults match the CLI.
 
-    Sizes accept ``units`` strings (``"8G"``), floors a percentage or a size, durations
-    seconds or ``units`` strings (``"1m"``). ``poll=None`` polls adaptively.
+    The constructor takes what a user writes: sizes as ``units`` strings (``"8G"``) or
+    bytes, floors as a percentage or a size (or an ``Amount``), durations as seconds or
+    ``units`` strings (``"1m"``); ``poll=None`` polls adaptively. It converts each at once,
+    so the fields hold only their final types, and raises ``ValueError`` naming the flag
+    for a bad value. ``dataclasses.replace`` works (it passes the converted values back in).
     """
 
-    command: Sequence[str]
-    wait_free: Amount | str = "40%"
-    swap_limit: int | str | None = None
-    swap_budget: int | str = "8G"
-    busy: Sequence[str | re.Pattern[str]] = ()
-    quiet_for: float | str = 60.0
-    start_timeout: float | str | None = None
-    kill_free: Amount | str = "10%"
-    poll: float | str | None = None
-    grace: float | str = 5.0
-    trace: str | os.PathLike[str] | None = None
+    command: list[str]
+    wait_free: Amount
+    swap_limit: int | None
+    swap_budget: int
+    busy: tuple[str | re.Pattern[str], ...]
+    quiet_for: float
+    start_timeout: float | None
+    kill_free: Amount
+    poll: float | None
+    grace: float
+    trace: str | os.PathLike[str] | None
     #: Whether the command's own StagedModels events go into ``trace`` (STAGELOAD_TRACE);
     #: False sets STAGELOAD_EVENTS=0 for the command (docs/trace-format.md).
-    events: bool = True
+    events: bool
     #: Keep processes of the command's group running after the command exits by itself
     #: (by default they are stopped: SIGTERM, then SIGKILL after ``grace``).
-    leave_group: bool = False
+    leave_group: bool
+    #: ``busy`` compiled.
     busy_patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False)
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        command: Sequence[str],
+        wait_free: Amount | str = "40%",
+        swap_limit: int | str | None = None,
+        swap_budget: int | str = "8G",
+        busy: Sequence[str | re.Pattern[str]] = (),
+        quiet_for: float | str = 60.0,
+        start_timeout: float | str | None = None,
+        kill_free: Amount | str = "10%",
+        poll: float | str | None = None,
+        grace: float | str = 5.0,
+        trace: str | os.PathLike[str] | None = None,
+        events: bool = True,
+        leave_group: bool = False,
+    ) -> None:
         from ..units import parse_duration
 
-        self.command = list(self.command)
+        self.command = list(command)
         if not self.command:
             raise ValueError("no command given: put it after '--', e.g. -- python run.py")
-        self.wait_free = Amount.parse(self.wait_free)
-        self.kill_free = Amount.parse(self.kill_free)
-        self.swap_limit = None if self.swap_limit is None else parse_size(self.swap_limit)
-        self.swap_budget = parse_size(self.swap_budget)
+        self.wait_free = Amount.parse(wait_free)
+        self.kill_free = Amount.parse(kill_free)
+        self.swap_limit = None if swap_limit is None else parse_size(swap_limit)
+        self.swap_budget = parse_size(swap_budget)
         if self.swap_limit is not None and self.swap_limit <= self.swap_budget:
             # Admission needs swap used + budget < limit, and swap used is never below 0.
             raise ValueError(
@@ -107,15 +126,17 @@ class GuardConfig:
                 f"{format_size(self.swap_budget)}, so the command could never start; raise "
                 "--swap-limit or lower --swap-budget (e.g. --swap-limit 16G --swap-budget 4G)"
             )
-        self.quiet_for = parse_duration(self.quiet_for)
-        self.grace = parse_duration(self.grace)
-        if self.start_timeout is not None:
-            self.start_timeout = parse_duration(self.start_timeout)
-        if self.poll is not None:
-            self.poll = parse_duration(self.poll)
-            if self.poll <= 0:
-                raise ValueError(f"poll interval must be above 0, got {self.poll!r}: e.g. '0.5s'")
+        self.quiet_for = parse_duration(quiet_for)
+        self.grace = parse_duration(grace)
+        self.start_timeout = None if start_timeout is None else parse_duration(start_timeout)
+        self.poll = None if poll is None else parse_duration(poll)
+        if self.poll is not None and self.poll <= 0:
+            raise ValueError(f"poll interval must be above 0, got {self.poll!r}: e.g. '0.5s'")
+        self.busy = tuple(busy)
         self.busy_patterns = tuple(compile_busy(p) for p in self.busy)
+        self.trace = trace
+        self.events = events
+        self.leave_group = leave_group
 
 
 def compile_busy(pattern: str | re.Pattern[str]) -> re.Pattern[str]:
@@ -124,7 +145,8 @@ def compile_busy(pattern: str | re.Pattern[str]) -> re.Pattern[str]:
         return pattern
     try:
         return re.compile(pattern)
-    except re.error as exc:
+    except (re.error, OverflowError, RecursionError) as exc:
+        # OverflowError: a repeat count over what re can hold ('a{99999999999}')
         raise ValueError(
             f"invalid --busy pattern {pattern!r}: {exc}; it is a Python regular expression "
             r"searched in full command lines, e.g. 'ffmpeg' or 'python .*train\.py'"
@@ -134,8 +156,8 @@ def compile_busy(pattern: str | re.Pattern[str]) -> re.Pattern[str]:
 def floors_warning(config: GuardConfig, reading: SystemMemory) -> str | None:
     """A warning when the stop floor is not under the start floor: the command would be
     stopped as soon as it starts, unless memory frees up after admission."""
-    wait = config.wait_free.floor(reading.total)  # type: ignore[union-attr]
-    kill = config.kill_free.floor(reading.total)  # type: ignore[union-attr]
+    wait = config.wait_free.floor(reading.total)
+    kill = config.kill_free.floor(reading.total)
     if wait and kill is not None and kill >= wait:
         return (
             f"stageload guard: warning: --kill-free {config.kill_free} is not under "
@@ -167,6 +189,9 @@ class GuardResult:
     leftovers: int = 0
     #: True when they were left running (``leave_group``), False when the guard stopped them.
     left_running: bool = False
+    #: Processes that had left the command's group (``setsid``) and were found when it
+    #: ended or was stopped: stopped with it (or left running, as ``left_running`` says).
+    escaped: int = 0
 
     def summary(self) -> str:
         """The final stderr line: waited, ran, peak footprint, swap growth, why it ended,
@@ -174,9 +199,11 @@ class GuardResult:
         ran = "did not run" if self.ran is None else f"ran {format_duration(self.ran)}"
         growth = "-" if self.swap_growth is None else _signed_size(self.swap_growth)
         rest = ""
+        what = "left running (--leave-group)" if self.left_running else "stopped"
         if self.leftovers:
-            what = "left running (--leave-group)" if self.left_running else "stopped"
             rest = f"; {self.leftovers} processes it left in its group {what}"
+        if self.escaped:
+            rest += f"; {self.escaped} processes that had left its group (setsid) {what}"
         return (
             f"stageload guard: waited {format_duration(self.waited)}, {ran}, "
             f"peak footprint {format_size(self.peak_footprint)}, swap {growth}; "

@@ -51,6 +51,13 @@ def read_records(path: str | os.PathLike[str], last: int | None = None) -> list[
         text = Path(path).read_text(errors="replace")
     except FileNotFoundError:
         return []
+    except OSError as exc:  # a folder in its place, no permission: say which file
+        from .queue import QueueSetupError
+
+        raise QueueSetupError(
+            f"cannot read the history {str(path)!r}: {exc.strerror or exc}; move it away "
+            "(a new one starts with the next run)"
+        ) from None
     records = []
     for line in text.splitlines():
         try:

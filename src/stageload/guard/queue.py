@@ -16,9 +16,10 @@ A client holds ``LOCK_EX`` on its own ticket's open file for as long as it lives
 kernel drops that lock when the process dies, however it dies. Whoever reads the lane
 (another client, ``stageload queue``) does so under the lane lock and treats a ticket whose
 lock it can take as dead and removes it, so a client killed with SIGKILL leaves nothing
-that holds up the others. One exception: when the dead client's command still runs (it has
-its own session, so it outlives the client), its ticket stays, marked ``orphaned``, with
-its need counted, until that command ends. A ticket is created and locked under the lane
+that holds up the others. A client's command dies with it (the guard's watchdog, see
+``process``). Should it still run (the watchdog was killed too), its ticket stays, marked
+``orphaned``, with its need counted, until that command ends: a safety net kept for that
+case, at the cost of one pid check per dead ticket. A ticket is created and locked under the lane
 lock, so no reader sees one that is not locked yet.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import re
 import time
@@ -85,11 +87,23 @@ def default_owner() -> str:
 
 
 def state_dir(home: str | os.PathLike[str] | None = None) -> Path:
-    """``home``, else ``$STAGELOAD_HOME``, else ``~/.stageload``."""
+    """``home``, else ``$STAGELOAD_HOME``, else ``~/.stageload``.
+
+    ``QueueSetupError`` when ``$STAGELOAD_HOME`` is set but empty: most likely a variable
+    that was meant to hold a path and did not (``STAGELOAD_HOME=$UNSET``), and falling back
+    to ``~/.stageload`` would put the runs in another queue than the user meant.
+    """
     if home is not None:
         return Path(home)
-    env = os.environ.get(HOME_ENV, "")
-    return Path(env) if env else Path.home() / ".stageload"
+    env = os.environ.get(HOME_ENV)
+    if env is None:
+        return Path.home() / ".stageload"
+    if not env.strip():
+        raise QueueSetupError(
+            f"{HOME_ENV} is set but empty ({env!r}); set it to a folder, e.g. "
+            f"{HOME_ENV}=/tmp/stageload, or unset it to use ~/.stageload"
+        )
+    return Path(env)
 
 
 def poll_interval(environ: Mapping[str, str] | None = None) -> float:
@@ -140,7 +154,44 @@ class Ticket:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Ticket:
-        return cls(**json.loads(data))
+        """The ticket in ``data``; ``ValueError`` unless it is a ticket as ``to_bytes``
+        writes it (a hand-edited or foreign file must not break the lane's readers)."""
+        fields = json.loads(data)
+        if not isinstance(fields, dict):
+            raise ValueError(f"a ticket is a JSON object, got {type(fields).__name__}")
+        try:
+            ticket = cls(**fields)
+        except TypeError as exc:
+            raise ValueError(f"not a ticket: {exc}") from None
+        ticket._check()
+        return ticket
+
+    def _check(self) -> None:
+        def number(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        problems = [
+            name
+            for name, ok in (
+                ("seq", isinstance(self.seq, int) and not isinstance(self.seq, bool)),
+                ("owner", isinstance(self.owner, str)),
+                ("command", isinstance(self.command, list)
+                 and all(isinstance(a, str) for a in self.command)),
+                ("need", self.need is None
+                 or (isinstance(self.need, int) and not isinstance(self.need, bool))),
+                ("need_source", self.need_source in ("declared", "learned", "unknown")),
+                ("client_pid", isinstance(self.client_pid, int)),
+                ("enqueued", number(self.enqueued)),
+                ("state", self.state in ("waiting", "admitted", "running")),
+                ("admitted", self.admitted is None or number(self.admitted)),
+                ("started", self.started is None or number(self.started)),
+                ("pid", self.pid is None or isinstance(self.pid, int)),
+                ("pid_created", self.pid_created is None or number(self.pid_created)),
+            )
+            if not ok
+        ]  # fmt: skip
+        if problems:
+            raise ValueError(f"not a ticket: bad {', '.join(problems)}")
 
 
 class HeldTicket:
@@ -195,9 +246,12 @@ class Lane:
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """Hold the lane lock (milliseconds: read, decide, write; never while waiting)."""
+        lock = self.dir / "lock"
         try:
-            fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
+            if lock.is_dir():
+                raise QueueSetupError(_file_error(lock, exc)) from None
             raise QueueSetupError(_folder_error(self.home, self.dir, exc)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -247,19 +301,30 @@ class Lane:
                     else:
                         with contextlib.suppress(FileNotFoundError):
                             path.unlink()
-            except (ValueError, TypeError):
-                continue  # not a ticket of ours; leave it
+            except (ValueError, OSError):
+                continue  # not a ticket of ours (or a folder in its place); leave it
             finally:
                 os.close(fd)
         return found
 
     def owner_starts(self) -> dict[str, float]:
-        """*locked*: owner -> wall time of their latest start in this lane."""
+        """*locked*: owner -> wall time of their latest start in this lane.
+
+        What cannot be read as that (torn or hand-edited: ``null``, a list, a string as a
+        time) counts as no start: the file only breaks ties in fairness, and the next start
+        rewrites it whole. A folder in its place is a ``QueueSetupError`` naming it.
+        """
         try:
-            data = json.loads((self.dir / "owners.json").read_text())
-        except (FileNotFoundError, ValueError):
+            data = json.loads(_read_state(self.dir / "owners.json") or "{}")
+        except ValueError:
             return {}
-        return {k: float(v) for k, v in data.items() if isinstance(v, (int, float))}
+        if not isinstance(data, dict):
+            return {}
+        return {
+            k: float(v)
+            for k, v in data.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
 
     def record_start(self, owner: str, when: float) -> None:
         """*locked*: remember that ``owner`` started a command at ``when``."""
@@ -268,11 +333,23 @@ class Lane:
         _write_atomic(self.dir / "owners.json", json.dumps(starts).encode())
 
     def _next_seq(self) -> int:
+        """*locked*: the next ticket number: above the ``seq`` file and above every ticket
+        in the lane, so a ``seq`` emptied or rolled back by hand neither reuses a live
+        ticket's number nor puts the new ticket ahead of older ones."""
         path = self.dir / "seq"
         try:
-            seq = int(path.read_text()) + 1
-        except (FileNotFoundError, ValueError):
-            seq = 1
+            last = int(_read_state(path) or "0")
+        except ValueError:
+            last = 0  # emptied or garbled: the tickets still tell
+        try:
+            names = os.listdir(self.tickets_dir)
+        except FileNotFoundError:
+            names = []
+        for name in names:
+            stem = name.removesuffix(".json")
+            if name.endswith(".json") and stem.isdigit():
+                last = max(last, int(stem))
+        seq = last + 1
         _write_atomic(path, str(seq).encode())
         return seq
 
@@ -299,10 +376,34 @@ def list_lanes(home: str | os.PathLike[str] | None = None) -> list[str]:
     return sorted(n for n in names if _LANE_RE.fullmatch(n))
 
 
+def _read_state(path: Path) -> str | None:
+    """The text of a lane's state file, None when there is none yet; ``QueueSetupError``
+    naming the file when it cannot be read (a folder in its place, no permission)."""
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise QueueSetupError(_file_error(path, exc)) from None
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)  # a reader sees the old file or the new one, never half
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # a reader sees the old file or the new one, never half
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise QueueSetupError(_file_error(path, exc)) from None
+
+
+def _file_error(path: Path, exc: OSError) -> str:
+    what = "a folder" if path.is_dir() else "not usable"
+    return (
+        f"state file {str(path)!r} is {what} ({exc.strerror or exc}); remove it and the "
+        "queue makes a new one (it holds no run's data)"
+    )
 
 
 def _folder_error(home: Path, folder: Path, exc: OSError) -> str:

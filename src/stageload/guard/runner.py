@@ -112,10 +112,10 @@ class QueuedRun:
             # numbers change at every look and are not a change of reason.
             self.status.show((decision.why, decision.why == "turn" and decision.detail), text)
             waited = time.monotonic() - t0
-            if timeout is not None and waited >= float(timeout):
+            if timeout is not None and waited >= timeout:
                 reason = f"no turn after {format_duration(waited)}: {decision.detail}"
                 return GuardResult(EXIT_NO_ROOM, "no_room", reason, waited)
-            pause = self.poll if timeout is None else min(self.poll, float(timeout) - waited)
+            pause = self.poll if timeout is None else min(self.poll, timeout - waited)
             if signals.fd is not None:
                 import select
 
@@ -164,7 +164,7 @@ class QueuedRun:
                 trace = self.lane.traces_dir / f"{stamp}-{held.ticket.seq}.jsonl"
             left = None
             if cfg.start_timeout is not None:
-                left = max(0.0, float(cfg.start_timeout) - queued)  # one timeout for both waits
+                left = max(0.0, cfg.start_timeout - queued)  # one timeout for both waits
             run_cfg = dataclasses.replace(cfg, trace=trace, start_timeout=left)
             result = Guard(run_cfg, stderr=self.stderr, on_start=self._on_start).run()
             if result.ran is not None:
