@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from .._errors import PicklableError
+from ..events import Event
 from ..memory import DEVICE_KEYS as DEVICE_KEYS  # sample keys of device memory, report order
 
 #: The stage name of the time before the first ``stage`` event.
@@ -43,16 +44,15 @@ class Sample:
 
 
 @dataclass(frozen=True)
-class TraceEvent:
-    """One ``event`` record: an Event from StagedModels or the guard, at ``t`` seconds."""
+class TraceEvent(Event):
+    """One ``event`` record: an ``Event`` from StagedModels or the guard, at ``t`` seconds.
 
-    t: float
-    kind: str
-    model: str | None = None
-    stage: str | None = None
-    bytes: int | None = None
-    seconds: float | None = None
-    note: str | None = None
+    Its fields are ``Event``'s (one definition: a field added there is read back here, see
+    ``_EVENT_FIELDS``) plus where the trace put it. ``time`` is the event's own
+    ``time.monotonic()``: the start record's ``monotonic`` plus ``t``.
+    """
+
+    t: float = 0.0
     #: The process that emitted it (traces written before events carried ``pid``: None).
     pid: int | None = None
 
@@ -85,6 +85,11 @@ class Trace:
     first_t: float = 0.0
     #: Set on a view that holds the events of one process of several (``report.processes``).
     pid: int | None = None
+
+    @property
+    def monotonic0(self) -> float:
+        """The ``time.monotonic()`` that ``t = 0`` stands for (0 when the start lacks it)."""
+        return _number(self.start.get("monotonic")) or 0.0
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -126,6 +131,27 @@ def _int(value: Any) -> int | None:
 
 def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
+
+
+# How each type of an ``Event`` field is read back from JSON.
+_READERS = {"str": _text, "str | None": _text, "int | None": _int, "float | None": _number}
+
+
+def _event_fields() -> list[tuple[str, Any]]:
+    """(name, reader) for each field of ``Event`` that an event record carries."""
+    found = []
+    for f in fields(Event):
+        if f.name == "time":  # written as ``t``, relative to the start record
+            continue
+        reader = _READERS.get(str(f.type))
+        if reader is None:  # a new Event field of a new type: teach _READERS to read it
+            raise TypeError(f"Event.{f.name} has type {f.type!r}, which the trace reader lacks")
+        found.append((f.name, reader))
+    return found
+
+
+#: The fields of an event record, from ``Event`` itself, so writer and reader cannot drift.
+_EVENT_FIELDS = _event_fields()
 
 
 def read_trace(path: str | Path) -> Trace:
@@ -219,17 +245,10 @@ def _add_record(trace: Trace, record: dict[str, Any]) -> None:
         event_kind = _text(record.get("kind"))
         if event_kind is None:
             return
+        values = {name: convert(record.get(name)) for name, convert in _EVENT_FIELDS}
+        values["kind"] = event_kind
         trace.events.append(
-            TraceEvent(
-                t=float(t),
-                kind=event_kind,
-                model=_text(record.get("model")),
-                stage=_text(record.get("stage")),
-                bytes=_int(record.get("bytes")),
-                seconds=_number(record.get("seconds")),
-                note=_text(record.get("note")),
-                pid=_int(record.get("pid")),
-            )
+            TraceEvent(**values, t=float(t), time=trace.monotonic0 + t, pid=_int(record.get("pid")))
         )
     elif kind == "mark":
         trace.marks.append(Mark(t=float(t), label=str(record.get("label", ""))))

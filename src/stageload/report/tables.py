@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..units import format_duration, format_size
-from .trace import DEVICE_KEYS, Activity, Summary
+from .trace import DEVICE_KEYS, NO_REASON, Activity, Summary
 
 #: What a cell shows for a stage the trace never reached.
 NOT_REACHED = "-"
@@ -75,6 +75,13 @@ def _activity(activity: Activity) -> str:
     return f"{activity.count}: {format_size(activity.bytes)} in {format_duration(activity.seconds)}"
 
 
+def _reason_cell(reason: str) -> Any:
+    def cell(summary: Summary) -> str:
+        return _activity(summary.releases_by_reason.get(reason, Activity()))
+
+    return cell
+
+
 def _available(summary: Summary) -> str:
     size = format_size(summary.lowest_available)
     if summary.lowest_available_pct is None:
@@ -88,7 +95,8 @@ def _duration(summary: Summary) -> str:
 
 
 def whole_run_rows(summaries: Sequence[Summary]) -> list[list[str]]:
-    """The rows about each run as a whole: peak, swap, available memory, loads, releases."""
+    """The rows about each run as a whole: peak, swap, available memory, loads, releases
+    (and, indented below them, the releases by reason where the trace says why)."""
     rows: list[tuple[str, Any]] = [
         ("peak footprint", lambda s: format_size(s.peak_footprint)),
         ("duration", _duration),
@@ -103,6 +111,12 @@ def whole_run_rows(summaries: Sequence[Summary]) -> list[list[str]]:
         ("releases", lambda s: _activity(s.releases)),
         ("samples", lambda s: str(s.samples)),
     ]
+    reasons: list[str] = []
+    for summary in summaries:
+        reasons += [r for r in summary.releases_by_reason if r not in reasons]
+    if reasons != [NO_REASON] and reasons:  # say why models were released, where known
+        at = [name for name, _ in rows].index("releases") + 1
+        rows[at:at] = [(f"  {reason}", _reason_cell(reason)) for reason in reasons]
     if any(s.exit_code is not None for s in summaries):
         rows.insert(2, ("exit code", lambda s: "-" if s.exit_code is None else str(s.exit_code)))
     if any(s.prefetches.count for s in summaries):  # only runs with prefetch have them
