@@ -147,6 +147,7 @@ def summary_line(summary: Summary) -> str:
 def run(args: argparse.Namespace) -> int:
     from ..guard.process import exit_status
     from ..meter import MemoryMeter
+    from ..meter.tracefile import TraceBusyError
     from ..report.trace import load_summary
     from . import EXIT_USAGE
 
@@ -163,18 +164,21 @@ def run(args: argparse.Namespace) -> int:
 
     meta = {} if args.label is None else {"label": args.label}
     meter = MemoryMeter(output, args.interval, sampler=args.sampler, meta=meta)
-    # Start the sampler process first: it takes ~0.1 s, and a short command could be
-    # over before its first sample.
-    meter.prepare()
-    # The command's StagedModels append their events to the trace (stageload.outer): the
-    # file must exist, and hold no older run's start record, before the command starts.
-    output.write_bytes(b"")
+    # Open the trace (taking its lock: one run per file) and start the sampler process
+    # first: it takes ~0.1 s, and a short command could be over before its first sample.
+    # The command's StagedModels append their events to the trace (stageload.outer), so the
+    # file exists before the command starts; an older trace there is emptied only once
+    # the command has started (meter.start), and kept whole if it cannot start.
+    try:
+        meter.prepare()
+    except TraceBusyError as exc:
+        print(f"stageload meter: error: -o {str(output)!r}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
     started = time.monotonic()
     try:
         proc = subprocess.Popen(command, env=command_env(output, events=args.events))
     except OSError as exc:
-        meter.cancel()
-        output.unlink(missing_ok=True)  # nothing ran: no trace
+        meter.cancel()  # nothing ran: no trace, and an older one at the path stays whole
         print(f"stageload meter: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
         return EXIT_CANNOT_START
     meter.pid = proc.pid

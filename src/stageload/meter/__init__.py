@@ -104,13 +104,14 @@ class MemoryMeter:
         self._stopping = threading.Event()
         self._device = False
         self._prepared = False
+        self._started = False
         self._why_not: str | None = None
 
     # -- public ------------------------------------------------------------------------
 
     @property
     def running(self) -> bool:
-        return self._writer is not None and not self._writer.closed
+        return self._started and self._writer is not None and not self._writer.closed
 
     @property
     def samples(self) -> int | None:
@@ -118,14 +119,19 @@ class MemoryMeter:
         return None if self.end_record is None else self.end_record.get("samples")
 
     def prepare(self) -> None:
-        """Start the sampler process now (it takes ~0.1 s), ahead of ``start()``.
+        """Open the trace and start the sampler process now (it takes ~0.1 s), ahead of
+        ``start()``.
 
         ``stageload meter`` calls this before it starts the command, then sets ``pid`` to
         the command's and calls ``start()``, so the first sample follows within
-        milliseconds. ``start()`` calls it if needed; it does nothing for a thread sampler.
+        milliseconds. ``start()`` calls it if needed. Opening takes the trace's lock
+        (``TraceBusyError`` when another run writes it) and leaves an existing file as it
+        is until ``start()``; ``cancel()`` lets go of both.
         """
         if self._prepared:
             return
+        # The trace first: a path another run writes fails before a sampler is spawned.
+        self._writer = TraceWriter(self.path)
         self._prepared = True
         if self.sampler == "process":
             self._why_not = self._spawn()
@@ -133,30 +139,39 @@ class MemoryMeter:
                 self.sampler = "thread"
 
     def cancel(self) -> None:
-        """Let go of a sampler process that ``prepare()`` started, when ``start()`` won't come."""
-        if self._channel is not None and (self._writer is None or self._writer.closed):
+        """Let go of the trace and the sampler process that ``prepare()`` opened and started,
+        when ``start()`` won't come: a file that was at the path stays as it was."""
+        if self._started:
+            return
+        if self._channel is not None:
             self._channel.close()  # end of file on its stdin: the sampler exits
             self._channel = None
+        if self._writer is not None:
+            self._writer.discard()
+            self._writer = None
+        self._prepared = False
 
     def start(self, **extra: Any) -> MemoryMeter:
         """Write the start record and begin sampling; returns the meter.
 
         ``extra`` adds keys to the start record, e.g. ``command=[...]`` for a metered command.
         """
-        if self._writer is not None:
+        if self._started:
             raise RuntimeError(f"{self!r} was already started; use a new MemoryMeter per trace")
         if not pid_alive(self.pid):
             self.cancel()
             raise ValueError(f"no process with pid {self.pid!r} to measure")
         self.prepare()
+        writer = self._writer
+        if writer is None:  # cannot be: prepare() opened it or raised
+            raise RuntimeError(f"{self!r} has no trace open")
+        # From here the file is this run's: empty it now (the command's processes read the
+        # start record from its first line), and count t from now.
+        writer.claim()
+        writer.monotonic0 = time.monotonic()
+        self._started = True
         why_not = self._why_not
         self._device = self.pid == os.getpid()  # device memory is readable only for ourselves
-        try:
-            writer = TraceWriter(self.path)
-        except OSError:
-            self.cancel()
-            raise
-        self._writer = writer
         readings: list[Any] = [read_process(self.pid, tree=self.tree), read_system(self.pid)]
         if self._device:
             readings.append(read_device())
@@ -207,6 +222,9 @@ class MemoryMeter:
 
         Safe to call twice; the second call does nothing.
         """
+        if not self._started:
+            self.cancel()  # prepared, never started: nothing to end
+            return
         writer = self._writer
         if writer is None or writer.closed:
             return
@@ -225,7 +243,7 @@ class MemoryMeter:
     def emit(self, event: Event) -> None:
         """EventSink: write ``event`` as an ``event`` record at the event's own time."""
         writer = self._writer
-        if writer is None:
+        if writer is None or not self._started:
             return
         # ValueError: closed, because the meter stopped while the pipeline went on.
         with contextlib.suppress(ValueError):
