@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from stageload.meter import MemoryMeter
 from stageload.meter.tracefile import TraceBusyError, TraceWriter, read_records
 from stageload.report.trace import read_trace
 
@@ -127,3 +128,42 @@ def test_discard_keeps_an_older_file_and_removes_a_created_one(tmp_path: Path) -
     TraceWriter(old).discard()
     TraceWriter(new).discard()
     assert old.read_text() == OLD and not new.exists()
+
+
+@pytest.mark.parametrize("value", ["0.000000001", "0.005", "99999999999", "2h"])
+def test_an_interval_out_of_range_is_a_usage_error(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "t.jsonl"
+    result = _meter("-o", str(path), "--interval", value, "--", "true")
+    assert result.returncode == 2
+    assert "--interval" in result.stderr and "from 0.01 s (10 ms) to 3600 s" in result.stderr
+    assert "Traceback" not in result.stderr and not path.exists()
+
+
+@pytest.mark.parametrize("value", [1e-9, float("inf"), float("nan"), 1e11])
+def test_memory_meter_refuses_an_interval_out_of_range(tmp_path: Path, value: float) -> None:
+    with pytest.raises(ValueError, match=r"interval must be from 0.01 s \(10 ms\)"):
+        MemoryMeter(tmp_path / "t.jsonl", interval=value)
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_the_sampler_process_refuses_an_interval_out_of_range(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "stageload.meter", "--path", str(tmp_path / "t.jsonl"),
+         "--watch", str(os.getpid()), "--interval", "inf", "--no-detach"],
+        capture_output=True, text=True, timeout=60, env=_env(),
+    )  # fmt: skip
+    assert result.returncode == 2 and "--interval" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_shortest_interval_stops_promptly(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    began = time.monotonic()
+    result = _meter("-o", str(path), "--interval", "10ms", "--", "sleep", "0.5")
+    took = time.monotonic() - began
+    assert result.returncode == 0, result.stderr
+    # The sampler answers "stop" at once; a hang would wait out the 10 s stop timeout.
+    assert took < 8, f"took {took:.1f} s"
+    errors = [r for r in read_records(path) if r["type"] == "error"]
+    assert not [e for e in errors if e["field"] == "sampler"], errors
+    assert sum(r["type"] == "sample" for r in read_records(path)) >= 5

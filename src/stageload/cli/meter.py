@@ -51,6 +51,17 @@ Examples:
 """
 
 
+def _interval(text: str) -> float:
+    """A sampling interval within the meter's range (``stageload.meter.MIN_INTERVAL``...)."""
+    seconds = interval(text)
+    from ..meter import check_interval  # at parse time: this module stays light to import
+
+    try:
+        return check_interval(seconds)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o",
@@ -61,10 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--interval",
-        type=interval,
+        type=_interval,
         default=0.5,
         metavar="S",
-        help="time between samples: seconds or e.g. '100ms' (default: 0.5)",
+        help="time between samples: seconds or e.g. '100ms', from 10ms to 1 hour (default: 0.5)",
     )
     parser.add_argument(
         "--sampler",

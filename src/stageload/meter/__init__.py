@@ -24,7 +24,9 @@ from ..memory import (
     to_sample,
 )
 from ..units import parse_duration
-from .sampler import Channel, Messages, Sampler, pid_alive
+from .sampler import MAX_INTERVAL as MAX_INTERVAL
+from .sampler import MIN_INTERVAL as MIN_INTERVAL
+from .sampler import Channel, Messages, Sampler, check_interval, pid_alive
 from .tracefile import TraceWriter
 
 #: The ways to take samples: a separate sampler process (default) or a thread in this one.
@@ -36,10 +38,7 @@ _STOP_TIMEOUT = 10.0
 
 
 def _interval(value: float | str) -> float:
-    seconds = parse_duration(value)
-    if not seconds > 0:
-        raise ValueError(f"interval must be more than 0 seconds, got {value!r}; e.g. 0.5")
-    return seconds
+    return check_interval(parse_duration(value))
 
 
 def _package_root() -> str:
@@ -53,7 +52,8 @@ class MemoryMeter:
 
     Samples the footprint of ``pid`` (default: this process), summed over its process tree
     unless ``tree=False``, with available memory, swap and pressure, every ``interval``
-    seconds. ``sampler="process"`` (the default) samples from a separate process, which keeps
+    seconds (from ``MIN_INTERVAL``, 10 ms, to ``MAX_INTERVAL``, 1 hour).
+    ``sampler="process"`` (the default) samples from a separate process, which keeps
     sampling while native code holds the GIL; ``"thread"`` samples from a thread in this
     process. Device memory (CUDA, MPS) can only be read here, so when ``pid`` is this
     process the meter adds it to the samples either way. Pass the meter to

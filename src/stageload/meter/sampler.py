@@ -55,6 +55,23 @@ from ..memory import (
 )
 from .tracefile import TraceWriter
 
+#: The shortest time between samples: one sample of a process tree takes about a
+#: millisecond, and a shorter interval only spends the CPU it is meant to watch.
+MIN_INTERVAL = 0.01
+#: The longest: an hour (a longer wait could not be told from a hang, and the timers that
+#: wait it, ``select`` and ``threading.Event.wait``, overflow on huge values).
+MAX_INTERVAL = 3600.0
+
+
+def check_interval(seconds: float) -> float:
+    """``seconds`` if it is a usable sampling interval; ``ValueError`` naming the range if not."""
+    if not MIN_INTERVAL <= seconds <= MAX_INTERVAL:  # also refuses nan
+        raise ValueError(
+            f"interval must be from {MIN_INTERVAL:g} s (10 ms) to {MAX_INTERVAL:g} s (1 hour), "
+            f"got {seconds!r}; e.g. 0.5 or '100ms'"
+        )
+    return seconds
+
 
 class Messages:
     """The parent-sampler protocol: each message's builder, and the key that names it."""
@@ -244,8 +261,10 @@ def run(args: argparse.Namespace) -> int:
         now = time.monotonic()
         if next_tick <= now:  # fell behind (machine busy): skip the missed ticks
             next_tick = now + args.interval
-        while (timeout := next_tick - time.monotonic()) > 0:
-            for message in control.wait(timeout):
+        # Read the parent's messages at least once per tick, even when sampling takes longer
+        # than the interval: otherwise a "stop" waits unread until the parent gives up.
+        while True:
+            for message in control.wait(next_tick - time.monotonic()):
                 if Messages.DEVICE in message:
                     device = Messages.device(message[Messages.DEVICE])[Messages.DEVICE]
                 if message.get(Messages.STOP):
@@ -256,8 +275,17 @@ def run(args: argparse.Namespace) -> int:
                     return 0
             if control.eof:  # the parent is gone (or closed the pipe): stop writing now
                 return 0
+            if time.monotonic() >= next_tick:
+                break
         if not pid_alive(args.watch):
             return 0
+
+
+def _interval_flag(text: str) -> float:
+    try:
+        return check_interval(float(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -267,7 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--path", required=True, help="trace file to append samples to")
     parser.add_argument("--watch", type=int, required=True, help="stop when this pid is gone")
-    parser.add_argument("--interval", type=float, required=True, help="seconds between samples")
+    parser.add_argument(
+        "--interval", type=_interval_flag, required=True, help="seconds between samples"
+    )
     parser.add_argument(
         "--no-tree", dest="tree", action="store_false", help="measure the process, not its tree"
     )
