@@ -167,3 +167,13 @@ def test_the_shortest_interval_stops_promptly(tmp_path: Path) -> None:
     errors = [r for r in read_records(path) if r["type"] == "error"]
     assert not [e for e in errors if e["field"] == "sampler"], errors
     assert sum(r["type"] == "sample" for r in read_records(path)) >= 5
+
+
+def test_a_file_name_too_long_is_a_usage_error_naming_the_flag(tmp_path: Path) -> None:
+    name = "a" * 300 + ".jsonl"
+    result = _meter("-o", str(tmp_path / name), "--", "true")
+    assert result.returncode == 2
+    assert result.stderr.startswith("stageload meter: error: -o '")
+    assert "file name is too long" in result.stderr and "give a shorter one" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []

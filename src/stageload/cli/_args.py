@@ -9,6 +9,7 @@ Light to import, like every command module.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -69,7 +70,18 @@ def command_after_dashes(words: Sequence[str], prog: str, example: str) -> list[
 def unwritable_file(path: str | os.PathLike[str]) -> str | None:
     """Why a file cannot be written at ``path`` (None when it can), found out before a long
     run rather than after it. Leaves no file behind that was not there before."""
-    path = Path(path)
+    try:
+        return _unwritable_file(Path(path))
+    except OSError as exc:  # even asking fails, e.g. a name too long for the file system
+        if exc.errno == errno.ENAMETOOLONG:
+            return (
+                f"the file name is too long for this file system ({len(str(path))} "
+                "characters in all); give a shorter one"
+            )
+        return f"cannot use {str(path)!r}: {exc.strerror or exc}"
+
+
+def _unwritable_file(path: Path) -> str | None:
     if path.is_dir():
         return f"{str(path)!r} is a folder; give the path of a file"
     if not path.parent.is_dir():
