@@ -6,10 +6,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..units import format_duration, format_size
+from .records import MAX_T
 from .trace import DEVICE_KEYS, NO_REASON, Activity, Summary
 
 #: What a cell shows for a stage the trace never reached.
 NOT_REACHED = "-"
+# How many numbers of skipped lines a note lists before "...".
+_LINES_SHOWN = 10
 
 _DEVICE_NAMES = {
     "cuda_allocated": "cuda alloc",
@@ -160,9 +163,36 @@ def format_report(summaries: Sequence[Summary]) -> str:
             notes.append(
                 f"unread {label}: {name} ({message})" if message else f"unread {label}: {name}"
             )
+        notes += _skipped_notes(label, summary)
     if notes:
         parts += ["", *notes]
     return "\n".join(parts)
+
+
+def _skipped_notes(label: str, summary: Summary) -> list[str]:
+    """Lines that say what the reader skipped, so a damaged trace does not pass for whole."""
+    notes = []
+    lines = summary.bad_lines
+    if lines:
+        shown = ", ".join(map(str, lines[:_LINES_SHOWN])) + (
+            ", ..." if len(lines) > _LINES_SHOWN else ""
+        )
+        notes.append(
+            f"skipped {label}: {len(lines)} line(s) that are not a JSON record: cut, garbled "
+            f"or too long (line {shown})"
+        )
+    if summary.bad_times:
+        notes.append(
+            f"skipped {label}: {summary.bad_times} record(s) whose t is missing, not a number, "
+            f"negative or over {MAX_T:g} s"
+        )
+    if summary.dropped:
+        count = sum(summary.dropped.values())
+        keys = ", ".join(f"{k} {n}" for k, n in summary.dropped.items())
+        notes.append(
+            f"dropped {label}: {count} value(s) of the wrong type or out of range ({keys})"
+        )
+    return notes
 
 
 def report_dict(summaries: Sequence[Summary]) -> dict[str, Any]:

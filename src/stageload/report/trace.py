@@ -158,6 +158,10 @@ class Summary:
     #: The releases split by their ``reason`` (``REASON_*`` of ``stageload.events``), in
     #: ``RELEASE_REASONS`` order, then any other reason; ``NO_REASON`` for those without one.
     releases_by_reason: dict[str, Activity] = field(default_factory=dict)
+    #: What the reader skipped (``Trace.bad_lines``, ``bad_times``, ``dropped``).
+    bad_lines: list[int] = field(default_factory=list)
+    bad_times: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
 
     def stage(self, name: str) -> StageSummary | None:
         """The summary of stage ``name``, or ``None`` if the run never reached it."""
@@ -193,6 +197,11 @@ class Summary:
             "releases_by_reason": {k: v.to_dict() for k, v in self.releases_by_reason.items()},
             "marks": [asdict(m) for m in self.marks],
             "read_errors": self.read_errors,
+            "skipped": {
+                "lines": self.bad_lines,
+                "bad_t": self.bad_times,
+                "dropped_values": self.dropped,
+            },
         }
 
 
@@ -273,6 +282,9 @@ def summarize(trace: Trace) -> Summary:
         prefetches=activity["prefetch"],
         releases=activity["release"],
         releases_by_reason=by_reason,
+        bad_lines=list(trace.bad_lines),
+        bad_times=trace.bad_times,
+        dropped=dict(trace.dropped),
         marks=list(trace.marks),
         read_errors=read_errors,
         meta=trace.meta,
