@@ -18,7 +18,6 @@ from ..events import Event
 from ..memory import (
     read_device,
     read_process,
-    read_system,
     sample_errors,
     sample_sources,
     to_sample,
@@ -26,7 +25,7 @@ from ..memory import (
 from ..units import parse_duration
 from .sampler import MAX_INTERVAL as MAX_INTERVAL
 from .sampler import MIN_INTERVAL as MIN_INTERVAL
-from .sampler import Channel, Messages, Sampler, check_interval, pid_alive
+from .sampler import Channel, Messages, Sampler, check_interval, pid_alive, read_system_for
 from .tracefile import TraceWriter
 
 #: The ways to take samples: a separate sampler process (default) or a thread in this one.
@@ -172,15 +171,22 @@ class MemoryMeter:
         self._started = True
         why_not = self._why_not
         self._device = self.pid == os.getpid()  # device memory is readable only for ourselves
-        readings: list[Any] = [read_process(self.pid, tree=self.tree), read_system(self.pid)]
+        readings: list[Any] = [
+            read_process(self.pid, tree=self.tree),
+            read_system_for(self.pid, os.getpid()),
+        ]
         if self._device:
             readings.append(read_device())
+        system = readings[1]
+        sources = sample_sources(*readings)
+        if "total" in system.sources:  # where the start record's total comes from, too
+            sources["total"] = system.sources["total"]
         self.start_record = writer.start(
             pid=self.pid,
             interval=self.interval,
             sampler=self.sampler,
-            total=readings[1].total,
-            sources=sample_sources(*readings),
+            total=system.total,
+            sources=sources,
             meta=self.meta,
             tree=self.tree,
             **({"sampler_pid": self._sampler_pid} if self.sampler == "process" else {}),
@@ -204,7 +210,9 @@ class MemoryMeter:
                 self.sampler = "thread"
                 writer.error("sampler", "the sampler process stopped before its first sample")
         if self.sampler == "thread":
-            sampler = Sampler(writer, self.pid, tree=self.tree, device=self._device)
+            sampler = Sampler(
+                writer, self.pid, tree=self.tree, device=self._device, starter=os.getpid()
+            )
             sampler.sample()
             target: Any = self._sample_loop
             args: tuple[Any, ...] = (sampler,)
@@ -233,7 +241,9 @@ class MemoryMeter:
             self._thread.join()
         samples: int | None
         if self.sampler == "thread":
-            Sampler(writer, self.pid, tree=self.tree, device=self._device).sample()
+            Sampler(
+                writer, self.pid, tree=self.tree, device=self._device, starter=os.getpid()
+            ).sample()
             samples = writer.samples
         else:
             samples = self._stop_sampler()

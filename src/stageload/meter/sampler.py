@@ -35,6 +35,7 @@ child the parent forked keeps the pipe open.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import select
@@ -47,6 +48,7 @@ from typing import Any
 
 from ..memory import (
     DEVICE_KEYS,
+    SystemMemory,
     read_device,
     read_process,
     read_system,
@@ -108,16 +110,54 @@ class Messages:
         return {Messages.SAMPLES: n}
 
 
+# The fields of a SystemMemory that depend on the memory cgroup of the process asked about.
+_CGROUP_FIELDS = ("total", "available", "available_percent")
+
+
+def read_system_for(pid: int, starter: int | None) -> SystemMemory:
+    """``read_system(pid)``; when that cannot say what ``pid`` may use (on cgroup v1 a process
+    that is exiting shows no cgroup, so ``total`` and ``available`` are unknown), the values
+    of ``starter``'s cgroup instead: the meter, which started ``pid`` (a metered command
+    begins in its cgroup). Their ``sources`` then name ``starter`` and why.
+
+    ``stageload meter -- true`` hit this at every start: the command was already exiting
+    when the start record was written, and ``total`` stayed null.
+    """
+    system = read_system(pid)
+    if starter is None or starter == pid or system.total is not None:
+        return system
+    other = read_system(starter)
+    if other.total is None:
+        return system
+    why = system.errors.get("total", "unreadable")
+    sources = dict(other.sources)
+    for name in _CGROUP_FIELDS:
+        if name in sources:
+            sources[name] += f" for the meter's process {starter}, not process {pid} ({why})"
+    return dataclasses.replace(other, sources=sources)
+
+
 class Sampler:
-    """Writes one sample of ``pid``'s memory (its tree with ``tree``) to ``writer`` per call."""
+    """Writes one sample of ``pid``'s memory (its tree with ``tree``) to ``writer`` per call.
+
+    ``starter`` is the process that started ``pid`` (the meter): while ``pid`` exits, its
+    cgroup's total and available memory stand in (``read_system_for``).
+    """
 
     def __init__(
-        self, writer: TraceWriter, pid: int, *, tree: bool = True, device: bool = False
+        self,
+        writer: TraceWriter,
+        pid: int,
+        *,
+        tree: bool = True,
+        device: bool = False,
+        starter: int | None = None,
     ) -> None:
         self.writer = writer
         self.pid = pid
         self.tree = tree
         self.device = device  # read device memory here (only in the process that uses torch)
+        self.starter = starter
 
     def sample(self, extra: Mapping[str, Any] | None = None) -> bool:
         """Take and write one sample; ``extra`` adds keys (device memory read elsewhere).
@@ -131,7 +171,7 @@ class Sampler:
             process = read_process(self.pid, tree=self.tree)
             if process.pids == 0 and not pid_alive(self.pid):
                 return False
-            readings: list[Any] = [process, read_system(self.pid)]
+            readings: list[Any] = [process, read_system_for(self.pid, self.starter)]
             if self.device:
                 readings.append(read_device())
         except Exception as exc:  # a reader bug must not end the metering: record it once
@@ -248,7 +288,8 @@ def run(args: argparse.Namespace) -> int:
         if go:
             break
     writer = TraceWriter(args.path, append=True, monotonic0=float(go[0][Messages.GO]))
-    sampler = Sampler(writer, int(go[0]["pid"]), tree=args.tree)
+    # The parent (--watch) started the measured process, or is it: its cgroup stands in.
+    sampler = Sampler(writer, int(go[0]["pid"]), tree=args.tree, starter=args.watch)
     device: dict[str, Any] = {}
     next_tick = time.monotonic()
     first = True
