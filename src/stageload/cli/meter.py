@@ -39,6 +39,10 @@ CMD is busy; --sampler thread samples from a thread in this process instead. CMD
 in the foreground as usual; SIGINT and SIGTERM sent to stageload are passed on to it.
 At the end a one-line summary goes to stderr.
 
+A file already at the -o path is replaced only once CMD has started (a CMD that
+cannot start leaves it as it was), and one trace file takes one run at a time: a
+second 'stageload meter' or 'guard --trace' on it is refused (exit 2).
+
 Exit codes:
   CMD's own       (128+N if CMD died from signal N)
   127             CMD could not be started
