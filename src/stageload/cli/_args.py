@@ -35,13 +35,19 @@ def duration(text: str) -> float:
 
 
 def interval(text: str) -> float:
-    """A sampling interval: a duration above 0 seconds."""
+    """A MemoryMeter's sampling interval: a duration within ``stageload.meter``'s
+    ``MIN_INTERVAL`` to ``MAX_INTERVAL`` (10 ms to 1 hour)."""
     seconds = duration(text)
     if seconds <= 0:
         raise argparse.ArgumentTypeError(
             f"interval must be more than 0 seconds, got {text!r}; e.g. '0.5' or '100ms'"
         )
-    return seconds
+    from ..meter import check_interval  # at parse time only: importing _args stays light
+
+    try:
+        return check_interval(seconds)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def amount(text: str) -> str:

@@ -55,17 +55,6 @@ Examples:
 """
 
 
-def _interval(text: str) -> float:
-    """A sampling interval within the meter's range (``stageload.meter.MIN_INTERVAL``...)."""
-    seconds = interval(text)
-    from ..meter import check_interval  # at parse time: this module stays light to import
-
-    try:
-        return check_interval(seconds)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o",
@@ -76,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--interval",
-        type=_interval,
+        type=interval,
         default=0.5,
         metavar="S",
         help="time between samples: seconds or e.g. '100ms', from 10ms to 1 hour (default: 0.5)",
