@@ -58,6 +58,32 @@ def test_cli_plot_bad_trace_is_one_line(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.parametrize("dpi", ["100000", "0", "-5", "9", "1201"])
+def test_cli_plot_dpi_out_of_range_is_a_usage_error(pair, tmp_path: Path, dpi: str) -> None:
+    out = tmp_path / "x.png"
+    result = subprocess.run(
+        [sys.executable, "-m", "stageload", "plot", *map(str, pair), "-o", str(out), "--dpi", dpi],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert f"--dpi must be from 10 to 1200, got {dpi}" in result.stderr
+    assert "Traceback" not in result.stderr and not out.exists()
+
+
+def test_plot_traces_refuses_a_dpi_out_of_range(pair, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="dpi must be a whole number from 10 to 1200"):
+        plot_traces(pair, tmp_path / "x.png", dpi=100_000)
+
+
+def test_cli_plot_output_name_too_long_is_a_usage_error(pair, tmp_path: Path, capsys) -> None:
+    out = tmp_path / ("p" * 300 + ".png")
+    assert main(["plot", *map(str, pair), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "too long" in err and "Traceback" not in err
+
+
 def test_without_matplotlib_the_error_says_what_to_install(pair, tmp_path, monkeypatch, capsys):
     # This machine has matplotlib; hiding it from the import system fakes a bare install.
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):

@@ -98,13 +98,14 @@ def test_half_written_last_line_is_skipped(tmp_path: Path) -> None:
     assert cut.last_t == whole.last_t == 3.0
 
 
-def test_a_broken_line_before_the_last_is_an_error(tmp_path: Path) -> None:
+def test_a_broken_line_before_the_last_is_skipped_and_counted(tmp_path: Path) -> None:
     records = staged_records()
     text = "".join(json.dumps(r) + "\n" for r in records[:3]) + "{oops\n"
     text += "".join(json.dumps(r) + "\n" for r in records[3:])
     (tmp_path / "t.jsonl").write_text(text)
-    with pytest.raises(TraceError, match="line 4 is not JSON"):
-        read_trace(tmp_path / "t.jsonl")
+    trace = read_trace(tmp_path / "t.jsonl")
+    assert trace.bad_lines == [4]
+    assert trace.samples == read_trace(write_trace(tmp_path / "w.jsonl", records)).samples
 
 
 def test_unknown_keys_and_record_types_are_ignored(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ Light to import, like every command module.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -34,13 +35,19 @@ def duration(text: str) -> float:
 
 
 def interval(text: str) -> float:
-    """A sampling interval: a duration above 0 seconds."""
+    """A MemoryMeter's sampling interval: a duration within ``stageload.meter``'s
+    ``MIN_INTERVAL`` to ``MAX_INTERVAL`` (10 ms to 1 hour)."""
     seconds = duration(text)
     if seconds <= 0:
         raise argparse.ArgumentTypeError(
             f"interval must be more than 0 seconds, got {text!r}; e.g. '0.5' or '100ms'"
         )
-    return seconds
+    from ..meter import check_interval  # at parse time only: importing _args stays light
+
+    try:
+        return check_interval(seconds)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def amount(text: str) -> str:
@@ -69,7 +76,18 @@ def command_after_dashes(words: Sequence[str], prog: str, example: str) -> list[
 def unwritable_file(path: str | os.PathLike[str]) -> str | None:
     """Why a file cannot be written at ``path`` (None when it can), found out before a long
     run rather than after it. Leaves no file behind that was not there before."""
-    path = Path(path)
+    try:
+        return _unwritable_file(Path(path))
+    except OSError as exc:  # even asking fails, e.g. a name too long for the file system
+        if exc.errno == errno.ENAMETOOLONG:
+            return (
+                f"the file name is too long for this file system ({len(str(path))} "
+                "characters in all); give a shorter one"
+            )
+        return f"cannot use {str(path)!r}: {exc.strerror or exc}"
+
+
+def _unwritable_file(path: Path) -> str | None:
     if path.is_dir():
         return f"{str(path)!r} is a folder; give the path of a file"
     if not path.parent.is_dir():

@@ -39,6 +39,10 @@ CMD is busy; --sampler thread samples from a thread in this process instead. CMD
 in the foreground as usual; SIGINT and SIGTERM sent to stageload are passed on to it.
 At the end a one-line summary goes to stderr.
 
+A file already at the -o path is replaced only once CMD has started (a CMD that
+cannot start leaves it as it was), and one trace file takes one run at a time: a
+second 'stageload meter' or 'guard --trace' on it is refused (exit 2).
+
 Exit codes:
   CMD's own       (128+N if CMD died from signal N)
   127             CMD could not be started
@@ -64,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=interval,
         default=0.5,
         metavar="S",
-        help="time between samples: seconds or e.g. '100ms' (default: 0.5)",
+        help="time between samples: seconds or e.g. '100ms', from 10ms to 1 hour (default: 0.5)",
     )
     parser.add_argument(
         "--sampler",
@@ -147,6 +151,7 @@ def summary_line(summary: Summary) -> str:
 def run(args: argparse.Namespace) -> int:
     from ..guard.process import exit_status
     from ..meter import MemoryMeter
+    from ..meter.tracefile import TraceBusyError
     from ..report.trace import load_summary
     from . import EXIT_USAGE
 
@@ -163,18 +168,21 @@ def run(args: argparse.Namespace) -> int:
 
     meta = {} if args.label is None else {"label": args.label}
     meter = MemoryMeter(output, args.interval, sampler=args.sampler, meta=meta)
-    # Start the sampler process first: it takes ~0.1 s, and a short command could be
-    # over before its first sample.
-    meter.prepare()
-    # The command's StagedModels append their events to the trace (stageload.outer): the
-    # file must exist, and hold no older run's start record, before the command starts.
-    output.write_bytes(b"")
+    # Open the trace (taking its lock: one run per file) and start the sampler process
+    # first: it takes ~0.1 s, and a short command could be over before its first sample.
+    # The command's StagedModels append their events to the trace (stageload.outer), so the
+    # file exists before the command starts; an older trace there is emptied only once
+    # the command has started (meter.start), and kept whole if it cannot start.
+    try:
+        meter.prepare()
+    except TraceBusyError as exc:
+        print(f"stageload meter: error: -o {str(output)!r}: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
     started = time.monotonic()
     try:
         proc = subprocess.Popen(command, env=command_env(output, events=args.events))
     except OSError as exc:
-        meter.cancel()
-        output.unlink(missing_ok=True)  # nothing ran: no trace
+        meter.cancel()  # nothing ran: no trace, and an older one at the path stays whole
         print(f"stageload meter: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
         return EXIT_CANNOT_START
     meter.pid = proc.pid

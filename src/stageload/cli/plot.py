@@ -25,15 +25,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o", "--output", required=True, metavar="PNG", help="where to write the PNG"
     )
-    parser.add_argument("--dpi", type=int, default=110, help="resolution (default: 110)")
+    parser.add_argument(
+        "--dpi", type=int, default=110, help="resolution, from 10 to 1200 (default: 110)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..report.plot import PlotUnavailableError, plot_traces
+    from ..report.plot import MAX_DPI, MIN_DPI, PlotUnavailableError, plot_traces
     from ..report.trace import TraceError
 
-    if args.dpi <= 0:
-        print(f"stageload plot: error: --dpi must be positive, got {args.dpi!r}", file=sys.stderr)
+    if not MIN_DPI <= args.dpi <= MAX_DPI:
+        print(
+            f"stageload plot: error: --dpi must be from {MIN_DPI} to {MAX_DPI}, "
+            f"got {args.dpi!r}; e.g. --dpi 150",
+            file=sys.stderr,
+        )
         return 2
     try:
         out = plot_traces(args.traces, args.output, dpi=args.dpi)

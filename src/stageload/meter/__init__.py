@@ -18,13 +18,14 @@ from ..core.events import Event
 from ..memory import (
     read_device,
     read_process,
-    read_system,
     sample_errors,
     sample_sources,
     to_sample,
 )
 from ..units import parse_duration
-from .sampler import Channel, Messages, Sampler, pid_alive
+from .sampler import MAX_INTERVAL as MAX_INTERVAL
+from .sampler import MIN_INTERVAL as MIN_INTERVAL
+from .sampler import Channel, Messages, Sampler, check_interval, pid_alive, read_system_for
 from .tracefile import TraceWriter
 
 #: The ways to take samples: a separate sampler process (default) or a thread in this one.
@@ -36,10 +37,7 @@ _STOP_TIMEOUT = 10.0
 
 
 def _interval(value: float | str) -> float:
-    seconds = parse_duration(value)
-    if not seconds > 0:
-        raise ValueError(f"interval must be more than 0 seconds, got {value!r}; e.g. 0.5")
-    return seconds
+    return check_interval(parse_duration(value))
 
 
 def _package_root() -> str:
@@ -53,7 +51,8 @@ class MemoryMeter:
 
     Samples the footprint of ``pid`` (default: this process), summed over its process tree
     unless ``tree=False``, with available memory, swap and pressure, every ``interval``
-    seconds. ``sampler="process"`` (the default) samples from a separate process, which keeps
+    seconds (from ``MIN_INTERVAL``, 10 ms, to ``MAX_INTERVAL``, 1 hour).
+    ``sampler="process"`` (the default) samples from a separate process, which keeps
     sampling while native code holds the GIL; ``"thread"`` samples from a thread in this
     process. Device memory (CUDA, MPS) can only be read here, so when ``pid`` is this
     process the meter adds it to the samples either way. Pass the meter to
@@ -104,13 +103,14 @@ class MemoryMeter:
         self._stopping = threading.Event()
         self._device = False
         self._prepared = False
+        self._started = False
         self._why_not: str | None = None
 
     # -- public ------------------------------------------------------------------------
 
     @property
     def running(self) -> bool:
-        return self._writer is not None and not self._writer.closed
+        return self._started and self._writer is not None and not self._writer.closed
 
     @property
     def samples(self) -> int | None:
@@ -118,14 +118,19 @@ class MemoryMeter:
         return None if self.end_record is None else self.end_record.get("samples")
 
     def prepare(self) -> None:
-        """Start the sampler process now (it takes ~0.1 s), ahead of ``start()``.
+        """Open the trace and start the sampler process now (it takes ~0.1 s), ahead of
+        ``start()``.
 
         ``stageload meter`` calls this before it starts the command, then sets ``pid`` to
         the command's and calls ``start()``, so the first sample follows within
-        milliseconds. ``start()`` calls it if needed; it does nothing for a thread sampler.
+        milliseconds. ``start()`` calls it if needed. Opening takes the trace's lock
+        (``TraceBusyError`` when another run writes it) and leaves an existing file as it
+        is until ``start()``; ``cancel()`` lets go of both.
         """
         if self._prepared:
             return
+        # The trace first: a path another run writes fails before a sampler is spawned.
+        self._writer = TraceWriter(self.path)
         self._prepared = True
         if self.sampler == "process":
             self._why_not = self._spawn()
@@ -133,39 +138,55 @@ class MemoryMeter:
                 self.sampler = "thread"
 
     def cancel(self) -> None:
-        """Let go of a sampler process that ``prepare()`` started, when ``start()`` won't come."""
-        if self._channel is not None and (self._writer is None or self._writer.closed):
+        """Let go of the trace and the sampler process that ``prepare()`` opened and started,
+        when ``start()`` won't come: a file that was at the path stays as it was."""
+        if self._started:
+            return
+        if self._channel is not None:
             self._channel.close()  # end of file on its stdin: the sampler exits
             self._channel = None
+        if self._writer is not None:
+            self._writer.discard()
+            self._writer = None
+        self._prepared = False
 
     def start(self, **extra: Any) -> MemoryMeter:
         """Write the start record and begin sampling; returns the meter.
 
         ``extra`` adds keys to the start record, e.g. ``command=[...]`` for a metered command.
         """
-        if self._writer is not None:
+        if self._started:
             raise RuntimeError(f"{self!r} was already started; use a new MemoryMeter per trace")
         if not pid_alive(self.pid):
             self.cancel()
             raise ValueError(f"no process with pid {self.pid!r} to measure")
         self.prepare()
+        writer = self._writer
+        if writer is None:  # cannot be: prepare() opened it or raised
+            raise RuntimeError(f"{self!r} has no trace open")
+        # From here the file is this run's: empty it now (the command's processes read the
+        # start record from its first line), and count t from now.
+        writer.claim()
+        writer.monotonic0 = time.monotonic()
+        self._started = True
         why_not = self._why_not
         self._device = self.pid == os.getpid()  # device memory is readable only for ourselves
-        try:
-            writer = TraceWriter(self.path)
-        except OSError:
-            self.cancel()
-            raise
-        self._writer = writer
-        readings: list[Any] = [read_process(self.pid, tree=self.tree), read_system(self.pid)]
+        readings: list[Any] = [
+            read_process(self.pid, tree=self.tree),
+            read_system_for(self.pid, os.getpid()),
+        ]
         if self._device:
             readings.append(read_device())
+        system = readings[1]
+        sources = sample_sources(*readings)
+        if "total" in system.sources:  # where the start record's total comes from, too
+            sources["total"] = system.sources["total"]
         self.start_record = writer.start(
             pid=self.pid,
             interval=self.interval,
             sampler=self.sampler,
-            total=readings[1].total,
-            sources=sample_sources(*readings),
+            total=system.total,
+            sources=sources,
             meta=self.meta,
             tree=self.tree,
             **({"sampler_pid": self._sampler_pid} if self.sampler == "process" else {}),
@@ -189,7 +210,9 @@ class MemoryMeter:
                 self.sampler = "thread"
                 writer.error("sampler", "the sampler process stopped before its first sample")
         if self.sampler == "thread":
-            sampler = Sampler(writer, self.pid, tree=self.tree, device=self._device)
+            sampler = Sampler(
+                writer, self.pid, tree=self.tree, device=self._device, starter=os.getpid()
+            )
             sampler.sample()
             target: Any = self._sample_loop
             args: tuple[Any, ...] = (sampler,)
@@ -207,6 +230,9 @@ class MemoryMeter:
 
         Safe to call twice; the second call does nothing.
         """
+        if not self._started:
+            self.cancel()  # prepared, never started: nothing to end
+            return
         writer = self._writer
         if writer is None or writer.closed:
             return
@@ -215,7 +241,9 @@ class MemoryMeter:
             self._thread.join()
         samples: int | None
         if self.sampler == "thread":
-            Sampler(writer, self.pid, tree=self.tree, device=self._device).sample()
+            Sampler(
+                writer, self.pid, tree=self.tree, device=self._device, starter=os.getpid()
+            ).sample()
             samples = writer.samples
         else:
             samples = self._stop_sampler()
@@ -225,7 +253,7 @@ class MemoryMeter:
     def emit(self, event: Event) -> None:
         """EventSink: write ``event`` as an ``event`` record at the event's own time."""
         writer = self._writer
-        if writer is None:
+        if writer is None or not self._started:
             return
         # ValueError: closed, because the meter stopped while the pipeline went on.
         with contextlib.suppress(ValueError):

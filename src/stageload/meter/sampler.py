@@ -35,6 +35,7 @@ child the parent forked keeps the pipe open.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import select
@@ -47,6 +48,7 @@ from typing import Any
 
 from ..memory import (
     DEVICE_KEYS,
+    SystemMemory,
     read_device,
     read_process,
     read_system,
@@ -54,6 +56,23 @@ from ..memory import (
     to_sample,
 )
 from .tracefile import TraceWriter
+
+#: The shortest time between samples: one sample of a process tree takes about a
+#: millisecond, and a shorter interval only spends the CPU it is meant to watch.
+MIN_INTERVAL = 0.01
+#: The longest: an hour (a longer wait could not be told from a hang, and the timers that
+#: wait it, ``select`` and ``threading.Event.wait``, overflow on huge values).
+MAX_INTERVAL = 3600.0
+
+
+def check_interval(seconds: float) -> float:
+    """``seconds`` if it is a usable sampling interval; ``ValueError`` naming the range if not."""
+    if not MIN_INTERVAL <= seconds <= MAX_INTERVAL:  # also refuses nan
+        raise ValueError(
+            f"interval must be from {MIN_INTERVAL:g} s (10 ms) to {MAX_INTERVAL:g} s (1 hour), "
+            f"got {seconds!r}; e.g. 0.5 or '100ms'"
+        )
+    return seconds
 
 
 class Messages:
@@ -91,16 +110,54 @@ class Messages:
         return {Messages.SAMPLES: n}
 
 
+# The fields of a SystemMemory that depend on the memory cgroup of the process asked about.
+_CGROUP_FIELDS = ("total", "available", "available_percent")
+
+
+def read_system_for(pid: int, starter: int | None) -> SystemMemory:
+    """``read_system(pid)``; when that cannot say what ``pid`` may use (on cgroup v1 a process
+    that is exiting shows no cgroup, so ``total`` and ``available`` are unknown), the values
+    of ``starter``'s cgroup instead: the meter, which started ``pid`` (a metered command
+    begins in its cgroup). Their ``sources`` then name ``starter`` and why.
+
+    ``stageload meter -- true`` hit this at every start: the command was already exiting
+    when the start record was written, and ``total`` stayed null.
+    """
+    system = read_system(pid)
+    if starter is None or starter == pid or system.total is not None:
+        return system
+    other = read_system(starter)
+    if other.total is None:
+        return system
+    why = system.errors.get("total", "unreadable")
+    sources = dict(other.sources)
+    for name in _CGROUP_FIELDS:
+        if name in sources:
+            sources[name] += f" for the meter's process {starter}, not process {pid} ({why})"
+    return dataclasses.replace(other, sources=sources)
+
+
 class Sampler:
-    """Writes one sample of ``pid``'s memory (its tree with ``tree``) to ``writer`` per call."""
+    """Writes one sample of ``pid``'s memory (its tree with ``tree``) to ``writer`` per call.
+
+    ``starter`` is the process that started ``pid`` (the meter): while ``pid`` exits, its
+    cgroup's total and available memory stand in (``read_system_for``).
+    """
 
     def __init__(
-        self, writer: TraceWriter, pid: int, *, tree: bool = True, device: bool = False
+        self,
+        writer: TraceWriter,
+        pid: int,
+        *,
+        tree: bool = True,
+        device: bool = False,
+        starter: int | None = None,
     ) -> None:
         self.writer = writer
         self.pid = pid
         self.tree = tree
         self.device = device  # read device memory here (only in the process that uses torch)
+        self.starter = starter
 
     def sample(self, extra: Mapping[str, Any] | None = None) -> bool:
         """Take and write one sample; ``extra`` adds keys (device memory read elsewhere).
@@ -114,7 +171,7 @@ class Sampler:
             process = read_process(self.pid, tree=self.tree)
             if process.pids == 0 and not pid_alive(self.pid):
                 return False
-            readings: list[Any] = [process, read_system(self.pid)]
+            readings: list[Any] = [process, read_system_for(self.pid, self.starter)]
             if self.device:
                 readings.append(read_device())
         except Exception as exc:  # a reader bug must not end the metering: record it once
@@ -231,7 +288,8 @@ def run(args: argparse.Namespace) -> int:
         if go:
             break
     writer = TraceWriter(args.path, append=True, monotonic0=float(go[0][Messages.GO]))
-    sampler = Sampler(writer, int(go[0]["pid"]), tree=args.tree)
+    # The parent (--watch) started the measured process, or is it: its cgroup stands in.
+    sampler = Sampler(writer, int(go[0]["pid"]), tree=args.tree, starter=args.watch)
     device: dict[str, Any] = {}
     next_tick = time.monotonic()
     first = True
@@ -244,8 +302,10 @@ def run(args: argparse.Namespace) -> int:
         now = time.monotonic()
         if next_tick <= now:  # fell behind (machine busy): skip the missed ticks
             next_tick = now + args.interval
-        while (timeout := next_tick - time.monotonic()) > 0:
-            for message in control.wait(timeout):
+        # Read the parent's messages at least once per tick, even when sampling takes longer
+        # than the interval: otherwise a "stop" waits unread until the parent gives up.
+        while True:
+            for message in control.wait(next_tick - time.monotonic()):
                 if Messages.DEVICE in message:
                     device = Messages.device(message[Messages.DEVICE])[Messages.DEVICE]
                 if message.get(Messages.STOP):
@@ -256,8 +316,17 @@ def run(args: argparse.Namespace) -> int:
                     return 0
             if control.eof:  # the parent is gone (or closed the pipe): stop writing now
                 return 0
+            if time.monotonic() >= next_tick:
+                break
         if not pid_alive(args.watch):
             return 0
+
+
+def _interval_flag(text: str) -> float:
+    try:
+        return check_interval(float(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -267,7 +336,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--path", required=True, help="trace file to append samples to")
     parser.add_argument("--watch", type=int, required=True, help="stop when this pid is gone")
-    parser.add_argument("--interval", type=float, required=True, help="seconds between samples")
+    parser.add_argument(
+        "--interval", type=_interval_flag, required=True, help="seconds between samples"
+    )
     parser.add_argument(
         "--no-tree", dest="tree", action="store_false", help="measure the process, not its tree"
     )

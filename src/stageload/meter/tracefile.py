@@ -22,6 +22,8 @@ survives the death of the process, not the loss of the machine's power.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import platform
@@ -34,6 +36,11 @@ from typing import Any
 
 from ..core.events import Event
 from ..core.outer import encode, event_record
+
+try:
+    import fcntl
+except ImportError:  # not Linux or macOS
+    fcntl = None  # type: ignore[assignment]
 
 #: Version of the trace format written in the start record.
 FORMAT_VERSION = 1
@@ -53,13 +60,23 @@ def versions() -> dict[str, str]:
     return found
 
 
+class TraceBusyError(OSError):
+    """Another writer (a ``stageload meter``, ``guard --trace`` or ``MemoryMeter``) holds the
+    trace file's lock: two runs' records would mix in one file."""
+
+
 class TraceWriter:
     """Writes trace records to ``path``, one flushed JSON line each; safe to share between threads.
 
-    ``append=False`` (the default) creates or truncates the file; ``append=True`` adds to a
-    trace another writer started (the sampler process does that). ``monotonic0`` is the
-    ``time.monotonic()`` that ``t = 0`` stands for; it defaults to now, and a second writer
-    of the same trace must pass the first one's so both write comparable ``t``.
+    ``append=False`` (the default) starts a trace: it holds an exclusive lock on the file
+    (``flock``) until closed, so a second such writer of the same file raises
+    ``TraceBusyError``, and it empties an existing file only at its first record (or
+    ``claim()``): a run that never writes leaves a file that was there as it was (see
+    ``discard()``). ``append=True`` adds to a trace another writer started (the sampler
+    process does that; so do the command's processes through ``stageload.outer``) and
+    takes no lock. ``monotonic0`` is the ``time.monotonic()`` that ``t = 0`` stands for; it
+    defaults to now, and a second writer of the same trace must pass the first one's so
+    both write comparable ``t``.
     """
 
     def __init__(
@@ -70,15 +87,47 @@ class TraceWriter:
         self.samples = 0  # sample records written by this writer
         self._failing: set[str] = set()  # fields with an error record and no recovery yet
         self._lock = threading.Lock()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
+        self._fd: int | None = None
+        self._created = False  # this writer made the file (so discard() removes it)
+        self._unclaimed = not append  # what the file holds is an older run's, kept until used
+        flags = os.O_WRONLY | os.O_APPEND
         try:
-            self._fd: int | None = os.open(self.path, flags, 0o644)
+            if append:
+                self._fd = os.open(self.path, flags | os.O_CREAT, 0o644)
+            else:
+                try:
+                    self._fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+                    self._created = True
+                except FileExistsError:
+                    # No O_TRUNC: an existing trace is emptied only once this run writes.
+                    self._fd = os.open(self.path, flags)
         except OSError as exc:
             raise OSError(
                 exc.errno,
                 f"cannot open trace file {str(self.path)!r} for writing: {exc.strerror}; "
                 "check that its folder exists and is writable",
             ) from exc
+        if not append:
+            self._take_lock(self._fd)
+
+    def _take_lock(self, fd: int) -> None:
+        """Hold the file's exclusive lock, or raise ``TraceBusyError`` (closing the file)."""
+        if fcntl is None:  # no flock on this platform: nothing to guard with
+            return
+        try:
+            # Non-blocking: a second run should fail now, not wait for the first to end.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            self._fd = None
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise TraceBusyError(
+                exc.errno,
+                f"trace file {str(self.path)!r} is being written by another run (a stageload "
+                "meter, guard --trace or MemoryMeter holds its lock); give another path, or "
+                "wait for that run to end",
+            ) from None
 
     # -- low level ---------------------------------------------------------------------
 
@@ -87,12 +136,24 @@ class TraceWriter:
         now = time.monotonic() if monotonic is None else monotonic
         return round(now - self.monotonic0, 6)
 
+    def claim(self) -> None:
+        """Empty the file of an older run's records now, ahead of the first record (which
+        does it otherwise). Does nothing after the first time, and for ``append=True``."""
+        with self._lock:
+            self._claim()
+
+    def _claim(self) -> None:
+        if self._fd is None:
+            raise ValueError(f"trace file {str(self.path)!r} is closed")
+        if self._unclaimed:
+            os.ftruncate(self._fd, 0)
+            self._unclaimed = False
+
     def write(self, record: Mapping[str, Any]) -> None:
         """Write one record as one line. Keys that are ``None`` are kept (as ``null``)."""
         data = encode(record)
         with self._lock:
-            if self._fd is None:
-                raise ValueError(f"trace file {str(self.path)!r} is closed")
+            self._claim()
             # One write call per line: with O_APPEND the kernel places it whole at the end.
             # The loop only matters for a short write (disk full, huge line).
             view = memoryview(data)
@@ -110,6 +171,20 @@ class TraceWriter:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+    def discard(self) -> None:
+        """Close, leaving the path as it was before this writer when it wrote nothing: an
+        older trace there stays whole, and a file this writer created is removed. A run
+        that cannot start calls this, so no user's trace is lost to it."""
+        with self._lock:
+            if self._fd is None:
+                return
+            if self._unclaimed and self._created:
+                # Unlinked while still locked, so no second writer can take the lock on it.
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+            os.close(self._fd)
+            self._fd = None
 
     def __enter__(self) -> TraceWriter:
         return self

@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.events import SETUP
 from ..errors import StageloadError
 from .processes import by_process
 from .tables import column_labels, stage_order
-from .trace import SETUP, Summary, Trace, read_trace, summarize
+from .trace import Summary, Trace, read_trace, summarize
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -158,14 +159,23 @@ def _draw_peaks(ax: Axes, summaries: Sequence[Summary], scale: float, unit: str)
     ax.legend(fontsize=8)
 
 
+#: The resolutions ``plot_traces`` draws at: the figure is about 11 inches wide, so 1200
+#: dpi is already 13,000 pixels across; far more exhausts memory (100,000: std::bad_alloc).
+MIN_DPI, MAX_DPI = 10, 1200
+
+
 def plot_traces(traces: Sequence[str | Path | Trace], out: str | Path, *, dpi: int = 110) -> Path:
     """Draw ``traces`` into one PNG at ``out`` and return its path.
+
+    ``dpi`` must be from ``MIN_DPI`` to ``MAX_DPI`` (``ValueError`` otherwise).
 
     The figure has one panel per trace (footprint and swap growth on the left axis,
     available memory on the right, stage windows as bands with their names, marks as
     dotted lines) on a shared time axis, and below them a bar chart of the peak footprint
     per stage, one bar per trace. Raises ``PlotUnavailableError`` without matplotlib.
     """
+    if isinstance(dpi, bool) or not isinstance(dpi, int) or not MIN_DPI <= dpi <= MAX_DPI:
+        raise ValueError(f"dpi must be a whole number from {MIN_DPI} to {MAX_DPI}, got {dpi!r}")
     fig = draw_traces(traces)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,10 +6,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..units import format_duration, format_size
-from .trace import DEVICE_KEYS, Activity, Summary
+from .records import MAX_T
+from .trace import DEVICE_KEYS, NO_REASON, Activity, Summary
 
 #: What a cell shows for a stage the trace never reached.
 NOT_REACHED = "-"
+# How many numbers of skipped lines a note lists before "...".
+_LINES_SHOWN = 10
 
 _DEVICE_NAMES = {
     "cuda_allocated": "cuda alloc",
@@ -75,6 +78,13 @@ def _activity(activity: Activity) -> str:
     return f"{activity.count}: {format_size(activity.bytes)} in {format_duration(activity.seconds)}"
 
 
+def _reason_cell(reason: str) -> Any:
+    def cell(summary: Summary) -> str:
+        return _activity(summary.releases_by_reason.get(reason, Activity()))
+
+    return cell
+
+
 def _available(summary: Summary) -> str:
     size = format_size(summary.lowest_available)
     if summary.lowest_available_pct is None:
@@ -88,7 +98,8 @@ def _duration(summary: Summary) -> str:
 
 
 def whole_run_rows(summaries: Sequence[Summary]) -> list[list[str]]:
-    """The rows about each run as a whole: peak, swap, available memory, loads, releases."""
+    """The rows about each run as a whole: peak, swap, available memory, loads, releases
+    (and, indented below them, the releases by reason where the trace says why)."""
     rows: list[tuple[str, Any]] = [
         ("peak footprint", lambda s: format_size(s.peak_footprint)),
         ("duration", _duration),
@@ -103,6 +114,12 @@ def whole_run_rows(summaries: Sequence[Summary]) -> list[list[str]]:
         ("releases", lambda s: _activity(s.releases)),
         ("samples", lambda s: str(s.samples)),
     ]
+    reasons: list[str] = []
+    for summary in summaries:
+        reasons += [r for r in summary.releases_by_reason if r not in reasons]
+    if reasons != [NO_REASON] and reasons:  # say why models were released, where known
+        at = [name for name, _ in rows].index("releases") + 1
+        rows[at:at] = [(f"  {reason}", _reason_cell(reason)) for reason in reasons]
     if any(s.exit_code is not None for s in summaries):
         rows.insert(2, ("exit code", lambda s: "-" if s.exit_code is None else str(s.exit_code)))
     if any(s.prefetches.count for s in summaries):  # only runs with prefetch have them
@@ -146,9 +163,36 @@ def format_report(summaries: Sequence[Summary]) -> str:
             notes.append(
                 f"unread {label}: {name} ({message})" if message else f"unread {label}: {name}"
             )
+        notes += _skipped_notes(label, summary)
     if notes:
         parts += ["", *notes]
     return "\n".join(parts)
+
+
+def _skipped_notes(label: str, summary: Summary) -> list[str]:
+    """Lines that say what the reader skipped, so a damaged trace does not pass for whole."""
+    notes = []
+    lines = summary.bad_lines
+    if lines:
+        shown = ", ".join(map(str, lines[:_LINES_SHOWN])) + (
+            ", ..." if len(lines) > _LINES_SHOWN else ""
+        )
+        notes.append(
+            f"skipped {label}: {len(lines)} line(s) that are not a JSON record: cut, garbled "
+            f"or too long (line {shown})"
+        )
+    if summary.bad_times:
+        notes.append(
+            f"skipped {label}: {summary.bad_times} record(s) whose t is missing, not a number, "
+            f"negative or over {MAX_T:g} s"
+        )
+    if summary.dropped:
+        count = sum(summary.dropped.values())
+        keys = ", ".join(f"{k} {n}" for k, n in summary.dropped.items())
+        notes.append(
+            f"dropped {label}: {count} value(s) of the wrong type or out of range ({keys})"
+        )
+    return notes
 
 
 def report_dict(summaries: Sequence[Summary]) -> dict[str, Any]:

@@ -10,9 +10,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..core.events import (
+    REASON_BUDGET,
+    REASON_CLOSE,
+    REASON_EVICT,
+    REASON_NOT_IN_PLAN,
+    RELEASE,
+    SETUP,
+)
 from .records import DEVICE_KEYS as DEVICE_KEYS
-from .records import SETUP, Mark, Sample, Trace, TraceEvent, _int, read_trace
+from .records import Mark, Sample, Trace, TraceEvent, _int, read_trace
 from .records import TraceError as TraceError
+
+#: The order the report lists release reasons in: the ones the core writes.
+RELEASE_REASONS = (REASON_BUDGET, REASON_NOT_IN_PLAN, REASON_EVICT, REASON_CLOSE)
+#: The key of releases without a ``reason`` (traces written before events carried one).
+NO_REASON = "no reason"
 
 
 @dataclass(frozen=True)
@@ -149,6 +162,13 @@ class Summary:
     pid: int | None = None
     #: Background loads (``StagedModels(prefetch=...)``); their seconds overlapped compute.
     prefetches: Activity = field(default_factory=Activity)
+    #: The releases split by their ``reason`` (``REASON_*`` of ``stageload.events``), in
+    #: ``RELEASE_REASONS`` order, then any other reason; ``NO_REASON`` for those without one.
+    releases_by_reason: dict[str, Activity] = field(default_factory=dict)
+    #: What the reader skipped (``Trace.bad_lines``, ``bad_times``, ``dropped``).
+    bad_lines: list[int] = field(default_factory=list)
+    bad_times: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
 
     def stage(self, name: str) -> StageSummary | None:
         """The summary of stage ``name``, or ``None`` if the run never reached it."""
@@ -181,8 +201,14 @@ class Summary:
             "reloads": self.reloads.to_dict(),
             "prefetches": self.prefetches.to_dict(),
             "releases": self.releases.to_dict(),
+            "releases_by_reason": {k: v.to_dict() for k, v in self.releases_by_reason.items()},
             "marks": [asdict(m) for m in self.marks],
             "read_errors": self.read_errors,
+            "skipped": {
+                "lines": self.bad_lines,
+                "bad_t": self.bad_times,
+                "dropped_values": self.dropped,
+            },
         }
 
 
@@ -225,9 +251,14 @@ def summarize(trace: Trace) -> Summary:
         "prefetch": Activity(),
         "release": Activity(),
     }
+    by_reason: dict[str, Activity] = {}
     for event in trace.events:
         if event.kind in activity:
             activity[event.kind].add(event)
+        if event.kind == RELEASE:
+            by_reason.setdefault(event.reason or NO_REASON, Activity()).add(event)
+    order = [*RELEASE_REASONS, *sorted(set(by_reason) - set(RELEASE_REASONS) - {NO_REASON})]
+    by_reason = {r: by_reason[r] for r in [*order, NO_REASON] if r in by_reason}
 
     read_errors: dict[str, str] = {}
     for error in trace.errors:
@@ -257,6 +288,10 @@ def summarize(trace: Trace) -> Summary:
         reloads=activity["reload"],
         prefetches=activity["prefetch"],
         releases=activity["release"],
+        releases_by_reason=by_reason,
+        bad_lines=list(trace.bad_lines),
+        bad_times=trace.bad_times,
+        dropped=dict(trace.dropped),
         marks=list(trace.marks),
         read_errors=read_errors,
         meta=trace.meta,

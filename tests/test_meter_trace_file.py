@@ -1,0 +1,201 @@
+"""What `stageload meter` does to the file at -o: an existing trace is not lost to a run
+that cannot start, and two runs never write one file. Real processes and files throughout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stageload.meter import MemoryMeter
+from stageload.meter.tracefile import TraceBusyError, TraceWriter, read_records
+from stageload.report.trace import read_trace
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+OLD = '{"type":"start","version":1,"monotonic":1.0,"pid":1,"meta":{"label":"old"}}\n'
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, env.get("PYTHONPATH")]))
+    return env
+
+
+def _meter(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stageload", "meter", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(),
+    )
+
+
+def test_a_command_that_cannot_start_leaves_an_existing_trace_whole(tmp_path: Path) -> None:
+    path = tmp_path / "existing.jsonl"
+    path.write_text(OLD)
+    result = _meter("-o", str(path), "--", str(tmp_path / "nonexistent"))
+    assert result.returncode == 127, result.stderr
+    assert "cannot run" in result.stderr and "Traceback" not in result.stderr
+    assert path.read_text() == OLD
+
+
+def test_a_command_that_cannot_start_leaves_no_new_file(tmp_path: Path) -> None:
+    path = tmp_path / "new.jsonl"
+    assert _meter("-o", str(path), "--", str(tmp_path / "nonexistent")).returncode == 127
+    assert not path.exists()
+
+
+def test_a_run_that_starts_replaces_the_older_trace(tmp_path: Path) -> None:
+    path = tmp_path / "existing.jsonl"
+    path.write_text(OLD * 3)
+    result = _meter("-o", str(path), "--label", "new", "--", "true")
+    assert result.returncode == 0, result.stderr
+    records = read_records(path)
+    assert [r["type"] for r in records].count("start") == 1
+    assert records[0]["meta"] == {"label": "new"} and records[-1]["type"] == "end"
+
+
+def test_a_second_meter_on_the_same_trace_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    # The first run's command appends an event of its own (stageload.core.outer) while the
+    # first meter holds the lock: such appenders are part of the run, not a second writer.
+    child = (
+        "import time\n"
+        "from stageload.core.events import Event\n"
+        "from stageload.core.outer import emit_outer\n"
+        "time.sleep(1.0)\n"
+        "emit_outer(Event('note', note='from the command'))\n"
+        "time.sleep(1.5)\n"
+    )
+    first = subprocess.Popen(
+        [sys.executable, "-m", "stageload", "meter", "-o", str(path), "--label", "first",
+         "--", sys.executable, "-c", child],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (path.exists() and path.read_text().endswith("\n")):
+            assert time.monotonic() < deadline, "the first meter wrote no start record"
+            time.sleep(0.05)
+        second = _meter("-o", str(path), "--label", "second", "--", "true")
+        assert second.returncode == 2
+        assert "-o" in second.stderr and "another run" in second.stderr
+        assert "Traceback" not in second.stderr
+        _, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0, err
+    records = read_records(path)
+    assert [r["type"] for r in records].count("start") == 1
+    assert records[0]["meta"] == {"label": "first"} and records[-1]["type"] == "end"
+    trace = read_trace(path)
+    assert [e.note for e in trace.events if e.kind == "note"] == ["from the command"]
+    assert trace.skipped_lines == 0
+
+
+def test_writer_lock_refuses_a_second_writer_and_lets_appenders_in(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(OLD)
+    first = TraceWriter(path)
+    assert path.read_text() == OLD  # kept until the first record
+    with pytest.raises(TraceBusyError, match="another run"):
+        TraceWriter(path)
+    # The refused writer emptied nothing either.
+    assert path.read_text() == OLD
+    first.start(pid=os.getpid())
+    with TraceWriter(path, append=True, monotonic0=first.monotonic0) as appender:
+        appender.mark("appended")
+    first.close()
+    assert [r["type"] for r in read_records(path)] == ["start", "mark"]
+    with TraceWriter(path) as again:  # the lock went with the first writer
+        again.mark("next run")
+    assert [json.loads(line)["label"] for line in path.read_text().splitlines()] == ["next run"]
+
+
+def test_discard_keeps_an_older_file_and_removes_a_created_one(tmp_path: Path) -> None:
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+    old.write_text(OLD)
+    TraceWriter(old).discard()
+    TraceWriter(new).discard()
+    assert old.read_text() == OLD and not new.exists()
+
+
+@pytest.mark.parametrize("value", ["0.000000001", "0.005", "99999999999", "2h"])
+def test_an_interval_out_of_range_is_a_usage_error(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "t.jsonl"
+    result = _meter("-o", str(path), "--interval", value, "--", "true")
+    assert result.returncode == 2
+    assert "--interval" in result.stderr and "from 0.01 s (10 ms) to 3600 s" in result.stderr
+    assert "Traceback" not in result.stderr and not path.exists()
+
+
+@pytest.mark.parametrize("value", [1e-9, float("inf"), float("nan"), 1e11])
+def test_memory_meter_refuses_an_interval_out_of_range(tmp_path: Path, value: float) -> None:
+    with pytest.raises(ValueError, match=r"interval must be from 0.01 s \(10 ms\)"):
+        MemoryMeter(tmp_path / "t.jsonl", interval=value)
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_the_sampler_process_refuses_an_interval_out_of_range(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "stageload.meter", "--path", str(tmp_path / "t.jsonl"),
+         "--watch", str(os.getpid()), "--interval", "inf", "--no-detach"],
+        capture_output=True, text=True, timeout=60, env=_env(),
+    )  # fmt: skip
+    assert result.returncode == 2 and "--interval" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_shortest_interval_stops_promptly(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    began = time.monotonic()
+    result = _meter("-o", str(path), "--interval", "10ms", "--", "sleep", "0.5")
+    took = time.monotonic() - began
+    assert result.returncode == 0, result.stderr
+    # The sampler answers "stop" at once; a hang would wait out the 10 s stop timeout.
+    assert took < 8, f"took {took:.1f} s"
+    errors = [r for r in read_records(path) if r["type"] == "error"]
+    assert not [e for e in errors if e["field"] == "sampler"], errors
+    assert sum(r["type"] == "sample" for r in read_records(path)) >= 5
+
+
+def test_a_file_name_too_long_is_a_usage_error_naming_the_flag(tmp_path: Path) -> None:
+    name = "a" * 300 + ".jsonl"
+    result = _meter("-o", str(tmp_path / name), "--", "true")
+    assert result.returncode == 2
+    assert result.stderr.startswith("stageload meter: error: -o '")
+    assert "file name is too long" in result.stderr and "give a shorter one" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("sampler", ["process", "thread"])
+def test_a_command_over_at_once_still_gets_total_and_available(
+    tmp_path: Path, sampler: str
+) -> None:
+    # On cgroup v1 a process that is exiting shows no cgroup: 'meter -- true' wrote total
+    # and available as null in 10 of 10 runs. The meter's own cgroup stands in, and the
+    # start record's sources say so.
+    for run in range(5):
+        path = tmp_path / f"t{run}.jsonl"
+        result = _meter("--sampler", sampler, "-o", str(path), "--", "true")
+        assert result.returncode == 0, result.stderr
+        records = read_records(path)
+        start = records[0]
+        assert isinstance(start["total"], int) and start["total"] > 0, start
+        assert "total" in start["sources"] and "available" in start["sources"]
+        if "not process" in start["sources"]["total"]:
+            assert f"not process {start['pid']}" in start["sources"]["available"]
+        samples = [r for r in records if r["type"] == "sample"]
+        assert samples and all(s["available"] is not None for s in samples), samples
+        assert not [r for r in records if r["type"] == "error" and r["field"] == "available"]
