@@ -199,3 +199,32 @@ def test_a_command_over_at_once_still_gets_total_and_available(
         samples = [r for r in records if r["type"] == "sample"]
         assert samples and all(s["available"] is not None for s in samples), samples
         assert not [r for r in records if r["type"] == "error" and r["field"] == "available"]
+
+
+def test_a_guarded_command_that_cannot_start_leaves_an_existing_trace_whole(
+    tmp_path: Path,
+) -> None:
+    """The guard's --trace goes through the same writer: the same guarantee."""
+    path = tmp_path / "existing.jsonl"
+    path.write_text(OLD)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stageload",
+            "guard",
+            "--trace",
+            str(path),
+            "--wait-free",
+            "0",
+            "--",
+            str(tmp_path / "nonexistent"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
+    assert result.returncode == 127, result.stderr
+    assert "Traceback" not in result.stderr
+    assert path.read_text() == OLD

@@ -385,10 +385,10 @@ class Guard:
                     started = result.outcome != "cannot_start"
         finally:
             if self._trace is not None:
-                self._trace.close()
-                if not started:  # nothing ran: no trace, rather than an empty file
-                    with contextlib.suppress(OSError):
-                        self._trace.path.unlink()
+                if started:
+                    self._trace.close()
+                else:  # nothing ran: a trace that was there before stays as it was
+                    self._trace.discard()
         self.status.line(result.summary())
         return result
 
