@@ -37,7 +37,10 @@ def duration(text: str) -> float:
 def interval(text: str) -> float:
     """A MemoryMeter's sampling interval: a duration within ``stageload.meter``'s
     ``MIN_INTERVAL`` to ``MAX_INTERVAL`` (10 ms to 1 hour)."""
-    seconds = duration(text)
+    try:
+        seconds = float(text)  # a plain number: the interval's own range says what is wrong
+    except ValueError:
+        seconds = duration(text)
     if seconds <= 0:
         raise argparse.ArgumentTypeError(
             f"interval must be more than 0 seconds, got {text!r}; e.g. '0.5' or '100ms'"

@@ -37,6 +37,8 @@ _STOP_TIMEOUT = 10.0
 
 
 def _interval(value: float | str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return check_interval(float(value))  # the interval's own range, before parse limits
     return check_interval(parse_duration(value))
 
 
