@@ -57,6 +57,27 @@ def test_every_conversion_goes_through_one_method(convert: Any) -> None:
     assert module.calls == [_external.CONVERT_METHOD]
 
 
+def test_the_version_counter_counts_in_place_changes_but_not_through_data() -> None:
+    """The placeholder's change detection relies on both halves: the counter catches
+    in-place changes, and a sampled fingerprint catches those made through ``.data``."""
+    p = nn.Parameter(torch.ones(4))
+    start = _external.tensor_version(p)
+    with torch.no_grad():
+        p.mul_(2)
+    assert _external.tensor_version(p) == start + 1
+    p.data.mul_(2)
+    assert _external.tensor_version(p) == start + 1
+
+
+def test_swap_tensors_keeps_the_objects_and_swaps_their_contents() -> None:
+    """Releases and refills rely on it: a module keeps its tensor objects for life."""
+    module = nn.Linear(2, 2)
+    weight = module.weight
+    meta = nn.Parameter(torch.empty_like(weight, device="meta"))
+    torch.utils.swap_tensors(weight, meta)
+    assert module.weight is weight and weight.is_meta and not meta.is_meta
+
+
 def test_load_state_dict_assign_takes_the_tensors_themselves() -> None:
     """``fill`` relies on it: the placeholder ends up holding the loaded tensors, tied
     ones staying one tensor."""

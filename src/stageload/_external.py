@@ -43,6 +43,13 @@ def non_persistent_buffers(module: nn.Module) -> set[str]:
 CONVERT_METHOD = "_apply"
 
 
+def tensor_version(tensor: Any) -> int:
+    """How many in-place changes ``tensor`` has seen: torch's private version counter, the
+    one autograd checks. Changes through ``tensor.data`` are not counted (that view has a
+    counter of its own), nor a new ``tensor.data = ...``."""
+    return int(tensor._version)
+
+
 def transformers_from_config(cls: type, config: Any) -> nn.Module:
     """A transformers model built from ``config`` with no weights read: ``_from_config`` is
     the constructor ``from_pretrained`` itself uses (it applies the config's dtype and

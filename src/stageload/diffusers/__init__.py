@@ -13,17 +13,19 @@ the core of stageload never imports this package.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
+import warnings
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.events import NOTE, Event, EventSink
-from ..core.outer import emit_outer
 from ..core.policy import parse_budget
 from ..core.staged import StagedModels
+from ..hooks.registry import patch
 from ..hooks.release import ReleasedModuleError, release
 from ..load.refill import Recipe, learn, reload
 from . import _placeholder
@@ -37,7 +39,7 @@ from ._args import (
     check_keep,
     checkpoint_of,
 )
-from ._placeholder import StageHook, StagingRemovedError
+from ._placeholder import StagedChangeError, StageHook, StagingRemovedError
 from ._plan import (
     check_fits,
     choose_plan,
@@ -51,7 +53,13 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["StagedPipeline", "StagingRemovedError", "default_plan", "staged_pipeline"]
+__all__ = [
+    "StagedChangeError",
+    "StagedPipeline",
+    "StagingRemovedError",
+    "default_plan",
+    "staged_pipeline",
+]
 
 
 class StagedPipeline:
@@ -100,11 +108,13 @@ class StagedPipeline:
         self._lock = threading.RLock()
         # How each component refills from its files, learned at its first load.
         self._recipes: dict[str, Recipe] = {}
+        # Which tensors each component's checkpoint holds, and which the user changed.
+        self._tracked = {name: _placeholder.Tracked(s) for name, s in self._skeletons.items()}
         self._used: set[str] = set()  # components used at least once, for adaptive plans
         self._bridges: set[tuple[str, str]] = set()  # (stage, name): kept there, not run
         self._closed_at: tuple[str | None] | None = None
+        self._gone: set[str] = set()  # components the user replaced on the pipeline
         self._pipeline: weakref.ref[Any] | None = None
-        self._events = events
         self.models = StagedModels(
             {name: self._loader(name) for name in self._skeletons},
             stages=self.plan,
@@ -145,16 +155,29 @@ class StagedPipeline:
 
     def _fill(self, name: str, skeleton: nn.Module) -> None:
         target = self._targets[name]
+        tracked = self._tracked[name]
+        _placeholder.check_merges(name, skeleton)
         recipe = self._recipes.get(name)
         if recipe is not None:  # refill in place from the files, as the first load was
-            reload(skeleton, recipe, target["device"], target["dtype"], _placeholder.real_to)
+            fresh = tracked.empty(skeleton)
+            reload(
+                skeleton,
+                recipe,
+                target["device"],
+                target["dtype"],
+                _placeholder.real_to,
+                names=tracked.names(skeleton),
+            )
+            tracked.filled(skeleton, fresh)
+            _placeholder.check_added(name, skeleton, tracked)
             return
         loaded = _load_component(
             self._classes[name], self.path / name, self.torch_dtype, self._model_kwargs
         )
         if target["device"].type != "cpu" or target["dtype"] is not None:
             loaded = loaded.to(device=target["device"], dtype=target["dtype"])
-        _placeholder.fill(skeleton, loaded)
+        _placeholder.fill(skeleton, loaded, tracked)
+        _placeholder.check_added(name, skeleton, tracked)
         self._learn(name, skeleton)
 
     def _learn(self, name: str, skeleton: nn.Module) -> None:
@@ -166,11 +189,12 @@ class StagedPipeline:
         elif isinstance(files, str):
             learned = files
         else:
-            learned = learn(skeleton, files)
+            names = self._tracked[name].names(skeleton, unchanged=True)
+            learned = learn(skeleton, files, names=names)
         if not isinstance(learned, str):
             self._recipes[name] = learned
-        elif self._events is not None:
-            self._events.emit(
+        else:
+            self.emit(
                 Event(NOTE, model=name, note=f"{name} reloads with from_pretrained: {learned}")
             )
 
@@ -181,6 +205,7 @@ class StagedPipeline:
         order that does, wrapping around, so a second call of the pipeline starts again at
         ``encode`` and a negative-prompt pass re-enters the stage it needs.
         """
+        self._check_replaced()
         if self.adaptive and self._closed_at is None:
             with self._lock:
                 self._adapt(name)
@@ -196,6 +221,23 @@ class StagedPipeline:
             target = self._next_stage(name)
             if target is not None and target != self.models.stage:
                 self.models.enter(target)
+            self.models[name]
+
+    def load(self, *names: str) -> None:
+        """Load the named components now, in the current stage, without changing stage.
+
+        For changes that read a component's weights while it is not loaded:
+        ``fuse_lora``, ``load_textual_inversion``, ``fuse_qkv_projections``, editing a
+        weight in place. Load first, then change; the change is kept across every later
+        release and reload (docs/diffusers.md, "LoRA and other changes").
+        """
+        unknown = [n for n in names if n not in self._skeletons]
+        if unknown:
+            raise ValueError(
+                f"load() takes staged component names; {unknown!r} is not one "
+                f"(staged: {', '.join(self._skeletons)})"
+            )
+        for name in names:
             self.models[name]
 
     def map(self, calls: Iterable[Mapping[str, Any]], *, return_exceptions: bool = False) -> list:
@@ -253,6 +295,69 @@ class StagedPipeline:
             if name in self.plan[stage] and (stage, name) not in self._bridges:
                 return stage
         return None
+
+    def save(self, name: str, save: Callable[[], Any]) -> Any:
+        """Run ``save()`` (the component's own ``save_pretrained``) with ``name`` loaded:
+        loaded now if it is not, and released again afterwards, so saving a staged pipeline
+        holds one component at a time and leaves loaded only what was loaded before."""
+        was_loaded = self.models.is_loaded(name)
+        self.models[name]
+        try:
+            return save()
+        finally:
+            if not was_loaded and self._closed_at is None:
+                self.models.evict(name)
+
+    def _check_replaced(self) -> None:
+        """Stop staging a component the user replaced on the pipeline (``pipe.vae = ...``).
+
+        The new module is the user's: it stays as it is, in memory, and is used as given; a
+        ``note`` event and a warning say so once, and the plan no longer lists the name.
+        """
+        pipe = self._pipeline() if self._pipeline is not None else None
+        if pipe is None or self._closed_at is not None:
+            return
+        replaced = [
+            n
+            for n, sk in self._skeletons.items()
+            if n not in self._gone and getattr(pipe, n, None) is not sk
+        ]
+        for name in replaced:
+            self._gone.add(name)
+            new = getattr(pipe, name, None)
+            what = "None" if new is None else f"a {type(new).__qualname__}"
+            note = (
+                f"{name} was replaced after staging with {what}: it is no longer staged; the "
+                f"new module stays in memory as given. To stage it, build the pipeline with "
+                f"staged_pipeline(..., {name}=...) left out and its checkpoint in the folder"
+            )
+            warnings.warn(note, stacklevel=4)
+            self.emit(Event(NOTE, model=name, note=note))
+            with self._lock:
+                if self.models.is_loaded(name):
+                    self.models.evict(name)
+                plan = {
+                    stage: tuple(n for n in names if n != name)
+                    for stage, names in self.plan.items()
+                }
+                self.plan = plan
+                self.models.replan(plan)
+
+    def _save_through(self, name: str, skeleton: nn.Module) -> None:
+        """The placeholder's ``save_pretrained`` saves the loaded component (see :meth:`save`)."""
+
+        def wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(inner)
+            def save_pretrained(*args: Any, **kwargs: Any) -> Any:
+                return self.save(name, lambda: inner(*args, **kwargs))
+
+            return save_pretrained
+
+        patch(skeleton, "save_pretrained", wrap)
+
+    def emit(self, event: Event) -> None:
+        """Send one of the adapter's own events where the registry's go."""
+        self.models.emit(event)
 
     def close(self) -> None:
         """Release every component; using one afterwards raises ReleasedModuleError."""
@@ -387,16 +492,21 @@ def staged_pipeline(
         adaptive=stages is None,
     )
     for name, skeleton in skeletons.items():
-        _placeholder.attach(
-            skeleton, StageHook(name, _user(state, name), _mover(state, name), device)
+        state._save_through(name, skeleton)
+        hook = StageHook(
+            name,
+            _user(state, name),
+            _mover(state, name),
+            device,
+            state._tracked[name],
+            functools.partial(state.models.__getitem__, name),
         )
+        _placeholder.attach(skeleton, hook)
     pipe.stageload = state
     state._pipeline = weakref.ref(pipe)  # for map(); the pipeline owns its stager
     summary = "; ".join(f"{s}: {', '.join(n)}" for s, n in state.plan.items())
     note = Event(NOTE, note=f"staged {pipeline_cls.__name__}: {summary}")
-    if events is not None:
-        events.emit(note)
-    emit_outer(note)  # under `stageload meter`, the plan goes into its trace too
+    state.emit(note)  # to the sink and, under `stageload meter`, its trace
     return pipe
 
 

@@ -33,13 +33,14 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._external import (
     HF_HOOK_ATTR,
     keep_in_fp32_modules,
-    non_persistent_buffers,
+    tensor_version,
     transformers_from_config,
     version_at_least,
 )
@@ -71,6 +72,10 @@ class StagingRemovedError(StageloadError, RuntimeError):
         )
 
 
+class StagedChangeError(StageloadError, RuntimeError):
+    """A change to a staged component that cannot be kept; the message says the way out."""
+
+
 class StageHook(ModuleHook):
     """A staged component's hook: in the registry of each of its submodules, and at
     ``_hf_hook`` on the placeholder itself, where diffusers reads accelerate's hook
@@ -88,10 +93,14 @@ class StageHook(ModuleHook):
         use: Callable[[], None],
         move: Callable[[torch.device | None, torch.dtype | None], None],
         device: torch.device,
+        tracked: Tracked,
+        load: Callable[[], None],
     ) -> None:
         self.name = name
         self.use = use
+        self.load = load
         self.move = move
+        self.tracked = tracked
         self.execution_device = device
         self._local = threading.local()
 
@@ -113,6 +122,28 @@ class StageHook(ModuleHook):
     def revive(self, module: nn.Module) -> bool:
         self.use()
         return True
+
+    def retain(self, module: nn.Module) -> list[torch.Tensor]:
+        return self.tracked.retain(module)
+
+    def before_state_dict(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        """``load_state_dict`` into the component (peft's LoRA loading does): the change
+        needs the weights, so load them now, in the current stage, and give the tensors
+        added since (a LoRA's, created on ``meta`` beside the empty weights) memory to be
+        copied into. torch's own ``load_state_dict`` pre-hook calls this."""
+        import torch
+
+        if self.passthrough:
+            return
+        self.tracked.receiving = True  # the state dict gives the added tensors their values
+        try:
+            self.load()
+        finally:
+            self.tracked.receiving = False
+        for _, t in named_tensors(module):
+            if t.is_meta:
+                empty = torch.empty_like(t, device=self.execution_device)
+                torch.utils.swap_tensors(t, _like(t, empty))
 
     # -- accelerate's, as diffusers reads it ------------------------------------------------
     def init_hook(self, module: nn.Module) -> nn.Module:
@@ -314,17 +345,138 @@ def attach(skeleton: nn.Module, hook: StageHook) -> None:
     for sub in skeleton.modules():
         HookRegistry.attach(sub).add(STAGE, hook)
     setattr(skeleton, HF_HOOK_ATTR, hook)
+    skeleton.register_load_state_dict_pre_hook(hook.before_state_dict)
+
+
+# -- what the checkpoint holds, and what a user changed -----------------------------------------
+#: Elements sampled per tensor for the fingerprint that catches changes made through
+#: ``tensor.data`` (which torch's version counter does not see).
+SAMPLES = 1024
+
+
+def named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``module`` under every name it has."""
+    return [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
+
+
+@dataclass
+class _Mark:
+    """A tensor as it was filled from the checkpoint."""
+
+    ptr: int
+    version: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sample: torch.Tensor | None
+
+
+class Tracked:
+    """Which tensors of a placeholder its checkpoint holds, and which a user has changed.
+
+    A staged component stays what the user made it (issue: LoRA silently dropped): adapter
+    weights, new embedding rows, replaced submodules and weights changed in place are not
+    in the checkpoint, so a release leaves them in memory (:meth:`retain`) and a load fills
+    only the rest. The placeholder's tensor objects live as long as it does (releases and
+    loads swap their contents), so the tensor that was ``to_q.weight`` when the placeholder
+    was built is found again after peft moved it to ``to_q.base_layer.weight``.
+
+    A checkpoint tensor counts as changed once its object, address, shape, dtype or
+    version counter differs from when it was filled, or a sample of its elements does
+    (``.data`` changes, which the counter does not see; a change to fewer than one element
+    in ``SAMPLES`` made through ``.data`` can go unseen).
+    """
+
+    def __init__(self, skeleton: nn.Module) -> None:
+        # Keyed by id, holding the tensor so the id cannot be reused.
+        self._origin = {id(t): (t, name) for name, t in named_tensors(skeleton)}
+        self._marks: dict[int, _Mark] = {}
+        self.receiving = False  # a load_state_dict is about to fill what was added
+
+    def names(self, module: nn.Module, *, unchanged: bool = False) -> dict[str, str]:
+        """Name in ``module`` -> checkpoint key, for its checkpoint tensors (only those
+        unchanged since filled, with ``unchanged``)."""
+        out: dict[str, str] = {}
+        for name, t in named_tensors(module):
+            hit = self._origin.get(id(t))
+            if hit is not None and hit[0] is t and not (unchanged and self.changed(t)):
+                out[name] = hit[1]
+        return out
+
+    def changed(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (in memory) differs from what its last fill gave it."""
+        if t.is_meta:
+            return False
+        mark = self._marks.get(id(t))
+        if mark is None:
+            return True
+        return (
+            mark.ptr != t.data_ptr()
+            or mark.version != tensor_version(t)
+            or mark.shape != tuple(t.shape)
+            or mark.dtype != t.dtype
+            or not _same_sample(mark.sample, t)
+        )
+
+    def origins(self) -> dict[int, tuple[torch.Tensor, str]]:
+        return self._origin
+
+    def added_empty(self, module: nn.Module) -> list[str]:
+        """Names of tensors added to ``module`` while it was empty that still have no values
+        (peft's ``add_adapter`` on an unloaded component creates them on meta)."""
+        return [n for n, t in named_tensors(module) if t.is_meta and id(t) not in self._origin]
+
+    def empty(self, module: nn.Module) -> set[int]:
+        """The ids of ``module``'s empty tensors: what a fill is about to fill."""
+        return {id(t) for _, t in named_tensors(module) if t.is_meta}
+
+    def filled(self, module: nn.Module, fresh: set[int]) -> None:
+        """Record the tensors ``fresh`` (ids) as a fill from the checkpoint just left them."""
+        for _, t in named_tensors(module):
+            if id(t) in fresh and id(t) in self._origin and not t.is_meta:
+                self._marks[id(t)] = _Mark(
+                    t.data_ptr(), tensor_version(t), tuple(t.shape), t.dtype, _sample(t)
+                )
+
+    def retain(self, module: nn.Module) -> list[torch.Tensor]:
+        """The tensors a release must leave in memory: those the checkpoint cannot give back."""
+        kept: dict[int, torch.Tensor] = {}
+        for _, t in named_tensors(module):
+            if t.is_meta or id(t) in kept:
+                continue
+            hit = self._origin.get(id(t))
+            if hit is None or hit[0] is not t or self.changed(t):
+                kept[id(t)] = t
+        return list(kept.values())
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor | None:
+    if not t.is_contiguous():
+        return None
+    flat = t.detach().reshape(-1)
+    return flat[:: flat.numel() // SAMPLES + 1].clone()  # a stride that drifts across rows
+
+
+def _same_sample(sample: torch.Tensor | None, t: torch.Tensor) -> bool:
+    import torch
+
+    now = _sample(t)
+    if sample is None or now is None:
+        return sample is None and now is None
+    return now.shape == sample.shape and bool(torch.equal(now, sample))
 
 
 # -- filling -------------------------------------------------------------------------------------
-def fill(skeleton: nn.Module, loaded: nn.Module) -> nn.Module:
-    """Give ``skeleton`` the tensors of ``loaded`` (a ``from_pretrained`` model of the same
-    class), keeping every module object of the skeleton and the hooks on them. Returns
-    ``skeleton``; ``loaded`` is spent.
+def fill(skeleton: nn.Module, loaded: nn.Module, tracked: Tracked) -> nn.Module:
+    """Give the empty tensors of ``skeleton`` the contents of ``loaded`` (a
+    ``from_pretrained`` model of the same class), keeping every module and tensor object
+    of the skeleton, the hooks on them, and what the user added or changed (``tracked``).
+    Returns ``skeleton``; ``loaded`` is spent.
 
-    Public torch only: ``load_state_dict(assign=True)`` takes the loaded tensors themselves
-    (their dtypes, devices and memory), tied ones staying tied; the non-persistent buffers
-    that ``__init__`` computes come over one by one.
+    Each empty tensor takes the loaded tensor of its checkpoint key itself (its dtype,
+    device and memory: ``torch.utils.swap_tensors``), tied ones staying tied.
     """
     import torch
 
@@ -334,21 +486,73 @@ def fill(skeleton: nn.Module, loaded: nn.Module) -> nn.Module:
             f"loaded a {type(loaded).__qualname__} for a {base.__qualname__} placeholder; the "
             f"checkpoint's class changed since the pipeline was built"
         )
-    state = loaded.state_dict(keep_vars=True)
+    sources = dict(named_tensors(loaded))
+    keys = tracked.names(skeleton)
+    fresh = tracked.empty(skeleton)
+    taken: dict[int, torch.Tensor] = {}  # loaded tensor id -> the skeleton tensor it went to
     with passthrough(skeleton), torch.no_grad():
-        result = skeleton.load_state_dict(state, strict=False, assign=True)
-        if result.missing_keys or result.unexpected_keys:
-            raise TypeError(
-                f"the loaded {base.__qualname__} does not fit its placeholder "
-                f"(missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}); "
-                f"the checkpoint's config changed since the pipeline was built"
-            )
-        loaded_subs = dict(loaded.named_modules(remove_duplicate=False))
-        for prefix, sub in skeleton.named_modules(remove_duplicate=False):
-            source = loaded_subs.get(prefix)
+        for name, t in named_tensors(skeleton):
+            if not t.is_meta:
+                continue  # filled under another name (tied), or the user's: stays
+            if id(t) not in tracked.origins():
+                continue  # added while empty: see added_empty below
+            source = sources.get(keys.get(name, ""))
             if source is None:
+                raise TypeError(
+                    f"the loaded {base.__qualname__} has no tensor for {name!r} of its "
+                    f"placeholder; the checkpoint's config changed since the pipeline was built"
+                )
+            if id(source) in taken:  # tied in the loaded model, not in the placeholder:
+                # a second tensor on the same memory, as tied as two objects can be
+                torch.utils.swap_tensors(t, _like(t, taken[id(source)].detach()))
                 continue
-            for key in non_persistent_buffers(source):
-                setattr(sub, key, getattr(source, key))
+            taken[id(source)] = t
+            torch.utils.swap_tensors(t, _like(t, source))
+        for sub in skeleton.modules():
             unmark_released(sub)  # live again
+    tracked.filled(skeleton, fresh)
     return skeleton
+
+
+def check_added(name: str, skeleton: nn.Module, tracked: Tracked) -> None:
+    """After a fill: refuse tensors added to the component while it was not loaded that
+    still have no values (nothing gives a tensor made on ``meta`` its values)."""
+    added = tracked.added_empty(skeleton)
+    if added and not tracked.receiving:
+        shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+        raise StagedChangeError(
+            f"{len(added)} tensors were added to {name!r} while it was not loaded ({shown}), "
+            f"so they never got values. Load the component first, then add them: "
+            f"pipe.stageload.load({name!r})"
+        )
+
+
+def check_merges(name: str, skeleton: nn.Module) -> None:
+    """Refuse to fill a component into which an adapter was merged while it was empty.
+
+    peft's ``merge`` (``fuse_lora``) adds each adapter's delta to the base weight in
+    place. On an unloaded component that weight is on ``meta``: the sum goes nowhere, the
+    layer still counts as merged, and a fill from the checkpoint would silently give the
+    base model. peft layers say what they merged in ``merged_adapters``.
+    """
+    for sub_name, sub in skeleton.named_modules():
+        base = getattr(sub, "base_layer", None)
+        weight = getattr(base, "weight", None)
+        if getattr(sub, "merged_adapters", None) and getattr(weight, "is_meta", False):
+            raise StagedChangeError(
+                f"adapters {list(sub.merged_adapters)} were fused into {name}.{sub_name} while "
+                f"{name!r} was not loaded, so the fused weights were never computed; unfuse "
+                f"(pipe.unfuse_lora()), load the component first "
+                f"(pipe.stageload.load({name!r})), then fuse again"
+            )
+
+
+def _like(t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``source`` as the same kind of tensor as ``t`` (a Parameter for a Parameter)."""
+    from torch import nn
+
+    if isinstance(t, nn.Parameter) and not isinstance(source, nn.Parameter):
+        return nn.Parameter(source, requires_grad=t.requires_grad)
+    if not isinstance(t, nn.Parameter) and isinstance(source, nn.Parameter):
+        return source.detach()
+    return source

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 #: The one attribute the protocol sets on a module (besides ``forward``, while hooked).
@@ -47,7 +48,9 @@ class ModuleHook:
     ``post_call`` runs after it and returns the output (possibly replaced). ``revive`` is
     asked when a module released by :func:`stageload.release` is called: return True once
     its weights are back (a staged placeholder loads its component), False to let the call
-    raise :class:`~stageload.ReleasedModuleError`.
+    raise :class:`~stageload.ReleasedModuleError`. ``retain`` is asked when the module is
+    released as a whole: the tensors to leave in memory (a user's changes to a staged
+    component, which its checkpoint cannot give back).
     """
 
     def pre_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -58,6 +61,9 @@ class ModuleHook:
 
     def revive(self, module: nn.Module) -> bool:
         return False
+
+    def retain(self, module: nn.Module) -> Iterable[torch.Tensor]:
+        return ()
 
 
 class HookRegistry:

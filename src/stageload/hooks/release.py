@@ -130,11 +130,13 @@ def release(
 ) -> int:
     """Free ``module``'s weights in place and return the number of bytes freed.
 
-    Every parameter and buffer moves to ``meta``; the old storage is emptied, so the
-    memory comes back even while other code holds a reference to the module or to one
-    of its tensors. Storage shared with a module in ``keep`` (and submodules that belong
-    to one) is left alone. Afterwards, calling the module or any released submodule
-    raises :class:`ReleasedModuleError` naming ``name`` and ``stage``.
+    Every parameter and buffer moves to ``meta``: the module's tensor objects stay (they
+    become meta tensors), and their old storage is emptied, so the memory comes back even
+    while other code holds a view of it. Storage shared with a module in ``keep`` (and
+    submodules that belong to one) is left alone, and so are the tensors the module's own
+    hooks retain (:meth:`~stageload.hooks.registry.ModuleHook.retain`: a user's changes to
+    a staged component). Afterwards, calling the module or any released submodule raises
+    :class:`ReleasedModuleError` naming ``name`` and ``stage``, unless a hook revives it.
     """
     import torch
     from torch import nn
@@ -150,6 +152,10 @@ def release(
             if not t.is_meta:
                 kept_storage.add(_storage_key(t))
 
+    registry = HookRegistry.of(module)
+    retained = {
+        id(t) for hook in (registry.hooks() if registry else ()) for t in hook.retain(module)
+    }
     freed: dict[tuple[str, int], int] = {}
     replaced: dict[int, torch.Tensor] = {}  # old tensor id -> meta twin, keeps tied weights tied
     devices: set[str] = set()
@@ -162,26 +168,43 @@ def release(
                 *sub.named_buffers(recurse=False, remove_duplicate=False),
             ]
             for key, t in named:
-                if t.is_meta:
+                if t.is_meta or id(t) in retained:
                     continue
                 skey = _storage_key(t)
                 if skey in kept_storage:
                     continue
-                twin = replaced.get(id(t))
-                if twin is None:
-                    twin = _meta_twin(t)
-                    replaced[id(t)] = twin
-                # nn.Module.__setattr__ puts a Parameter into the parameters and a tensor
-                # under a buffer's name into the buffers, keeping its persistence.
-                setattr(sub, key, twin)
+                if id(t) in replaced:  # a tied weight already done under another name
+                    if replaced[id(t)] is not t:
+                        setattr(sub, key, replaced[id(t)])
+                    continue
+                size, device = t.untyped_storage().nbytes(), t.device.type
+                replaced[id(t)], old = _to_meta(sub, key, t)
                 if skey not in freed:
-                    freed[skey] = t.untyped_storage().nbytes()
-                    devices.add(t.device.type)
-                    _empty_storage(t)
+                    freed[skey] = size
+                    devices.add(device)
+                    _empty_storage(old)
             HookRegistry.attach(sub).add(RELEASED, ReleasedHook(name, stage, module))
     replaced.clear()
     return_memory_to_os(devices, collect=False)
     return sum(freed.values())
+
+
+def _to_meta(sub: nn.Module, key: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make ``sub.key`` (the tensor ``t``) a meta tensor. Returns (the meta tensor now at
+    ``sub.key``, a tensor holding the old storage, to be emptied). The object ``t`` itself
+    becomes the meta tensor where torch allows (``swap_tensors``), so an adapter can track
+    a tensor by identity for the module's life; else a meta twin takes its place."""
+    import torch
+
+    twin = _meta_twin(t)
+    try:
+        torch.utils.swap_tensors(t, twin)
+        return t, twin  # twin now holds the old storage
+    except RuntimeError:  # held elsewhere (a weakref, a view)
+        # nn.Module.__setattr__ puts a Parameter into the parameters and a tensor under a
+        # buffer's name into the buffers, keeping its persistence.
+        setattr(sub, key, twin)
+        return twin, t
 
 
 def _meta_twin(t: torch.Tensor) -> torch.Tensor:

@@ -14,13 +14,13 @@ reads the files straight into it. Otherwise the adapter keeps its loader and say
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import DTYPES, read_entries
-from .weights import _load, _match, _targets
+from .weights import _load, _match, _targets, put
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +34,8 @@ class Recipe:
     """What :func:`reload` needs, learned from the reference load."""
 
     files: list[Path]
-    dtypes: dict[str, torch.dtype]  # first name of each tensor -> its dtype after loading
+    # Keyed by checkpoint key (a computed buffer: its first name in the module then).
+    dtypes: dict[str, torch.dtype]  # each tensor's dtype after loading
     computed: dict[str, torch.Tensor]  # non-persistent buffers, on the CPU
     # Address mod 64 of each CPU tensor: from_pretrained leaves unconverted weights in the
     # file's mmap, and BLAS kernels (MKL's) may round differently for differently aligned
@@ -42,16 +43,24 @@ class Recipe:
     alignment: dict[str, int]
 
 
-def learn(module: nn.Module, files: list[Path]) -> Recipe | str:
+def learn(
+    module: nn.Module, files: list[Path], names: Mapping[str, str] | None = None
+) -> Recipe | str:
     """Check a freshly loaded ``module`` against ``files``.
 
     Returns the :class:`Recipe` that :func:`reload` refills it with later, or the reason
-    later loads cannot read the files directly. The caller keeps the recipe.
+    later loads cannot read the files directly. The caller keeps the recipe. ``names``, if
+    given, maps the name of every tensor that comes from the checkpoint to its key there
+    (peft renames ``to_q.weight`` to ``to_q.base_layer.weight``); tensors it leaves out (a
+    LoRA's) are the caller's to keep in memory.
     """
     try:
         entries = read_entries(files)
         targets = _targets(module)
-        plan = _match(targets, entries, files, strict=True)
+        if names is not None:
+            targets = [t for t in targets if not t.persistent or set(t.names) & names.keys()]
+        names = names or {}
+        plan = _match(targets, entries, files, True, names)
     except ValueError as exc:
         first = str(exc).splitlines()[1:3]
         return "its keys differ from the checkpoint's (renamed on load?): " + "; ".join(
@@ -63,14 +72,19 @@ def learn(module: nn.Module, files: list[Path]) -> Recipe | str:
             return f"{target.names[0]!r} differs from the file's (converted on load?)"
     if any(not t.persistent and t.tensor.is_meta for t in targets):
         return "it has computed buffers on meta"
-    dtypes = {t.names[0]: t.tensor.dtype for t in targets}
+    dtypes = {_key(t, names): t.tensor.dtype for t in targets}
     computed = {
-        t.names[0]: t.tensor.detach().to("cpu", copy=True) for t in targets if not t.persistent
+        _key(t, names): t.tensor.detach().to("cpu", copy=True) for t in targets if not t.persistent
     }
     alignment = {
-        t.names[0]: t.tensor.data_ptr() % 64 for t in targets if t.tensor.device.type == "cpu"
+        _key(t, names): t.tensor.data_ptr() % 64 for t in targets if t.tensor.device.type == "cpu"
     }
     return Recipe(list(files), dtypes, computed, alignment)
+
+
+def _key(target: Any, names: Mapping[str, str]) -> str:
+    """The checkpoint key of ``target`` (its first name, mapped)."""
+    return names.get(target.names[0], target.names[0])
 
 
 def reload(
@@ -79,27 +93,37 @@ def reload(
     device: torch.device,
     dtype: torch.dtype | None = None,
     real_to: Callable[..., Any] | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> None:
-    """Fill a released ``module`` in place as its first load did (``recipe`` from
-    :func:`learn`); ``dtype`` converts afterwards, as ``.to(dtype)`` did the first time."""
+    """Fill the released tensors of ``module`` in place as its first load did (``recipe``
+    from :func:`learn`; ``names`` as there); tensors still in memory stay. ``dtype``
+    converts afterwards, as ``.to(dtype)`` did the first time."""
     import torch
-    from torch import nn
 
+    names = names or {}
     with torch.no_grad():
         for target in _targets(module):
-            name = target.names[0]
+            name = _key(target, names)
             old = target.tensor
+            if not old.is_meta:
+                continue
             if name in recipe.computed:
                 new = recipe.computed[name].clone()
-            elif old.is_meta and old.dtype != recipe.dtypes.get(name, old.dtype):
+            elif old.dtype != recipe.dtypes.get(name, old.dtype):
                 new = torch.empty_like(old, dtype=recipe.dtypes[name], device="meta")
             else:
                 continue
-            if isinstance(old, nn.Parameter):
-                new = nn.Parameter(new, requires_grad=old.requires_grad)
-            for sub, key in target.places:
-                setattr(sub, key, new)
-    _load(module, recipe.files, device=device, alignment=recipe.alignment)
+            put(target, new)
+    _load(
+        module,
+        recipe.files,
+        device=device,
+        alignment=recipe.alignment,
+        names=names,
+        only_empty=True,
+        strict=True,
+        unused_ok=names is not None,  # a submodule the user replaced leaves its keys unused
+    )
     if dtype is not None:  # pipe.to(dtype): as the eager path, convert after loading
         (real_to or type(module).to)(module, dtype=dtype)
 

@@ -18,7 +18,7 @@ half filled.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -108,12 +108,20 @@ def _load(
     strict: bool = True,
     threads: int | None = None,
     alignment: dict[str, int] | None = None,
+    names: Mapping[str, str] | None = None,
+    only_empty: bool = False,
+    unused_ok: bool = False,
 ) -> int:
-    """:func:`load_weights`, plus ``alignment``: name -> address mod 64 for its CPU tensor.
+    """:func:`load_weights`, plus what adapters that refill a module need.
 
-    Adapters that must match another loader bit for bit use it: BLAS kernels (MKL's, for
-    one) may round differently for differently aligned inputs, and ``from_pretrained``
-    leaves unconverted weights where the file's mmap puts them.
+    ``alignment``: checkpoint key -> address mod 64 for its CPU tensor. Adapters that must
+    match another loader bit for bit use it: BLAS kernels (MKL's, for one) may round
+    differently for differently aligned inputs, and ``from_pretrained`` leaves unconverted
+    weights where the file's mmap puts them. ``names``: the tensors to fill (others
+    are left alone), each name -> its key in the checkpoint (peft moves ``to_q.weight``
+    to ``to_q.base_layer.weight``). ``only_empty``: fill only the tensors on ``meta``; the
+    others (a user's changes, kept in memory) stay as they are. ``unused_ok``: checkpoint
+    tensors the module no longer has (a submodule the user replaced) are not an error.
     """
     import torch
     from torch import nn
@@ -129,7 +137,14 @@ def _load(
     try:
         entries = read_entries(paths)
         targets = _targets(module)
-        plan = _match(targets, entries, paths, strict)
+        if names is not None:  # the others are the caller's own (a LoRA's): left alone
+            targets = [t for t in targets if not t.persistent or names.keys() & set(t.names)]
+        plan = _match(targets, entries, paths, strict, names, only_empty, unused_ok)
+        if names and alignment:  # _read_all looks alignment up by the module's names
+            alignment = {
+                **alignment,
+                **{n: alignment[k] for n, k in names.items() if k in alignment},
+            }
         with torch.no_grad():
             results, nbytes = _read_all(
                 plan, target_device, dtype, threads or _default_threads(), alignment or {}
@@ -202,17 +217,28 @@ def _targets(module: nn.Module) -> list[_Target]:
 
 
 def _match(
-    targets: list[_Target], entries: dict[str, Entry], paths: list[Path], strict: bool
+    targets: list[_Target],
+    entries: dict[str, Entry],
+    paths: list[Path],
+    strict: bool,
+    names: Mapping[str, str] | None = None,
+    only_empty: bool = False,
+    unused_ok: bool = False,
 ) -> list[tuple[_Target, Entry]]:
+    """Each target with the checkpoint entry it loads from (see :func:`_load` for ``names``
+    and ``only_empty``)."""
     plan: list[tuple[_Target, Entry]] = []
     used: set[str] = set()
     missing: list[str] = []
     mismatched: list[str] = []
+    names = names or {}
     for target in targets:
         if not target.persistent:
             continue
-        found = [n for n in target.names if n in entries]
+        found = [k for k in (names.get(n, n) for n in target.names) if k in entries]
         used.update(found)
+        if only_empty and not target.tensor.is_meta:
+            continue  # kept as it is; its checkpoint entry, if any, is accounted for
         if not found:
             missing.append(target.names[0])
             continue
@@ -230,7 +256,7 @@ def _match(
         problems.append(_listing("shape mismatch", mismatched))
     if strict and missing:
         problems.append(_listing("missing from the checkpoint", missing))
-    if strict and unexpected:
+    if strict and unexpected and not unused_ok:
         problems.append(_listing("unexpected (not in the module)", unexpected))
     if problems:
         where = ", ".join(str(p) for p in paths)
@@ -327,6 +353,30 @@ def _destination(
 
 
 # -- installing -------------------------------------------------------------------------------
+def put(target: _Target, new: torch.Tensor) -> None:
+    """Give ``target``'s tensor object the contents of ``new``, under every name it has.
+
+    The module keeps its own tensor objects (tied weights stay tied, and an adapter can
+    tell a tensor by its identity for the module's whole life), and no module method runs:
+    a prefetch fills on a background thread, where ``nn.Module.register_parameter`` may be
+    patched by another thread's ``from_pretrained`` (accelerate's ``init_empty_weights``
+    moves every new parameter to meta, for every thread).
+    """
+    import torch
+    from torch import nn
+
+    old = target.tensor
+    value = (
+        nn.Parameter(new, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else new
+    )
+    try:
+        torch.utils.swap_tensors(old, value)
+    except RuntimeError:  # held elsewhere (a weakref, a view): register the new one instead
+        for sub, key in target.places:
+            setattr(sub, key, value)
+        target.tensor = value
+
+
 def _install(
     module: nn.Module,
     targets: list[_Target],
@@ -336,8 +386,6 @@ def _install(
     strict: bool,
 ) -> None:
     """Put the loaded tensors into the module; one object per tied group keeps it tied."""
-    import torch
-    from torch import nn
 
     unfilled: list[str] = []
     for target in targets:
@@ -351,21 +399,7 @@ def _install(
             new = old.detach().to(device=device, dtype=want)  # computed buffer: move it
         if not old.is_meta and new.data_ptr() == old.data_ptr():
             continue  # filled in place
-        value = (
-            nn.Parameter(new, requires_grad=old.requires_grad)
-            if isinstance(old, nn.Parameter)
-            else new
-        )
-        try:
-            # The module's own tensor object takes the loaded contents, so every name it
-            # goes by (tied weights) sees them, and no module method runs: a prefetch fills
-            # on a background thread, where nn.Module.register_parameter may be patched by
-            # another thread's from_pretrained (accelerate's init_empty_weights moves every
-            # new parameter to meta, for every thread).
-            torch.utils.swap_tensors(old, value)
-        except RuntimeError:  # held elsewhere (a weakref, a view): re-register the new one
-            for sub, key in target.places:
-                setattr(sub, key, value)
+        put(target, new)
     if unfilled and strict:
         raise ValueError(
             _listing(
