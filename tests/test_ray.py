@@ -18,7 +18,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
-from stageload.ray import call_kwargs, report, stream_batch  # noqa: E402
+from stageload.ray import call_kwargs, report, stream_batch, worker_threads  # noqa: E402
 from stageload.ray._stream import fitting_workers  # noqa: E402
 from stageload.report.records import read_trace  # noqa: E402
 from stageload.report.trace import load_summary  # noqa: E402
@@ -66,9 +66,11 @@ def cluster():
                 os.environ[k] = v
 
 
-def local_results(calls):
+def local_results(calls, threads_of_cpus=1):
+    """The calls run here one by one, with the torch threads of a 1-CPU Ray worker."""
     pipe = MAKE()
-    return [pipe(**call_kwargs(c)) for c in calls]
+    with worker_threads(threads_of_cpus):
+        return [pipe(**call_kwargs(c)) for c in calls]
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +149,7 @@ def test_each_worker_loads_each_model_once_per_chunk(batch):
         if path.name == "probe.jsonl":
             continue
         label = path.stem
-        chunks = sum(1 for who in stream.ran.values() if who == label)
+        chunks = sum(1 for who in stream.ran.values() if who["label"] == label)
         loads = [e.model for e in read_trace(path).events if e.kind in ("load", "reload")]
         assert sorted(loads) == sorted(models * chunks), label
     # Control: the same calls run one after another in one process load per call.
@@ -171,21 +173,89 @@ def test_the_merged_report_has_one_column_per_worker(batch):
     assert report(stream.traces) == text
 
 
-def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing(cluster):
-    calls = [{"prompt": i, "seed": i, "sleep": 0.5} for i in range(6)]
-    stream = stream_batch(MAKE, calls, memory="400M", workers=2, batch_size=1)
+def _kill_a_busy_worker(calls, max_restarts):
+    """Stream ``calls`` one per chunk on two workers; SIGKILL the process of a worker
+    that is running a chunk after the first result. (results, stream, (label, pid))."""
+    import signal
+
+    stream = stream_batch(MAKE, calls, memory="400M", workers=2, batch_size=1,
+                          max_restarts=max_restarts)
     seen = []
     killed = None
     for index, result in stream:
         seen.append((index, result))
         if killed is None:
-            # The stream hands out the next chunk before it yields: kill a worker that is
-            # running one now.
-            killed = next(iter(stream.busy))
-            ray.kill(stream.workers[killed])
-    assert sorted(i for i, _ in seen) == list(range(len(calls)))
-    assert stream.faults and stream.faults[0].worker == killed
+            # ActorPool hands the worker that returned its next chunk before the result
+            # comes out: that worker is busy now. Kill its process, as a crash would.
+            info = stream.ran[max(stream.ran)]
+            killed = (info["label"], info["pid"])
+            os.kill(info["pid"], signal.SIGKILL)
+    return seen, stream, killed
+
+
+def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing(cluster):
+    calls = [{"prompt": i, "seed": i, "sleep": 0.5} for i in range(6)]
+    seen, stream, (label, pid) = _kill_a_busy_worker(calls, max_restarts=1)
+    assert sorted(i for i, _ in seen) == list(range(len(calls)))  # each once
+    # Ray restarted the worker (a new process under the same label) and ran its chunk
+    # again there.
+    after = [w["pid"] for w in stream.ran.values() if w["label"] == label and w["pid"] != pid]
+    assert after, stream.ran
     expected = local_results(calls)
     got = dict(seen)
     for i, want in enumerate(expected):
         assert torch.equal(got[i], want), i
+
+
+def test_without_ray_restarts_the_killed_worker_ends_the_batch(cluster):
+    # Control for the test above: with Ray's max_restarts=0 the same kill is fatal, so
+    # it is Ray's restart that kept the batch whole there.
+    calls = [{"prompt": i, "seed": i, "sleep": 0.5} for i in range(6)]
+    with pytest.raises(RuntimeError, match="max_restarts=0"):
+        _kill_a_busy_worker(calls, max_restarts=0)
+
+
+def test_max_restarts_is_checked_as_rays_option():
+    with pytest.raises(ValueError, match="max_restarts.*-2"):
+        stream_batch(MAKE, CALLS, max_restarts=-2)
+
+
+def test_rows_of_a_batch_become_calls():
+    import numpy as np
+    import pandas as pd
+
+    from stageload.ray import rows_to_calls
+
+    batch = {"prompt": np.array(["a", "b"]), "seed": np.array([3, 4]),
+             "steps": np.array([2, None], dtype=object)}
+    calls = rows_to_calls(batch)
+    assert calls == [{"prompt": "a", "seed": 3, "steps": 2}, {"prompt": "b", "seed": 4}]
+    assert type(calls[0]["seed"]) is int  # np.int64 would fail call_kwargs' seed check
+    assert rows_to_calls(pd.DataFrame({"prompt": ["a", "b"], "seed": [3, 4]})) == [
+        {"prompt": "a", "seed": 3}, {"prompt": "b", "seed": 4}]
+    with pytest.raises(TypeError, match="batch of rows"):
+        rows_to_calls([{"prompt": "a"}])
+
+
+def test_staged_predictor_runs_a_batch_here(tmp_path, monkeypatch):
+    """Without Ray: the batch comes back with an ``images`` column equal to eager calls,
+    numpy and pandas batches alike, and the trace lands in trace_dir."""
+    import numpy as np
+    import pandas as pd
+
+    from stageload.outer import TRACE_ENV
+    from stageload.ray import StagedPredictor
+
+    monkeypatch.delenv(TRACE_ENV, raising=False)  # restored after: the runner sets it
+    predictor = StagedPredictor(MAKE, trace_dir=tmp_path, threads=1)
+    try:
+        out = predictor({"prompt": np.array([1.0, 2.0]), "seed": np.array([5, 6])})
+        frame = predictor(pd.DataFrame({"prompt": [1.0], "seed": [5]}))
+    finally:
+        predictor.finish()
+    want = local_results([{"prompt": 1.0, "seed": 5}, {"prompt": 2.0, "seed": 6}])
+    assert [torch.equal(a, b) for a, b in zip(out["images"], want, strict=True)] == [True] * 2
+    assert list(out["seed"]) == [5, 6]  # the input columns stay
+    assert isinstance(frame, pd.DataFrame) and torch.equal(frame["images"][0], want[0])
+    (trace,) = tmp_path.glob("actor-*.jsonl")
+    assert [m.label for m in read_trace(trace).marks] == ["batch 0", "batch 1"]
