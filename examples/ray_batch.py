@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="also run locally and compare")
     args = parser.parse_args(argv)
 
-    from stageload.ray import call_kwargs, report, run_batch
+    from stageload.ray import call_kwargs, report, run_batch, worker_threads
 
     path = args.model
     if path is None:
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
         pipe = make()
         for i, call in enumerate(calls):
-            local = pipe(**call_kwargs(call)).images[0]
+            with worker_threads(1):  # a 1-CPU Ray worker's torch threads: same rounding
+                local = pipe(**call_kwargs(call)).images[0]
             if not np.array_equal(np.asarray(local), np.asarray(outputs[i].images[0])):
                 print(f"call {i}: the Ray result differs from the local run", file=sys.stderr)
                 return 1
