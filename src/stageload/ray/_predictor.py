@@ -73,7 +73,8 @@ def peak_memory(
     ``MemoryMeter``: the interpreter, torch, Ray's worker with ``ray.data`` imported (as a
     ``map_batches`` actor has it), and the pipeline's largest stage.
     ``trace_dir`` keeps that run's trace as ``probe.jsonl``. Connects to Ray as
-    :func:`stageload.ray.connect` does.
+    :func:`stageload.ray.connect` does (a local Ray it starts stays up for the
+    ``map_batches`` that follows).
     """
     peak, _, _ = probe_remote(make_pipeline, row, num_cpus=num_cpus, trace_dir=trace_dir,
                               preload=DATA_MODULES)
