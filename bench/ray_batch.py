@@ -3,11 +3,14 @@
 Cases, each once (the machine is shared; one run per case, figures are indicative):
   local    one process, pipe.stageload.map(calls) under MemoryMeter (the reference);
   ray-1    stageload.ray.run_batch with 1 worker;
-  ray-2    the same with 2 workers.
-Ray workers ask for memory= the local run's peak (read from its trace, as memory="run.jsonl"
-does). Wall time of a Ray case is the whole run_batch: actor start (a Python process that
-imports torch and diffusers, builds the pipeline) plus the calls; the local Ray itself is
-started before the clock. Results: bench/results/ray-batch/.
+  ray-2    the same with 2 workers;
+  data-K   Ray Data: map_batches(StagedPredictor) over the same calls as rows, K actors,
+           batch_size = calls / K, one batch in flight per actor (ActorPoolStrategy(size=K,
+           max_tasks_in_flight_per_actor=1); by default the first actor up queues them all).
+Ray workers and actors ask for memory= the local run's peak (read from its trace, as
+memory="run.jsonl" does). Wall time of a Ray case is the whole run_batch or map_batches:
+actor start (a Python process that imports torch and diffusers, builds the pipeline) plus
+the calls; the local Ray itself is started before the clock. Results: bench/results/ray-batch/.
 
     python bench/ray_batch.py --gb 0.25 --n 8
 """
@@ -75,15 +78,23 @@ def loads_in(trace: Path) -> int:
     return sum(e.kind in ("load", "reload") for e in read_trace(trace).events)
 
 
+def batches_in(trace: Path) -> int:
+    from stageload.report.records import read_trace
+
+    return sum(m.label.startswith("batch ") for m in read_trace(trace).marks)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gb", type=float, default=0.25, help="fixture size (issue: 1)")
     parser.add_argument("--n", type=int, default=8)
     args = parser.parse_args()
     import ray
+    import ray.data
     import torch
+    from ray.data import ActorPoolStrategy
 
-    from stageload.ray import peak_from, stream_batch
+    from stageload.ray import StagedPredictor, peak_from, stream_batch
     from stageload.report.trace import load_summary
     from stageload.testing import diffusers as f
 
@@ -115,6 +126,28 @@ def main() -> int:
                          "wall_s": round(wall, 1), "loads": [loads_in(p) for p in traces],
                          "peaks_mib": [load_summary(p).peak_footprint >> 20 for p in traces],
                          "chunks": [len(c) for c in stream.chunks]})
+            print(rows[-1], flush=True)
+        for actors in (1, 2):
+            tdir = OUT / f"data-{actors}"
+            for old in tdir.glob("*.jsonl"):
+                old.unlink()
+            t = time.monotonic()
+            out = ray.data.from_items(calls(args.n)).map_batches(
+                StagedPredictor,
+                fn_constructor_args=(partial(load_pipeline, str(path)),),
+                fn_constructor_kwargs={"trace_dir": str(tdir)},
+                batch_size=-(-args.n // actors),
+                compute=ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
+                num_cpus=1,
+                memory=peak,
+            ).take_all()
+            wall = time.monotonic() - t
+            assert sorted(r["seed"] for r in out) == list(range(args.n))
+            traces = sorted(tdir.glob("actor-*.jsonl"))
+            rows.append({"case": f"data-{actors}", "workers": len(traces),
+                         "wall_s": round(wall, 1), "loads": [loads_in(p) for p in traces],
+                         "peaks_mib": [load_summary(p).peak_footprint >> 20 for p in traces],
+                         "batches": [batches_in(p) for p in traces]})
             print(rows[-1], flush=True)
     finally:
         ray.shutdown()
