@@ -326,3 +326,31 @@ def test_map_batches_without_restarts_fails_on_the_same_kill(cluster, tmp_path):
         _map_batches_killing_an_actor(tmp_path, rows, max_restarts=0)
     text = f"{type(failure.value).__name__}: {failure.value}".lower()
     assert "actor" in text and "died" in text, text
+
+
+def test_worker_threads_sets_a_ray_workers_count_and_restores_it(monkeypatch):
+    from stageload.ray import ray_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [ray_threads(c) for c in (0.5, 1, 2.7)] == [1, 1, 2]  # Ray's rule
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert ray_threads(1) == 3  # a value set beforehand wins, in Ray as here
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    before = torch.get_num_threads()
+    with worker_threads(1) as n:
+        assert n == torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+
+
+def test_another_thread_count_can_round_differently():
+    """Why worker_threads matters: a long reduction split over two threads rounds
+    differently here (oneDNN/MKL on x86). Another BLAS may not split it: then skip."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 8192, generator=g), torch.randn(8192, 64, generator=g)
+    with worker_threads(1):
+        one = a @ b
+    with worker_threads(2):
+        two = a @ b
+    if torch.equal(one, two):
+        pytest.skip("this machine's matmul rounds the same with 1 and 2 threads")
+    assert (one - two).abs().max() < 1e-2  # rounding, not a wrong result
