@@ -354,3 +354,12 @@ def test_another_thread_count_can_round_differently():
     if torch.equal(one, two):
         pytest.skip("this machine's matmul rounds the same with 1 and 2 threads")
     assert (one - two).abs().max() < 1e-2  # rounding, not a wrong result
+
+
+def test_peak_memory_names_a_bad_row_before_ray_is_touched():
+    from stageload.ray import peak_memory
+
+    with pytest.raises(TypeError, match=r"row must be one call.*\['a cat'\]"):
+        peak_memory(MAKE, ["a cat"])
+    with pytest.raises(TypeError, match="'seed' must be an int, got 1.5"):
+        peak_memory(MAKE, {"prompt": 1.0, "seed": 1.5})

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ._worker import StagedRunner, call_kwargs, probe, rows_to_calls
+from ._worker import StagedRunner, call_kwargs, output_value, probe, rows_to_calls
 
 # What a Ray Data actor has imported before it builds the pipeline: the probe imports them
 # too, so its peak covers them (Ray Data's own check measured ~50 MiB more without).
@@ -48,8 +48,7 @@ class StagedPredictor(StagedRunner):
         super().__init__(make_pipeline, trace_dir=trace_dir, threads=threads)
 
     def __call__(self, batch: Any) -> dict[str, Any]:
-        from ._worker import output_value
-
+        """Run the batch's rows stage-major; the batch with an ``images`` column added."""
         calls = rows_to_calls(batch)
         _, _, results = self.run(self.batches, calls)
         if hasattr(batch, "columns"):  # pandas: hand back the same kind of batch
@@ -70,8 +69,8 @@ def peak_memory(
 
     Runs ``make_pipeline()`` and the call ``row`` (a dict of keyword arguments, or a row
     of the Dataset) in a Ray task of ``num_cpus`` CPUs in a new process, under
-    ``MemoryMeter``: the interpreter, torch, Ray's worker with ``ray.data`` imported (as a
-    ``map_batches`` actor has it), and the pipeline's largest stage.
+    ``MemoryMeter``: the interpreter, torch, Ray's worker with ``ray.data``, pyarrow and
+    pandas imported (as a ``map_batches`` actor has them), and the pipeline's largest stage.
     ``trace_dir`` keeps that run's trace as ``probe.jsonl``. Connects to Ray as
     :func:`stageload.ray.connect` does (a local Ray it starts stays up for the
     ``map_batches`` that follows).
@@ -99,7 +98,12 @@ def probe_remote(
             f"make_pipeline must be a zero-argument function that returns the pipeline "
             f"(e.g. functools.partial(load, path)), got {make_pipeline!r}"
         )
-    (call,) = rows_to_calls({k: [v] for k, v in dict(row).items()})
+    if not isinstance(row, Mapping):
+        raise TypeError(
+            f"row must be one call as a dict of keyword arguments (or a row of the Dataset, "
+            f"e.g. ds.take(1)[0]), got {row!r}"
+        )
+    (call,) = rows_to_calls({k: [v] for k, v in row.items()})
     call_kwargs(call)  # a bad seed fails here, not in the remote task
     connect()
     # max_calls=1: a fresh process for the probe, gone after it (its peak is its own).
