@@ -6,7 +6,7 @@ pipeline once, runs each batch stage-major, asks Ray for memory= the measured pe
 writes the rows with an ``images`` column as Parquet. Without --model it builds a tiny
 Qwen-Image 2.1 with random weights here (no download), so it runs on any machine::
 
-    python examples/ray_data.py --n 4 --check
+    python examples/ray_data.py --n 4 --check --local
 
 ``--check`` reads the Parquet files back and compares every image with an eager local
 run of the same row (torch with the threads of a 1-CPU Ray worker), pixel for pixel.
@@ -26,6 +26,10 @@ from pathlib import Path
 
 # Keep a local Ray on 127.0.0.1 as given (Ray reads this when it is imported).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+# A new local Ray: loopback only, no dashboard.
+LOCAL = {"address": "local", "_node_ip_address": "127.0.0.1", "include_dashboard": False}
 
 
 def load_pipeline(path: str, dtype: str, tiny: bool = False):
@@ -64,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace-dir", default="ray-data-traces")
     parser.add_argument("--out", default="ray-data-out", help="a folder for the Parquet files")
     parser.add_argument("--check", action="store_true", help="also run locally and compare")
+    parser.add_argument("--local", action="store_true",
+                        help="start a new local Ray on 127.0.0.1 even if a cluster is running "
+                             "(on a shared machine: not someone else's)")
     args = parser.parse_args(argv)
 
     import ray
@@ -83,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         old.unlink()  # this run's traces and files only
     make = partial(load_pipeline, path, args.dtype, args.model is None)
 
-    started = connect()  # the running cluster, or a local Ray on 127.0.0.1
+    if args.local:
+        ray.init(**LOCAL)
+        started = True
+    else:
+        started = connect()  # the running cluster, or a new local Ray on 127.0.0.1
     try:
         t0 = time.monotonic()
         ds = ray.data.read_json(str(prompts))
