@@ -363,3 +363,16 @@ def test_peak_memory_names_a_bad_row_before_ray_is_touched():
         peak_memory(MAKE, ["a cat"])
     with pytest.raises(TypeError, match="'seed' must be an int, got 1.5"):
         peak_memory(MAKE, {"prompt": 1.0, "seed": 1.5})
+
+
+def test_the_probe_runs_its_call_twice_so_its_peak_covers_a_reload(batch):
+    # A worker's later batches reload what it released, and a reload can take more memory
+    # than the first load (bench/results/ray-batch: 578 vs 339 MiB); the probe's second
+    # run reloads, so its peak covers that.
+    trace = read_trace(batch["traces"] / "probe.jsonl")
+    (again,) = [m.t for m in trace.marks if m.label == "again"]
+    loads = [(e.kind, e.t > again) for e in trace.events if e.kind in ("load", "reload")]
+    assert [k for k, after in loads if not after] == ["load"] * 3  # first run: loads only
+    assert [k for k, after in loads if after] and all(
+        k == "reload" for k, after in loads if after
+    )  # second run: reloads

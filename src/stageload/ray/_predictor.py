@@ -68,8 +68,9 @@ def peak_memory(
     """The peak footprint, in bytes, of one call in a fresh Ray worker: for ``memory=``.
 
     Runs ``make_pipeline()`` and the call ``row`` (a dict of keyword arguments, or a row
-    of the Dataset) in a Ray task of ``num_cpus`` CPUs in a new process, under
-    ``MemoryMeter``: the interpreter, torch, Ray's worker with ``ray.data``, pyarrow and
+    of the Dataset) twice, so that the second run reloads the models the first released
+    (as an actor's later batches do), in a Ray task of ``num_cpus`` CPUs in a new process,
+    under ``MemoryMeter``: the interpreter, torch, Ray's worker with ``ray.data``, pyarrow and
     pandas imported (as a ``map_batches`` actor has them), and the pipeline's largest stage.
     ``trace_dir`` keeps that run's trace as ``probe.jsonl``. Connects to Ray as
     :func:`stageload.ray.connect` does (a local Ray it starts stays up for the
