@@ -1,7 +1,9 @@
 """stageload.ray on a real local Ray bound to 127.0.0.1.
 
-One cluster for the module (starting Ray is the slow part), one probed batch shared by the
-checks that only read it, and one batch with a worker killed mid-run.
+One cluster for the module (starting Ray is the slow part), one probed run_batch shared by
+the checks that only read it; a run_batch worker and a map_batches actor each killed
+mid-batch, each with a max_restarts=0 control; StagedPredictor, rows_to_calls and
+worker_threads without Ray.
 """
 
 from __future__ import annotations
