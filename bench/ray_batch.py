@@ -3,11 +3,16 @@
 Cases, each once (the machine is shared; one run per case, figures are indicative):
   local    one process, pipe.stageload.map(calls) under MemoryMeter (the reference);
   ray-1    stageload.ray.run_batch with 1 worker;
-  ray-2    the same with 2 workers.
-Ray workers ask for memory= the local run's peak (read from its trace, as memory="run.jsonl"
-does). Wall time of a Ray case is the whole run_batch: actor start (a Python process that
-imports torch and diffusers, builds the pipeline) plus the calls; the local Ray itself is
-started before the clock. Results: bench/results/ray-batch/.
+  ray-2    the same with 2 workers;
+  probe    stageload.ray.peak_memory on the first call (run twice: a load, then a reload);
+  data-K   Ray Data: map_batches(StagedPredictor) over the same calls as rows, K actors,
+           batch_size = calls / K, one batch in flight per actor (ActorPoolStrategy(size=K,
+           max_tasks_in_flight_per_actor=1); by default the first actor up queues them all);
+  data-1x2 one actor, two batches of calls / 2 (the second reloads), memory= the probe's.
+Ray workers and the data-K actors ask for memory= the local run's peak (read from its trace, as
+memory="run.jsonl" does). Wall time of a Ray case is the whole run_batch or map_batches:
+actor start (a Python process that imports torch and diffusers, builds the pipeline) plus
+the calls; the local Ray itself is started before the clock. Results: bench/results/ray-batch/.
 
     python bench/ray_batch.py --gb 0.25 --n 8
 """
@@ -75,15 +80,23 @@ def loads_in(trace: Path) -> int:
     return sum(e.kind in ("load", "reload") for e in read_trace(trace).events)
 
 
+def batches_in(trace: Path) -> int:
+    from stageload.report.records import read_trace
+
+    return sum(m.label.startswith("batch ") for m in read_trace(trace).marks)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gb", type=float, default=0.25, help="fixture size (issue: 1)")
     parser.add_argument("--n", type=int, default=8)
     args = parser.parse_args()
     import ray
+    import ray.data
     import torch
+    from ray.data import ActorPoolStrategy
 
-    from stageload.ray import peak_from, stream_batch
+    from stageload.ray import StagedPredictor, peak_from, peak_memory, stream_batch
     from stageload.report.trace import load_summary
     from stageload.testing import diffusers as f
 
@@ -98,7 +111,7 @@ def main() -> int:
     rows.append({"case": "local", "workers": 1, "wall_s": round(ref["wall"], 1),
                  "loads": [loads_in(OUT / "local.jsonl")], "peaks_mib": [peak >> 20]})
     print(rows[-1], flush=True)
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+    ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT / "src")}})
     try:
         for workers in (1, 2):
@@ -115,6 +128,41 @@ def main() -> int:
                          "wall_s": round(wall, 1), "loads": [loads_in(p) for p in traces],
                          "peaks_mib": [load_summary(p).peak_footprint >> 20 for p in traces],
                          "chunks": [len(c) for c in stream.chunks]})
+            print(rows[-1], flush=True)
+        t = time.monotonic()
+        probe_peak = peak_memory(partial(load_pipeline, str(path)), calls(1)[0],
+                                 trace_dir=OUT / "probe")
+        rows.append({"case": "probe", "workers": 1, "wall_s": round(time.monotonic() - t, 1),
+                     "loads": [loads_in(OUT / "probe" / "probe.jsonl")],
+                     "peaks_mib": [probe_peak >> 20]})
+        print(rows[-1], flush=True)
+        # (case, actors, batch size, memory=): one batch per actor with the local peak;
+        # then one actor running two batches (the second reloads) with the probe's peak.
+        half = -(-args.n // 2)
+        for case, actors, size, memory in [("data-1", 1, args.n, peak),
+                                           ("data-2", 2, half, peak),
+                                           ("data-1x2", 1, half, probe_peak)]:
+            tdir = OUT / case
+            for old in tdir.glob("*.jsonl"):
+                old.unlink()
+            t = time.monotonic()
+            out = ray.data.from_items(calls(args.n)).map_batches(
+                StagedPredictor,
+                fn_constructor_args=(partial(load_pipeline, str(path)),),
+                fn_constructor_kwargs={"trace_dir": str(tdir)},
+                batch_size=size,
+                compute=ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
+                num_cpus=1,
+                memory=memory,
+            ).take_all()
+            wall = time.monotonic() - t
+            assert sorted(r["seed"] for r in out) == list(range(args.n))
+            traces = sorted(tdir.glob("actor-*.jsonl"))
+            rows.append({"case": case, "workers": len(traces),
+                         "wall_s": round(wall, 1), "loads": [loads_in(p) for p in traces],
+                         "peaks_mib": [load_summary(p).peak_footprint >> 20 for p in traces],
+                         "batches": [batches_in(p) for p in traces],
+                         "memory_mib": memory >> 20})
             print(rows[-1], flush=True)
     finally:
         ray.shutdown()

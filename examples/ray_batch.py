@@ -1,7 +1,7 @@
 """Run a batch of prompts of a staged diffusers pipeline on Ray workers.
 
 Without --model it builds a tiny Qwen-Image 2.1 with random weights here (no download), so
-it runs on any machine: ``python examples/ray_batch.py --n 4 --check``. On a real cluster
+it runs on any machine: ``python examples/ray_batch.py --n 4 --check --local``. On a real cluster
 (``ray start --head`` on one machine, ``ray start --address=HEAD:6379`` on the others), run
 it on the head with --model pointing at a folder that exists on every machine. See
 docs/ray.md.
@@ -10,10 +10,14 @@ docs/ray.md.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from functools import partial
 from pathlib import Path
+
+# Keep a local Ray on 127.0.0.1 as given (Ray reads this when it is imported).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def load_pipeline(path: str, dtype: str, tiny: bool = False):
@@ -41,9 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace-dir", default="ray-traces")
     parser.add_argument("--out", default="ray-images")
     parser.add_argument("--check", action="store_true", help="also run locally and compare")
+    parser.add_argument("--local", action="store_true",
+                        help="start a new local Ray on 127.0.0.1 even if a cluster is running "
+                             "(on a shared machine: not someone else's)")
     args = parser.parse_args(argv)
+    if args.local:
+        import ray
 
-    from stageload.ray import call_kwargs, report, run_batch
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False)
+
+    from stageload.ray import call_kwargs, report, run_batch, worker_threads
 
     path = args.model
     if path is None:
@@ -72,12 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     for i, result in enumerate(outputs):
         result.images[0].save(out / f"{i:03d}.png")
     print(report(args.trace_dir))
+    if args.local:
+        ray.shutdown()
     if args.check:
         import numpy as np
 
         pipe = make()
         for i, call in enumerate(calls):
-            local = pipe(**call_kwargs(call)).images[0]
+            with worker_threads(1):  # a 1-CPU Ray worker's torch threads: same rounding
+                local = pipe(**call_kwargs(call)).images[0]
             if not np.array_equal(np.asarray(local), np.asarray(outputs[i].images[0])):
                 print(f"call {i}: the Ray result differs from the local run", file=sys.stderr)
                 return 1

@@ -1,7 +1,9 @@
 """stageload.ray on a real local Ray bound to 127.0.0.1.
 
-One cluster for the module (starting Ray is the slow part), one probed batch shared by the
-checks that only read it, and one batch with a worker killed mid-run.
+One cluster for the module (starting Ray is the slow part), one probed run_batch shared by
+the checks that only read it; a run_batch worker and a map_batches actor each killed
+mid-batch, each with a max_restarts=0 control; StagedPredictor, rows_to_calls and
+worker_threads without Ray.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
-from stageload.ray import call_kwargs, report, stream_batch  # noqa: E402
+from stageload.ray import call_kwargs, report, stream_batch, worker_threads  # noqa: E402
 from stageload.ray._stream import fitting_workers  # noqa: E402
 from stageload.report.records import read_trace  # noqa: E402
 from stageload.report.trace import load_summary  # noqa: E402
@@ -66,9 +68,11 @@ def cluster():
                 os.environ[k] = v
 
 
-def local_results(calls):
+def local_results(calls, threads_of_cpus=1):
+    """The calls run here one by one, with the torch threads of a 1-CPU Ray worker."""
     pipe = MAKE()
-    return [pipe(**call_kwargs(c)) for c in calls]
+    with worker_threads(threads_of_cpus):
+        return [pipe(**call_kwargs(c)) for c in calls]
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +151,7 @@ def test_each_worker_loads_each_model_once_per_chunk(batch):
         if path.name == "probe.jsonl":
             continue
         label = path.stem
-        chunks = sum(1 for who in stream.ran.values() if who == label)
+        chunks = sum(1 for who in stream.ran.values() if who["label"] == label)
         loads = [e.model for e in read_trace(path).events if e.kind in ("load", "reload")]
         assert sorted(loads) == sorted(models * chunks), label
     # Control: the same calls run one after another in one process load per call.
@@ -171,21 +175,206 @@ def test_the_merged_report_has_one_column_per_worker(batch):
     assert report(stream.traces) == text
 
 
-def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing(cluster):
-    calls = [{"prompt": i, "seed": i, "sleep": 0.5} for i in range(6)]
-    stream = stream_batch(MAKE, calls, memory="400M", workers=2, batch_size=1)
+def _kill_a_busy_worker(calls, max_restarts):
+    """Stream ``calls`` one per chunk on two workers; SIGKILL the process of a worker
+    that is running a chunk after the first result. (results, stream, (label, pid))."""
+    import signal
+
+    stream = stream_batch(MAKE, calls, memory="400M", workers=2, batch_size=1,
+                          max_restarts=max_restarts)
     seen = []
     killed = None
     for index, result in stream:
         seen.append((index, result))
         if killed is None:
-            # The stream hands out the next chunk before it yields: kill a worker that is
-            # running one now.
-            killed = next(iter(stream.busy))
-            ray.kill(stream.workers[killed])
-    assert sorted(i for i, _ in seen) == list(range(len(calls)))
-    assert stream.faults and stream.faults[0].worker == killed
+            # ActorPool hands the worker that returned its next chunk before the result
+            # comes out: that worker is busy now. Kill its process, as a crash would.
+            info = stream.ran[max(stream.ran)]
+            killed = (info["label"], info["pid"])
+            os.kill(info["pid"], signal.SIGKILL)
+    return seen, stream, killed
+
+
+def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing(cluster):
+    calls = [{"prompt": i, "seed": i, "sleep": 0.5} for i in range(6)]
+    seen, stream, (label, pid) = _kill_a_busy_worker(calls, max_restarts=1)
+    assert sorted(i for i, _ in seen) == list(range(len(calls)))  # each once
+    # Ray restarted the worker (a new process under the same label) and ran its chunk
+    # again there.
+    after = [w["pid"] for w in stream.ran.values() if w["label"] == label and w["pid"] != pid]
+    assert after, stream.ran
     expected = local_results(calls)
     got = dict(seen)
     for i, want in enumerate(expected):
         assert torch.equal(got[i], want), i
+
+
+def test_without_ray_restarts_the_killed_worker_ends_the_batch(cluster):
+    # Control for the test above: with Ray's max_restarts=0 the same kill is fatal, so
+    # it is Ray's restart that kept the batch whole there.
+    calls = [{"prompt": i, "seed": i, "sleep": 0.5} for i in range(6)]
+    with pytest.raises(RuntimeError, match="max_restarts=0"):
+        _kill_a_busy_worker(calls, max_restarts=0)
+
+
+def test_max_restarts_is_checked_as_rays_option():
+    with pytest.raises(ValueError, match="max_restarts.*-2"):
+        stream_batch(MAKE, CALLS, max_restarts=-2)
+
+
+def test_rows_of_a_batch_become_calls():
+    import numpy as np
+    import pandas as pd
+
+    from stageload.ray import rows_to_calls
+
+    batch = {"prompt": np.array(["a", "b"]), "seed": np.array([3, 4]),
+             "steps": np.array([2, None], dtype=object)}
+    calls = rows_to_calls(batch)
+    assert calls == [{"prompt": "a", "seed": 3, "steps": 2}, {"prompt": "b", "seed": 4}]
+    assert type(calls[0]["seed"]) is int  # np.int64 would fail call_kwargs' seed check
+    assert rows_to_calls(pd.DataFrame({"prompt": ["a", "b"], "seed": [3, 4]})) == [
+        {"prompt": "a", "seed": 3}, {"prompt": "b", "seed": 4}]
+    with pytest.raises(TypeError, match="batch of rows"):
+        rows_to_calls([{"prompt": "a"}])
+
+
+def test_staged_predictor_runs_a_batch_here(tmp_path, monkeypatch):
+    """Without Ray: the batch comes back with an ``images`` column equal to eager calls,
+    numpy and pandas batches alike, and the trace lands in trace_dir."""
+    import numpy as np
+    import pandas as pd
+
+    from stageload.outer import TRACE_ENV
+    from stageload.ray import StagedPredictor
+
+    monkeypatch.delenv(TRACE_ENV, raising=False)  # restored after: the runner sets it
+    predictor = StagedPredictor(MAKE, trace_dir=tmp_path, threads=1)
+    try:
+        out = predictor({"prompt": np.array([1.0, 2.0]), "seed": np.array([5, 6])})
+        frame = predictor(pd.DataFrame({"prompt": [1.0], "seed": [5]}))
+    finally:
+        predictor.finish()
+    want = local_results([{"prompt": 1.0, "seed": 5}, {"prompt": 2.0, "seed": 6}])
+    assert [torch.equal(a, b) for a, b in zip(out["images"], want, strict=True)] == [True] * 2
+    assert list(out["seed"]) == [5, 6]  # the input columns stay
+    assert isinstance(frame, pd.DataFrame) and torch.equal(frame["images"][0], want[0])
+    (trace,) = tmp_path.glob("actor-*.jsonl")
+    assert [m.label for m in read_trace(trace).marks] == ["batch 0", "batch 1"]
+
+
+def _map_batches_killing_an_actor(tmp_path, rows, **remote_args):
+    """map_batches(StagedPredictor) over ``rows``, with a thread that SIGKILLs the actor
+    once its first batch has begun: (output rows, killed pids)."""
+    import signal
+    import threading
+
+    from stageload.ray import StagedPredictor
+
+    killed: list[int] = []
+
+    def kill_in_first_batch() -> None:
+        # The actor's trace appears when it starts; its "batch 0" mark is written when the
+        # first batch begins, which then runs ~1 s (two calls that sleep 0.5 s).
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not killed:
+            for path in tmp_path.glob("actor-*.jsonl"):
+                if '"batch 0"' in path.read_text(encoding="utf-8"):
+                    pid = int(path.stem.rsplit("-", 1)[1])
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                    return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_in_first_batch, daemon=True)
+    watcher.start()
+    try:
+        out = ray.data.from_items(rows).map_batches(
+            StagedPredictor,
+            fn_constructor_args=(MAKE,),
+            fn_constructor_kwargs={"trace_dir": str(tmp_path)},
+            batch_size=2,
+            concurrency=1,
+            num_cpus=1,
+            memory=400 << 20,
+            **remote_args,
+        ).take_all()
+    finally:
+        watcher.join()
+    return out, killed
+
+
+def test_map_batches_survives_an_actor_killed_mid_batch(cluster, tmp_path):
+    """Ray Data's own fault tolerance: an actor SIGKILLed inside a batch is restarted and
+    the batch retried; every row comes back once, equal to an eager run."""
+    pytest.importorskip("ray.data")
+    rows = [{"prompt": float(i), "seed": 200 + i, "sleep": 0.5} for i in range(6)]
+    out, killed = _map_batches_killing_an_actor(tmp_path, rows)
+    assert killed, "the watcher never saw a batch start"
+    assert sorted(int(r["seed"]) for r in out) == [r["seed"] for r in rows]  # each once
+    traces = sorted(tmp_path.glob("actor-*.jsonl"))
+    assert len(traces) == 2 and str(killed[0]) in traces[0].name + traces[1].name  # restarted
+    want = dict(zip([r["seed"] for r in rows], local_results(rows), strict=True))
+    for r in out:
+        assert torch.equal(torch.from_numpy(r["images"].copy()), want[int(r["seed"])])
+
+
+def test_map_batches_without_restarts_fails_on_the_same_kill(cluster, tmp_path):
+    # Control for the test above: with Ray's max_restarts=0 the same kill ends the
+    # dataset, so it is Ray Data's restart and retry that kept every row there.
+    pytest.importorskip("ray.data")
+    rows = [{"prompt": float(i), "seed": 200 + i, "sleep": 0.5} for i in range(6)]
+    with pytest.raises(Exception) as failure:
+        _map_batches_killing_an_actor(tmp_path, rows, max_restarts=0)
+    text = f"{type(failure.value).__name__}: {failure.value}".lower()
+    assert "actor" in text and "died" in text, text
+
+
+def test_worker_threads_sets_a_ray_workers_count_and_restores_it(monkeypatch):
+    from stageload.ray import ray_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [ray_threads(c) for c in (0.5, 1, 2.7)] == [1, 1, 2]  # Ray's rule
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert ray_threads(1) == 3  # a value set beforehand wins, in Ray as here
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    before = torch.get_num_threads()
+    with worker_threads(1) as n:
+        assert n == torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+
+
+def test_another_thread_count_can_round_differently():
+    """Why worker_threads matters: a long reduction split over two threads rounds
+    differently here (oneDNN/MKL on x86). Another BLAS may not split it: then skip."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 8192, generator=g), torch.randn(8192, 64, generator=g)
+    with worker_threads(1):
+        one = a @ b
+    with worker_threads(2):
+        two = a @ b
+    if torch.equal(one, two):
+        pytest.skip("this machine's matmul rounds the same with 1 and 2 threads")
+    assert (one - two).abs().max() < 1e-2  # rounding, not a wrong result
+
+
+def test_peak_memory_names_a_bad_row_before_ray_is_touched():
+    from stageload.ray import peak_memory
+
+    with pytest.raises(TypeError, match=r"row must be one call.*\['a cat'\]"):
+        peak_memory(MAKE, ["a cat"])
+    with pytest.raises(TypeError, match="'seed' must be an int, got 1.5"):
+        peak_memory(MAKE, {"prompt": 1.0, "seed": 1.5})
+
+
+def test_the_probe_runs_its_call_twice_so_its_peak_covers_a_reload(batch):
+    # A worker's later batches reload what it released, and a reload can take more memory
+    # than the first load (bench/results/ray-batch: 578 vs 339 MiB); the probe's second
+    # run reloads, so its peak covers that.
+    trace = read_trace(batch["traces"] / "probe.jsonl")
+    (again,) = [m.t for m in trace.marks if m.label == "again"]
+    loads = [(e.kind, e.t > again) for e in trace.events if e.kind in ("load", "reload")]
+    assert [k for k, after in loads if not after] == ["load"] * 3  # first run: loads only
+    assert [k for k, after in loads if after] and all(
+        k == "reload" for k, after in loads if after
+    )  # second run: reloads

@@ -1,12 +1,12 @@
-"""Staged batches across a Ray cluster: actors that keep a pipeline, placed by measured peak.
+"""Staged pipelines on Ray: Ray Data's ``map_batches``, or a list of calls on Ray actors.
 
-``run_batch(make_pipeline, calls)`` splits ``calls`` into chunks and runs each chunk on a
-Ray actor with ``pipe.stageload.map`` (stage-major: one load per model per chunk). Each
-actor asks Ray for ``memory=`` the pipeline's peak footprint, measured by a probe run of
-the first call under ``MemoryMeter`` (``memory="auto"``), read from a trace, or given.
-A chunk whose worker died is run again on another worker; its results come back together,
-keyed by call index, so none is lost or duplicated. Each worker meters itself; the driver
-collects the traces (``trace_dir=``) for one ``stageload report``.
+``StagedPredictor`` is a callable class for ``Dataset.map_batches``: each actor builds the
+pipeline once and runs each batch of rows stage-major with ``pipe.stageload.map`` (each
+model loads once per batch); ``peak_memory(make_pipeline, row)`` measures the ``memory=``
+request, one call under ``MemoryMeter`` in a fresh worker. ``run_batch(make_pipeline,
+calls)`` does the same for a list of calls, on actors that Ray restarts when they die
+(``max_restarts``, Ray's own option) with their chunk retried, so no result is lost or
+duplicated. Each worker meters itself; ``report`` merges their traces.
 
 An optional extra (``pip install "stageload[ray]"``); ``import stageload`` never imports it.
 See docs/ray.md.
@@ -19,19 +19,24 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._stream import BatchStream, Fault
-from ._worker import SEED_KEY, call_kwargs
+from ._predictor import StagedPredictor, peak_memory
+from ._stream import BatchStream
+from ._worker import SEED_KEY, call_kwargs, ray_threads, rows_to_calls, worker_threads
 
 __all__ = [
     "BatchStream",
-    "Fault",
     "SEED_KEY",
+    "StagedPredictor",
     "call_kwargs",
     "connect",
     "peak_from",
+    "peak_memory",
+    "ray_threads",
     "report",
+    "rows_to_calls",
     "run_batch",
     "stream_batch",
+    "worker_threads",
 ]
 
 
@@ -95,12 +100,13 @@ def stream_batch(
     batch_size: int | None = None,
     num_cpus: float = 1,
     trace_dir: str | os.PathLike[str] | None = None,
-    max_restarts: int | None = None,
+    max_restarts: int = 3,
 ) -> BatchStream:
     """Like :func:`run_batch`, but yields ``(index, result)`` as each chunk finishes.
 
-    The returned :class:`BatchStream` is iterable once; ``.workers`` are the live actors,
-    ``.faults`` the chunks run again, ``.traces`` the collected trace paths (after the end).
+    The returned :class:`BatchStream` is iterable once; ``.workers`` are the actors,
+    ``.ran`` who ran each chunk (a pid that changes under one label: Ray restarted that
+    worker), ``.traces`` the collected trace paths (after the end).
     """
     return BatchStream(
         make_pipeline,
@@ -123,7 +129,7 @@ def run_batch(
     batch_size: int | None = None,
     num_cpus: float = 1,
     trace_dir: str | os.PathLike[str] | None = None,
-    max_restarts: int | None = None,
+    max_restarts: int = 3,
 ) -> list[Any]:
     """Run ``calls`` of a staged pipeline on Ray actors; the results in call order.
 
@@ -144,8 +150,10 @@ def run_batch(
         num_cpus: CPUs each worker asks for.
         trace_dir: a folder for each worker's trace (``worker-K.jsonl``, and
             ``probe.jsonl``); :func:`report` merges them.
-        max_restarts: how many replacement workers to start for dead ones (default: as
-            many as there are workers).
+        max_restarts: Ray's actor option: how many times Ray restarts each worker that
+            dies (-1: without limit). The chunks it had are retried on the restarted
+            worker (Ray's ``max_task_retries=-1``); an exception raised by the pipeline is
+            not retried.
 
     Example::
 

@@ -1,46 +1,24 @@
-"""The driver's side of a batch: start workers, hand out chunks, survive dead workers.
+"""The driver's side of ``run_batch``: stage-major chunks on Ray actors, Ray's fault tolerance.
 
-No scheduler of our own beyond handing the next chunk to whichever worker is free: Ray
-places the actors (by their ``memory=`` and CPU requests), and ``ray.wait`` says which
-worker finished or died. Only the thread iterating the stream touches its state.
+What Ray lacks is all that is here: the measured ``memory=`` request and chunks of calls
+run stage-major. Ray does the rest: it places the actors by their ``memory=`` and CPU
+requests, ``ray.util.ActorPool`` hands the next chunk to a free actor, and an actor that
+dies is restarted by Ray (``max_restarts``) and its chunk retried on it
+(``max_task_retries=-1``). A chunk's results come back in one task return, so none is lost
+or delivered twice. Only the thread iterating the stream touches its state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..units import format_size, parse_size
-from ._worker import SEED_KEY, Worker, call_kwargs, probe
-
-
-@dataclass(frozen=True)
-class Fault:
-    """A chunk whose worker died before returning it; the chunk was run again."""
-
-    chunk: int
-    worker: str
-    error: str
-
-
-def _lost_worker_errors() -> tuple[type[BaseException], ...]:
-    import ray.exceptions as rex
-
-    # A dead actor (ray.kill, a crash, the OOM killer, its node gone): the chunk is
-    # run again elsewhere. An exception raised by the pipeline itself is a RayTaskError
-    # and ends the batch instead.
-    return (
-        rex.RayActorError,
-        rex.WorkerCrashedError,
-        rex.OutOfMemoryError,
-        rex.NodeDiedError,
-        rex.LocalRayletDiedError,
-    )
+from ._worker import SEED_KEY, StagedRunner, call_kwargs
 
 
 def _chunks(n: int, workers: int, batch_size: int | None) -> list[list[int]]:
@@ -64,6 +42,11 @@ def fitting_workers(peak: int, num_cpus: float) -> dict[str, int]:
     return fit
 
 
+def _positive_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
 class BatchStream:
     """One batch on Ray; iterate it once for ``(index, result)`` pairs as chunks finish."""
 
@@ -77,7 +60,7 @@ class BatchStream:
         batch_size: int | None,
         num_cpus: float,
         trace_dir: str | os.PathLike[str] | None,
-        max_restarts: int | None,
+        max_restarts: int,
     ) -> None:
         if not callable(make_pipeline):
             raise TypeError(
@@ -87,14 +70,14 @@ class BatchStream:
         self.calls = list(calls)
         for call in self.calls:
             _check_call(call)
-        if workers is not None and (
-            isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
-        ):
-            raise ValueError(f"workers must be a positive int or None, got {workers!r}")
-        if batch_size is not None and (
-            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-        ):
-            raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+        if workers is not None:
+            _positive_int("workers", workers, minimum=1)
+        if batch_size is not None:
+            _positive_int("batch_size", batch_size, minimum=1)
+        if max_restarts != -1:  # Ray's meaning: -1 restarts without end
+            _positive_int(
+                "max_restarts (Ray's actor option; -1: no limit)", max_restarts, minimum=0
+            )
         if isinstance(memory, bool):
             raise TypeError(
                 f"memory must be bytes, a size such as '6G', a trace path or 'auto', got {memory!r}"
@@ -113,15 +96,13 @@ class BatchStream:
         self.peak: int | None = None
         #: Chunks of call indices; each runs as one ``map`` on one worker.
         self.chunks: list[list[int]] = []
-        #: Live worker actors (handles), by label.
+        #: Worker actors (handles), by label.
         self.workers: dict[str, Any] = {}
-        #: Where each worker ran: label -> {"pid", "node_id"}.
+        #: Where each worker last ran: label -> {"pid", "node_id", "threads"}.
         self.placement: dict[str, dict[str, Any]] = {}
-        #: Which worker ran each finished chunk: chunk -> label.
-        self.ran: dict[int, str] = {}
-        self.faults: list[Fault] = []
-        #: The chunk each worker is running now: label -> chunk.
-        self.busy: dict[str, int] = {}
+        #: Who ran each finished chunk: chunk -> {"label", "pid", "node_id", "threads"}.
+        #: A pid that changes under one label is a worker Ray restarted.
+        self.ran: dict[int, dict[str, Any]] = {}
         #: The collected trace files (after the batch ended, with ``trace_dir``).
         self.traces: list[Path] = []
         self._started_ray = False
@@ -144,16 +125,18 @@ class BatchStream:
     # -- internals -----------------------------------------------------------------------
     def _resolve_memory(self) -> tuple[int, dict[int, Any]]:
         """The per-worker request in bytes, and the probe's result if it ran one."""
-        import ray
-
         memory = self.memory  # its form was checked in __init__
         if isinstance(memory, int):
             return memory, {}
         if isinstance(memory, str) and memory.strip().lower() == "auto":
-            task = ray.remote(num_cpus=self.num_cpus, max_calls=1)(probe)
-            peak, result, text = ray.get(task.remote(self.make_pipeline, self.calls[0]))
-            self._save_trace("probe", text)
-            return int(peak), {0: result}
+            from ._predictor import probe_remote
+
+            peak, result, _ = probe_remote(
+                self.make_pipeline, self.calls[0], num_cpus=self.num_cpus, trace_dir=self.trace_dir
+            )
+            if self.trace_dir is not None:
+                self.traces.append(self.trace_dir / "probe.jsonl")
+            return peak, {0: result}
         if isinstance(memory, os.PathLike) or (isinstance(memory, str) and os.path.isfile(memory)):
             from . import peak_from
 
@@ -162,8 +145,8 @@ class BatchStream:
 
     def _run(self) -> Iterator[tuple[int, Any]]:
         import ray
+        from ray.util import ActorPool
 
-        lost = _lost_worker_errors()
         self.peak, done = self._resolve_memory()
         yield from done.items()
         fit = fitting_workers(self.peak, self.num_cpus)
@@ -175,81 +158,44 @@ class BatchStream:
                 f"more memory, or give a smaller memory= if the peak was over-measured"
             )
         todo = [i for i in range(len(self.calls)) if i not in done]
-        n = self.requested_workers or room
-        self.chunks = _chunks(len(todo), min(n, len(todo)), self.batch_size)
-        self.chunks = [[todo[k] for k in chunk] for chunk in self.chunks]
+        if not todo:
+            return
+        n = min(self.requested_workers or room, len(todo))
+        self.chunks = [[todo[k] for k in chunk] for chunk in _chunks(len(todo), n, self.batch_size)]
         n = min(n, len(self.chunks))
-        restarts = n if self.max_restarts is None else self.max_restarts
-        actor_cls = ray.remote(Worker)
-        pending = deque(range(len(self.chunks)))
-        refs: dict[Any, tuple[str, str, int | None]] = {}  # ref -> (kind, label, chunk)
-        idle: list[str] = []
-        started = 0
-
-        def start_worker() -> None:
-            nonlocal started
-            label = f"worker-{started}"
-            started += 1
-            actor = actor_cls.options(memory=self.peak, num_cpus=self.num_cpus).remote(
-                self.make_pipeline, label
-            )
-            self.workers[label] = actor
-            refs[actor.ready.remote()] = ("ready", label, None)
-
-        def give(label: str) -> None:
-            if pending:
-                chunk = pending.popleft()
-                calls = [self.calls[i] for i in self.chunks[chunk]]
-                refs[self.workers[label].run.remote(chunk, calls)] = ("run", label, chunk)
-                self.busy[label] = chunk
-            else:
-                idle.append(label)
-
-        for _ in range(n):
-            start_worker()
-        while pending or any(kind == "run" for kind, _, _ in refs.values()):
-            if not refs:
-                raise RuntimeError(
-                    f"every worker died and no restarts are left ({len(self.faults)} faults: "
-                    f"{self.faults!r}); raise max_restarts= to keep trying"
-                )
-            (ref,), _ = ray.wait(list(refs), num_returns=1)
-            kind, label, chunk = refs.pop(ref)
-            if chunk is not None:
-                self.busy.pop(label, None)
+        # Ray's fault tolerance: a dead actor is started again (max_restarts) and the
+        # chunks it had are retried on it (max_task_retries=-1: as long as it restarts).
+        # An exception raised by the pipeline is not retried: it ends the batch.
+        actor_cls = ray.remote(StagedRunner).options(
+            memory=self.peak,
+            num_cpus=self.num_cpus,
+            max_restarts=self.max_restarts,
+            max_task_retries=-1,
+        )
+        for k in range(n):
+            self.workers[f"worker-{k}"] = actor_cls.remote(self.make_pipeline, f"worker-{k}")
+        pool = ActorPool(list(self.workers.values()))
+        for chunk, indices in enumerate(self.chunks):
+            calls = [self.calls[i] for i in indices]
+            pool.submit(lambda actor, job: actor.run.remote(*job), (chunk, calls))
+        lost = _lost_worker_errors()
+        while pool.has_next():
             try:
-                value = ray.get(ref)
+                info, chunk, results = pool.get_next_unordered()
             except lost as exc:
-                if getattr(exc, "actor_init_failed", False):
-                    raise  # make_pipeline itself failed: a restart would fail the same way
-                self.workers.pop(label, None)
-                if chunk is not None:
-                    pending.appendleft(chunk)
-                    self.faults.append(Fault(chunk, label, type(exc).__name__))
-                if idle and pending:
-                    give(idle.pop(0))
-                elif restarts > 0 and pending:
-                    restarts -= 1
-                    start_worker()
-                continue
-            # The worker gets its next chunk before the results go out, so it computes
-            # while the caller handles them.
-            give(label)
-            if kind == "ready":
-                self.placement[label] = value
-            else:
-                assert chunk is not None
-                self.ran[chunk] = label
-                yield from zip(self.chunks[chunk], value, strict=True)
-        for label in list(self.workers):
-            if label not in self.placement:  # never started (no room yet): not needed
-                ray.kill(self.workers.pop(label))
+                raise RuntimeError(
+                    f"a worker died and Ray did not restart it (max_restarts="
+                    f"{self.max_restarts} per worker, Ray's actor option): {exc}. Give a "
+                    f"larger max_restarts= (or -1) to keep going"
+                ) from exc
+            self.ran[chunk] = info
+            self.placement[info["label"]] = {k: v for k, v in info.items() if k != "label"}
+            yield from zip(self.chunks[chunk], results, strict=True)
         finishing = {label: a.finish.remote() for label, a in self.workers.items()}
         for label, ref in finishing.items():
-            try:
+            # One that died after its last chunk: its results are in, its trace is not.
+            with contextlib.suppress(*lost):
                 self._save_trace(label, ray.get(ref))
-            except lost:  # died after its last chunk: its results are in, its trace is not
-                self.workers.pop(label, None)
 
     def _save_trace(self, label: str, text: str) -> None:
         if self.trace_dir is None:
@@ -267,6 +213,20 @@ class BatchStream:
         self.workers = {}
         if self._started_ray:
             ray.shutdown()
+
+
+def _lost_worker_errors() -> tuple[type[BaseException], ...]:
+    import ray.exceptions as rex
+
+    # A dead actor that Ray gave up on (restarts used up, node gone). An exception raised
+    # by the pipeline is a RayTaskError and passes through as it is.
+    return (
+        rex.RayActorError,
+        rex.WorkerCrashedError,
+        rex.OutOfMemoryError,
+        rex.NodeDiedError,
+        rex.LocalRayletDiedError,
+    )
 
 
 def _check_call(call: Any) -> None:
