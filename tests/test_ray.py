@@ -245,7 +245,7 @@ def test_staged_predictor_runs_a_batch_here(tmp_path, monkeypatch):
     import numpy as np
     import pandas as pd
 
-    from stageload.outer import TRACE_ENV
+    from stageload.core.outer import TRACE_ENV
     from stageload.ray import StagedPredictor
 
     monkeypatch.delenv(TRACE_ENV, raising=False)  # restored after: the runner sets it

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._cluster import connect, peak_from
 from ._predictor import StagedPredictor, peak_memory
 from ._stream import BatchStream
 from ._worker import SEED_KEY, call_kwargs, ray_threads, rows_to_calls, worker_threads
@@ -38,57 +39,6 @@ __all__ = [
     "stream_batch",
     "worker_threads",
 ]
-
-
-def connect(**init_kwargs: Any) -> bool:
-    """Make sure this process talks to a Ray cluster; True when it started a local one.
-
-    Uses the connection the caller opened with ``ray.init``; else the running cluster
-    (``ray.init(address="auto")``, which follows ``RAY_ADDRESS``); else starts a local Ray
-    bound to 127.0.0.1 without the dashboard (``init_kwargs`` go to that ``ray.init``).
-    """
-    import ray
-
-    if ray.is_initialized():
-        return False
-    try:
-        ray.init(address="auto", log_to_driver=False)
-        return False
-    except ConnectionError:
-        pass
-    options = {
-        "address": "local",
-        "_node_ip_address": "127.0.0.1",
-        "include_dashboard": False,
-        **init_kwargs,
-    }
-    ray.init(**options)
-    return True
-
-
-def peak_from(source: str | os.PathLike[str]) -> int:
-    """The peak footprint recorded in a trace (JSONL) or a ``stageload report --json``
-    file (its highest peak over all columns)."""
-    import json
-
-    path = Path(source)
-    text = path.read_text(encoding="utf-8")
-    if text.lstrip().startswith("{") and '"traces"' in text[:4096]:
-        try:
-            peaks = [t.get("peak_footprint") for t in json.loads(text)["traces"]]
-        except (ValueError, KeyError, TypeError, AttributeError):
-            peaks = []
-    else:
-        from ..report.trace import load_summary
-
-        peaks = [load_summary(path).peak_footprint]
-    peaks = [p for p in peaks if isinstance(p, int) and p > 0]
-    if not peaks:
-        raise ValueError(
-            f"memory={os.fspath(source)!r}: no peak footprint in that file; give a trace "
-            f"written by MemoryMeter or 'stageload meter', or memory= in bytes or '6G'"
-        )
-    return max(peaks)
 
 
 def stream_batch(

@@ -93,7 +93,7 @@ def probe_remote(
     """:func:`peak_memory`, also giving the call's result and the trace's text."""
     import ray
 
-    from . import connect
+    from ._cluster import connect
 
     if not callable(make_pipeline):
         raise TypeError(

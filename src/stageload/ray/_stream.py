@@ -114,7 +114,7 @@ class BatchStream:
         self._used = True
         if not self.calls:
             return
-        from . import connect
+        from ._cluster import connect
 
         self._started_ray = connect()
         try:
@@ -138,7 +138,7 @@ class BatchStream:
                 self.traces.append(self.trace_dir / "probe.jsonl")
             return peak, {0: result}
         if isinstance(memory, os.PathLike) or (isinstance(memory, str) and os.path.isfile(memory)):
-            from . import peak_from
+            from ._cluster import peak_from
 
             return peak_from(memory), {}
         return parse_size(memory), {}

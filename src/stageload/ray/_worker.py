@@ -2,7 +2,7 @@
 
 Each runner meters its own process with ``MemoryMeter`` and points ``STAGELOAD_TRACE`` at
 that trace before the pipeline is built, so every ``StagedModels`` the pipeline makes
-appends its loads, releases and stages there (the outer-trace contract, ``stageload.outer``).
+appends its loads, releases and stages there (the outer-trace contract, ``stageload.core.outer``).
 Nothing here imports ray at module level: the driver wraps these with ``ray.remote``, and
 Ray Data builds :class:`~stageload.ray.StagedPredictor` itself.
 """
