@@ -18,8 +18,8 @@ from stageload.demo import (
     make_models,
     run_pipeline,
     weights_dir,
-    weights_valid,
 )
+from stageload.demo.pipeline import weights_valid
 
 torch = pytest.importorskip("torch")
 SMALL = SIZES["small"]

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from fixtures.traces import MIB, eager_records, staged_records, write_trace
-from stageload.report.trace import SETUP, TraceError, Window, read_trace, stage_windows, summarize
+from stageload.core.events import SETUP
+from stageload.report.records import TraceError
+from stageload.report.trace import Window, read_trace, stage_windows, summarize
 
 
 @pytest.fixture

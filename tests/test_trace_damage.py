@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from fixtures.traces import MIB, staged_records, write_trace
-from stageload.report.trace import TraceError, read_trace, stage_windows, summarize
+from stageload.report.records import TraceError
+from stageload.report.trace import read_trace, stage_windows, summarize
 
 
 def _report(*argv: str) -> subprocess.CompletedProcess[str]:

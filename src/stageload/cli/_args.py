@@ -36,11 +36,16 @@ def duration(text: str) -> float:
 
 def interval(text: str) -> float:
     """A MemoryMeter's sampling interval: a duration within ``stageload.meter``'s
-    ``MIN_INTERVAL`` to ``MAX_INTERVAL`` (10 ms to 1 hour)."""
+    ``sampler.MIN_INTERVAL`` to ``MAX_INTERVAL`` (10 ms to 1 hour)."""
     try:
-        seconds = float(text)  # a plain number: the interval's own range says what is wrong
-    except ValueError:
         seconds = duration(text)
+    except argparse.ArgumentTypeError as exc:
+        try:  # a huge or infinite number: the interval's own range says what is wrong
+            seconds = float(text)
+        except ValueError:
+            raise exc from None
+        if not (seconds > 0 or seconds != seconds):
+            raise exc from None
     if seconds <= 0:
         raise argparse.ArgumentTypeError(
             f"interval must be more than 0 seconds, got {text!r}; e.g. '0.5' or '100ms'"

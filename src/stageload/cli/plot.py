@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..report.plot import MAX_DPI, MIN_DPI, PlotUnavailableError, plot_traces
-    from ..report.trace import TraceError
+    from ..report.records import TraceError
 
     if not MIN_DPI <= args.dpi <= MAX_DPI:
         print(

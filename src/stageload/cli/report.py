@@ -37,8 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..report.processes import load_views
+    from ..report.records import TraceError
     from ..report.tables import format_report, report_dict
-    from ..report.trace import TraceError, summarize
+    from ..report.trace import summarize
 
     try:
         # A trace with events from several processes gives one column per process.

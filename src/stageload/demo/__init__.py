@@ -44,7 +44,6 @@ from .pipeline import (
     run_pipeline,
     weights_dir,
 )
-from .pipeline import weights_valid as weights_valid
 
 #: Exit codes of ``stageload demo``.
 EXIT_OK = 0

@@ -23,8 +23,6 @@ from ..memory import (
     to_sample,
 )
 from ..units import parse_duration
-from .sampler import MAX_INTERVAL as MAX_INTERVAL
-from .sampler import MIN_INTERVAL as MIN_INTERVAL
 from .sampler import Channel, Messages, Sampler, check_interval, pid_alive, read_system_for
 from .tracefile import TraceWriter
 
@@ -53,7 +51,7 @@ class MemoryMeter:
 
     Samples the footprint of ``pid`` (default: this process), summed over its process tree
     unless ``tree=False``, with available memory, swap and pressure, every ``interval``
-    seconds (from ``MIN_INTERVAL``, 10 ms, to ``MAX_INTERVAL``, 1 hour).
+    seconds (from ``sampler.MIN_INTERVAL``, 10 ms, to ``sampler.MAX_INTERVAL``, 1 hour).
     ``sampler="process"`` (the default) samples from a separate process, which keeps
     sampling while native code holds the GIL; ``"thread"`` samples from a thread in this
     process. Device memory (CUDA, MPS) can only be read here, so when ``pid`` is this

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 from ..core.events import Event
 from ..errors import StageloadError
-from ..memory import DEVICE_KEYS as DEVICE_KEYS  # sample keys of device memory, report order
+from ..memory import DEVICE_KEYS  # sample keys of device memory, report order
 
 #: The longest line read as a record (16 MiB): a start record with a long command is under
 #: 1 MiB; a longer "line" is not a trace (``/dev/zero`` has no end of line at all).

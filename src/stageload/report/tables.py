@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..memory import DEVICE_KEYS
 from ..units import format_duration, format_size
 from .records import MAX_T
-from .trace import DEVICE_KEYS, NO_REASON, Activity, Summary
+from .trace import NO_REASON, Activity, Summary
 
 #: What a cell shows for a stage the trace never reached.
 NOT_REACHED = "-"

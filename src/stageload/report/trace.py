@@ -18,9 +18,7 @@ from ..core.events import (
     RELEASE,
     SETUP,
 )
-from .records import DEVICE_KEYS as DEVICE_KEYS
 from .records import Mark, Sample, Trace, TraceEvent, _int, read_trace
-from .records import TraceError as TraceError
 
 #: The order the report lists release reasons in: the ones the core writes.
 RELEASE_REASONS = (REASON_BUDGET, REASON_NOT_IN_PLAN, REASON_EVICT, REASON_CLOSE)

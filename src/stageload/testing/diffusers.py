@@ -19,9 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 # The Qwen fixtures save this processor; loading them back needs its module imported.
 from ..diffusers._qwen_processor import Qwen3VLTextImageProcessor
-
-# fill_random, SENTENCES and QWEN_SPECIALS are re-exported: they were public here before the
-# tokenizers and weights moved to their own modules.
 from ._components import (
     _clip_config,
     _kl_vae,
@@ -30,17 +27,13 @@ from ._components import (
     _rope_axes,
     _t5_config,
 )
-from ._components import (
-    fill_random as fill_random,
-)
 from ._tokenizers import (
     QWEN_CHAT_TEMPLATE,
+    QWEN_SPECIALS,
     clip_tokenizer,
     qwen_tokenizer,
     t5_tokenizer,
 )
-from ._tokenizers import QWEN_SPECIALS as QWEN_SPECIALS
-from ._tokenizers import SENTENCES as SENTENCES
 
 if TYPE_CHECKING:
     import torch
