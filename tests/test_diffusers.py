@@ -593,14 +593,15 @@ def test_a_hook_the_constructor_registers_fires_once_after_many_loads(tmp_path: 
     the loaded model's (a constructor's hook fired k+1 times after the k-th load); the
     user's hook stays."""
     from stageload import release
-    from stageload.diffusers._placeholder import build_skeleton, fill
+    from stageload.diffusers._placeholder import Tracked, build_skeleton, fill
 
     _HookedModel(width=4).save_pretrained(tmp_path)
     skeleton = build_skeleton(_HookedModel, tmp_path, torch.float32)
+    tracked = Tracked(skeleton)
     user: list[str] = []
     skeleton.proj.register_forward_hook(lambda m, a, out: user.append("user"))
     for _ in range(3):
-        fill(skeleton, _HookedModel.from_pretrained(tmp_path))
+        fill(skeleton, _HookedModel.from_pretrained(tmp_path), tracked)
         fired = len(skeleton.fired)
         skeleton(torch.zeros(1, 4))
         assert len(skeleton.fired) - fired == 1 and user == ["user"]

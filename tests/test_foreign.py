@@ -3,7 +3,8 @@
 The one hook protocol (``stageload.hooks.registry``) keeps them few: on a module, the hook
 registry and the ``forward`` it wraps; on an object whose attribute is patched (``on_call``,
 ``share``), that attribute, until the patch is removed. The diffusers adapter adds
-accelerate's ``_hf_hook`` on a placeholder (diffusers reads it) and ``pipe.stageload``.
+accelerate's ``_hf_hook`` on a placeholder (diffusers reads it), a patch of its
+``save_pretrained``, and ``pipe.stageload``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from stageload.hooks.registry import HOOKS_ATTR
 
 #: On any module stageload hooks (a released one, a placeholder's parts).
 ON_MODULES = {HOOKS_ATTR, "forward"}
-#: On a diffusers placeholder itself, besides: accelerate's hook protocol.
-ON_PLACEHOLDERS = {HF_HOOK_ATTR}
+#: On a diffusers placeholder itself, besides: accelerate's hook protocol, and the patch that
+#: loads the component around its own save_pretrained.
+ON_PLACEHOLDERS = {HF_HOOK_ATTR, "save_pretrained"}
 #: On a staged diffusers pipeline: the handle users reach the stager by.
 ON_PIPELINES = {"stageload"}
 

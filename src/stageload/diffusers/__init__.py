@@ -268,7 +268,11 @@ class StagedPipeline:
             if dtype is not None:
                 target["dtype"] = dtype
             if self.models.is_loaded(name):
+                tracked = self._tracked[name]
+                unchanged = set(tracked.names(skeleton, unchanged=True))
                 _placeholder.real_to(skeleton, device=device, dtype=dtype)
+                # Every later load gets the same conversion: not a change of the user's.
+                tracked.filled(skeleton, unchanged)
             elif dtype is not None:  # on meta only the dtype changes now; the device at load
                 _placeholder.real_to(skeleton, dtype=dtype)
 

@@ -392,17 +392,31 @@ class Tracked:
     def __init__(self, skeleton: nn.Module) -> None:
         # Keyed by id, holding the tensor so the id cannot be reused.
         self._origin = {id(t): (t, name) for name, t in named_tensors(skeleton)}
+        # A checkpoint tensor's name when the placeholder was built -> its checkpoint key:
+        # a conversion (nn.Module._apply) gives a buffer a new object under the same name.
+        self._by_name = {name: name for name, _ in named_tensors(skeleton)}
         self._marks: dict[int, _Mark] = {}
         self.receiving = False  # a load_state_dict is about to fill what was added
+
+    def key(self, name: str, t: torch.Tensor) -> str | None:
+        """The checkpoint key of ``t`` (at ``name`` in the placeholder), or None for a
+        tensor the checkpoint does not hold (an adapter's)."""
+        hit = self._origin.get(id(t))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        key = self._by_name.get(name)
+        if key is not None:  # a new object where a checkpoint tensor was: that tensor
+            self._origin[id(t)] = (t, key)
+        return key
 
     def names(self, module: nn.Module, *, unchanged: bool = False) -> dict[str, str]:
         """Name in ``module`` -> checkpoint key, for its checkpoint tensors (only those
         unchanged since filled, with ``unchanged``)."""
         out: dict[str, str] = {}
         for name, t in named_tensors(module):
-            hit = self._origin.get(id(t))
-            if hit is not None and hit[0] is t and not (unchanged and self.changed(t)):
-                out[name] = hit[1]
+            key = self.key(name, t)
+            if key is not None and not (unchanged and self.changed(t)):
+                out[name] = key
         return out
 
     def changed(self, t: torch.Tensor) -> bool:
@@ -420,22 +434,20 @@ class Tracked:
             or not _same_sample(mark.sample, t)
         )
 
-    def origins(self) -> dict[int, tuple[torch.Tensor, str]]:
-        return self._origin
-
     def added_empty(self, module: nn.Module) -> list[str]:
         """Names of tensors added to ``module`` while it was empty that still have no values
         (peft's ``add_adapter`` on an unloaded component creates them on meta)."""
-        return [n for n, t in named_tensors(module) if t.is_meta and id(t) not in self._origin]
+        return [n for n, t in named_tensors(module) if t.is_meta and self.key(n, t) is None]
 
-    def empty(self, module: nn.Module) -> set[int]:
-        """The ids of ``module``'s empty tensors: what a fill is about to fill."""
-        return {id(t) for _, t in named_tensors(module) if t.is_meta}
+    def empty(self, module: nn.Module) -> set[str]:
+        """The names of ``module``'s empty tensors: what a fill is about to fill."""
+        return {name for name, t in named_tensors(module) if t.is_meta}
 
-    def filled(self, module: nn.Module, fresh: set[int]) -> None:
-        """Record the tensors ``fresh`` (ids) as a fill from the checkpoint just left them."""
-        for _, t in named_tensors(module):
-            if id(t) in fresh and id(t) in self._origin and not t.is_meta:
+    def filled(self, module: nn.Module, fresh: set[str]) -> None:
+        """Record the tensors named in ``fresh`` as a fill (or a conversion the stager
+        applies to every load) just left them: the baseline a change is seen against."""
+        for name, t in named_tensors(module):
+            if name in fresh and not t.is_meta and self.key(name, t) is not None:
                 self._marks[id(t)] = _Mark(
                     t.data_ptr(), tensor_version(t), tuple(t.shape), t.dtype, _sample(t)
                 )
@@ -443,11 +455,10 @@ class Tracked:
     def retain(self, module: nn.Module) -> list[torch.Tensor]:
         """The tensors a release must leave in memory: those the checkpoint cannot give back."""
         kept: dict[int, torch.Tensor] = {}
-        for _, t in named_tensors(module):
+        for name, t in named_tensors(module):
             if t.is_meta or id(t) in kept:
                 continue
-            hit = self._origin.get(id(t))
-            if hit is None or hit[0] is not t or self.changed(t):
+            if self.key(name, t) is None or self.changed(t):
                 kept[id(t)] = t
         return list(kept.values())
 
@@ -494,8 +505,8 @@ def fill(skeleton: nn.Module, loaded: nn.Module, tracked: Tracked) -> nn.Module:
         for name, t in named_tensors(skeleton):
             if not t.is_meta:
                 continue  # filled under another name (tied), or the user's: stays
-            if id(t) not in tracked.origins():
-                continue  # added while empty: see added_empty below
+            if tracked.key(name, t) is None:
+                continue  # added while empty: see check_added
             source = sources.get(keys.get(name, ""))
             if source is None:
                 raise TypeError(
@@ -503,8 +514,9 @@ def fill(skeleton: nn.Module, loaded: nn.Module, tracked: Tracked) -> nn.Module:
                     f"placeholder; the checkpoint's config changed since the pipeline was built"
                 )
             if id(source) in taken:  # tied in the loaded model, not in the placeholder:
-                # a second tensor on the same memory, as tied as two objects can be
-                torch.utils.swap_tensors(t, _like(t, taken[id(source)].detach()))
+                # tie it the same way (transformers ties weights in from_pretrained)
+                prefix, _, key = name.rpartition(".")
+                setattr(skeleton.get_submodule(prefix), key, taken[id(source)])
                 continue
             taken[id(source)] = t
             torch.utils.swap_tensors(t, _like(t, source))

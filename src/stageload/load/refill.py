@@ -100,10 +100,9 @@ def reload(
     converts afterwards, as ``.to(dtype)`` did the first time."""
     import torch
 
-    names = names or {}
     with torch.no_grad():
         for target in _targets(module):
-            name = _key(target, names)
+            name = _key(target, names or {})
             old = target.tensor
             if not old.is_meta:
                 continue
