@@ -339,3 +339,40 @@ def test_a_model_larger_than_its_cgroup_runs_streamed_where_eager_is_oom_killed(
     assert stats["bytes_read"] == depth * block_bytes(width)
     # It stayed under the limit with room to spare; eager needed more than the limit.
     assert run.usage.peak < limit < eager_peak
+
+
+def test_the_report_rolls_block_events_up_per_model(stack: Path, tmp_path: Path) -> None:
+    """A real streamed run's events in a trace: the report counts its blocks, bytes read,
+    and seconds read and computed, per streamed model."""
+    from stageload.core.events import Event
+    from stageload.meter.tracefile import TraceWriter
+    from stageload.report.tables import format_report
+    from stageload.report.trace import load_summary
+
+    sink = ListSink()
+    path = tmp_path / "stream.jsonl"
+    with TraceWriter(path) as writer:
+        writer.start(pid=1, meta={"label": "streamed"})  # before the events: t >= 0
+        writer.event(Event("stage", stage="denoise"))
+        model = streamed(build, stack, name="stack", events=sink)
+        with torch.no_grad():
+            model(x_of(0))
+            model(x_of(1))
+        for event in sink.events:
+            writer.event(event)
+        writer.end()
+    summary = load_summary(path)
+    blocks = summary.blocks["stack"]
+    assert blocks.count == 2 * DEPTH and blocks.bytes == 2 * DEPTH * block_bytes(WIDTH)
+    assert blocks.seconds == pytest.approx(sum(e.seconds for e in sink.events), abs=1e-4)
+    assert blocks.compute == pytest.approx(sum(e.compute for e in sink.events), abs=1e-4)
+    assert summary.to_dict()["blocks"]["stack"]["count"] == 2 * DEPTH
+    row = next(r for r in format_report([summary]).splitlines() if "blocks of stack" in r)
+    assert f"{2 * DEPTH}: " in row and "read in" in row and "computed" in row
+    # Control: a trace without block events has no such row.
+    plain = tmp_path / "plain.jsonl"
+    with TraceWriter(plain) as writer:
+        writer.start(pid=1, meta={"label": "eager"})
+        writer.event(Event("stage", stage="denoise"))
+        writer.end()
+    assert "blocks of" not in format_report([load_summary(plain)])
