@@ -8,6 +8,7 @@ The tests and ``bench/stream.py`` build one larger than a memory cgroup, save it
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,38 @@ def save_block_stack(
     return {"width": width, "depth": depth, "features": features}
 
 
+class PeakFootprint:
+    """This process's peak footprint (``stageload.memory``: anonymous + shmem + swap),
+    sampled every ``interval`` seconds on a thread while the ``with`` body runs.
+
+    Not a cgroup's peak, which also counts the page cache the reads filled (reclaimable,
+    and reclaimed at the limit), nor VmHWM, which counts library pages charged elsewhere.
+    """
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        from ..memory import read_process
+
+        while True:
+            footprint = read_process(os.getpid()).footprint or 0
+            self.peak = max(self.peak, footprint)
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> PeakFootprint:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def run(mode: str, checkpoint: str, out: str | None, *, rows: int = 8, prefetch: bool = True,
         config: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
     """Load the stack ``eager`` (``from_safetensors``) or ``streamed``, run it once on a
@@ -95,22 +128,24 @@ def run(mode: str, checkpoint: str, out: str | None, *, rows: int = 8, prefetch:
         return BlockStack(cfg["width"], cfg["depth"], cfg["features"])
 
     x = torch.randn(rows, cfg["features"], generator=torch.Generator().manual_seed(1))
-    start = time.perf_counter()
-    if mode == "eager":
-        model = from_safetensors(build, checkpoint)()
-    elif mode == "streamed":
-        model = streamed(build, checkpoint, prefetch=prefetch, name="stack")
-    else:
-        raise ValueError(f"mode must be 'eager' or 'streamed', got {mode!r}")
-    loaded = time.perf_counter()
-    with torch.inference_mode():
-        y = model(x)
-    done = time.perf_counter()
+    with PeakFootprint() as meter:
+        start = time.perf_counter()
+        if mode == "eager":
+            model = from_safetensors(build, checkpoint)()
+        elif mode == "streamed":
+            model = streamed(build, checkpoint, prefetch=prefetch, name="stack")
+        else:
+            raise ValueError(f"mode must be 'eager' or 'streamed', got {mode!r}")
+        loaded = time.perf_counter()
+        with torch.inference_mode():
+            y = model(x)
+        done = time.perf_counter()
     if out is not None:
         torch.save(y, out)
     stream = stream_of(model)
     result = {
         "mode": mode,
+        "peak_footprint": meter.peak,
         "load_seconds": loaded - start,
         "call_seconds": done - loaded,
         "stats": stream.stats.to_dict() if stream is not None else None,
