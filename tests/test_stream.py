@@ -379,3 +379,29 @@ def test_the_report_rolls_block_events_up_per_model(stack: Path, tmp_path: Path)
         writer.event(Event("stage", stage="denoise"))
         writer.end()
     assert "blocks of" not in format_report([load_summary(plain)])
+
+
+def test_staged_models_release_and_reload_a_streamed_model(stack: Path) -> None:
+    """As one model of a StagedModels: a stage that does not list it releases it (the parts
+    outside the blocks; no block is loaded between calls), and the next use builds it anew."""
+    sink = ListSink()
+    models = staged(stack, sink)
+    models.enter("denoise")
+    first = models["stack"]
+    with torch.no_grad():
+        want = first(x_of(0))
+    rest = resident_bytes(first)
+    models.enter("after")
+    (released,) = sink.kinds("release")
+    assert released.model == "stack" and released.bytes == rest  # no block was left in memory
+    assert resident_bytes(first) == 0
+    models.enter("denoise")
+    again = models["stack"]
+    assert again is not first
+    with torch.no_grad():
+        assert torch.equal(again(x_of(0)), want)
+    # Control: the released object itself refuses a call, as any released model does.
+    from stageload import ReleasedModuleError
+
+    with pytest.raises(ReleasedModuleError), torch.no_grad():
+        first(x_of(0))
