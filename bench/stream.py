@@ -229,8 +229,8 @@ def main() -> None:
         "checkpoint_bytes": size,
         "block_bytes": per_block,
         "limit": limit,
-        "machine": "2 cores shared with 4 other engineers' jobs (load average 8-13 during "
-        "the run: noisy), cgroup v1, no swap",
+        "machine": "2 cores shared with 4 other engineers' jobs (noisy: load average 7 to 13 "
+        "during this session), cgroup v1, no swap",
         "runs": [],
     }
 
