@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("stageload.hooks", "stageload.memory"),
     ("stageload.load",),
     ("stageload.core",),
+    ("stageload.stream",),
     ("stageload.meter", "stageload.report"),
     ("stageload.guard",),
     ("stageload.diffusers", "stageload.pixal3d", "stageload.ray", "stageload.demo"),

@@ -34,6 +34,7 @@ def test_every_field_of_an_event_survives_a_round_trip(tmp_path: Path) -> None:
         seconds=0.25,
         note="a note",
         reason=REASON_BUDGET,
+        compute=1.5,
         time=time.monotonic(),
     )
     assert all(getattr(event, f.name) is not None for f in fields(Event))

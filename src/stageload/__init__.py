@@ -34,6 +34,9 @@ _EXPORTS: dict[str, str] = {
     "return_memory_to_os": "hooks.release",
     "load_weights": "load.weights",
     "from_safetensors": "load.weights",
+    "streamed": "stream",
+    "stream_of": "stream",
+    "StreamError": "stream",
     "checkpoint_bytes": "load.checkpoint",
     "CheckpointError": "load.checkpoint",
     "StageloadError": "errors",
@@ -77,4 +80,5 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
     from .load.checkpoint import CheckpointError, checkpoint_bytes
     from .load.weights import from_safetensors, load_weights
     from .meter import MemoryMeter
+    from .stream import StreamError, stream_of, streamed
     from .units import format_size, parse_size

@@ -17,6 +17,10 @@ Randomness belongs to the call: every call starts from the global RNG state at
 ``map()``'s entry, and the scheduler saves the running call's state and restores the
 next one's at every switch (torch CPU/CUDA/MPS, ``random``, NumPy; see ``rng``).
 
+Block-major: a streamed model (``stageload.stream``) parks a call at each block with
+:meth:`Batch.gather` instead; calls parked for a block run before any stage change, the
+smallest key first, so each block is loaded once for all the calls that reach it.
+
 Threads: the scheduler alone enters stages for the batch; a call only runs while it holds
 the turn. Loads happen in whichever thread asks for the model (``models[name]``), under
 the registry's own lock, which no parked call holds.
@@ -39,6 +43,13 @@ if TYPE_CHECKING:
     from torch import nn
 
 _SCHEDULER = -1
+# The batch whose call runs on this thread (set in each call's own thread).
+_running = threading.local()
+
+
+def current_batch() -> Batch | None:
+    """The batch whose call runs on this thread, or None outside any batch's calls."""
+    return getattr(_running, "batch", None)
 
 
 class BatchHost(Protocol):
@@ -82,13 +93,16 @@ class _Abandoned(BaseException):
 
 
 class _Call:
-    __slots__ = ("index", "item", "thread", "want", "done", "result", "error", "rng")
+    __slots__ = ("index", "item", "thread", "want", "key", "served", "done", "result", "error",
+                 "rng")  # fmt: skip
 
     def __init__(self, index: int, item: Any, rng: RngState) -> None:
         self.index = index
         self.item = item
         self.thread: threading.Thread | None = None
         self.want: str | None = None  # the stage it is parked for
+        self.key: tuple[int, ...] | None = None  # what it gathers for (gather)
+        self.served = (0, 1)  # its place among the calls served for that key, and how many
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
@@ -128,6 +142,26 @@ class Batch:
         self._hand_back(call)
         call.want = None
 
+    def gather(self, key: tuple[int, ...]) -> tuple[int, int]:
+        """Park the calling call until the batch serves ``key`` (a streamed block).
+
+        Once every live call has parked or ended, the calls parked for the smallest key run
+        first (before any stage change), one at a time in item order. Returns
+        ``(rank, count)``: this call's place among those served together, so the last one
+        can free what they shared. Outside the batch's calls: ``(0, 1)`` at once.
+        """
+        call = self._by_thread.get(threading.get_ident())
+        if call is None:
+            return (0, 1)
+        if self._abandoned:
+            raise _Abandoned
+        call.key = key
+        try:
+            self._hand_back(call)
+        finally:
+            call.key = None
+        return call.served
+
     def _hand_back(self, call: _Call) -> None:
         with self._cond:
             self._turn = _SCHEDULER
@@ -148,6 +182,7 @@ class Batch:
                 raise _Abandoned
             grad, inference = modes  # thread-local in torch: take the caller's
             mode = torch.inference_mode() if inference else torch.set_grad_enabled(grad)
+            _running.batch = self
             with mode:
                 call.result = context.run(self._fn, call.item)
         except BaseException as exc:  # noqa: BLE001 (the scheduler decides what to raise)
@@ -183,6 +218,14 @@ class Batch:
             for call in self._calls:  # setup: each call runs until its first stage change
                 self._resume(call)
             while live := [c for c in self._calls if not c.done]:
+                keys = [c.key for c in live if c.key is not None]
+                if keys:  # blocks of the current stage before any stage change
+                    key = min(keys)
+                    group = [c for c in live if c.key == key]
+                    for rank, call in enumerate(group):
+                        call.served = (rank, len(group))
+                        self._resume(call)
+                    continue
                 stage = min((c.want for c in live if c.want), key=self._order.__getitem__)
                 self._enter(stage, live)
                 for call in live:

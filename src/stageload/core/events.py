@@ -18,6 +18,10 @@ NOTE = "note"
 #: A load run ahead of need in a background thread (``StagedModels(prefetch=...)``), so it
 #: overlaps the current stage's compute; ``note`` names the stage it is for.
 PREFETCH = "prefetch"
+#: One block of a streamed model (``stageload.streamed``) read from its checkpoint, used and
+#: released: ``model`` is the streamed model's name, ``note`` the block's path, ``bytes`` and
+#: ``seconds`` the read, ``compute`` the seconds its calls computed with it.
+BLOCK = "block"
 
 #: Why a model was released: the ``reason`` of a ``release`` event.
 REASON_NOT_IN_PLAN = "not in plan"  # the entered stage does not list it (no stage, under a budget)
@@ -43,6 +47,8 @@ class Event:
     seconds: float | None = None
     note: str | None = None
     reason: str | None = None
+    #: Seconds of compute a ``block`` event's block served (the other kinds leave it unset).
+    compute: float | None = None
     time: float = field(default_factory=time.monotonic)
 
     def to_dict(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from .records import Trace, read_trace
 
 #: Event kinds that belong to a pipeline; a process that emitted one of these gets a view.
 #: Others (the guard's decisions, notes) go into every view; ``process`` events bound it.
-PIPELINE_KINDS = frozenset({"stage", "load", "reload", "release", "prefetch"})
+PIPELINE_KINDS = frozenset({"stage", "load", "reload", "release", "prefetch", "block"})
 
 
 def pipeline_pids(trace: Trace) -> list[int | None]:

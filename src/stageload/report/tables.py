@@ -8,7 +8,7 @@ from typing import Any
 from ..memory import DEVICE_KEYS
 from ..units import format_duration, format_size
 from .records import MAX_T
-from .trace import NO_REASON, Activity, Summary
+from .trace import NO_REASON, Activity, Blocks, Summary
 
 #: What a cell shows for a stage the trace never reached.
 NOT_REACHED = "-"
@@ -79,6 +79,19 @@ def _activity(activity: Activity) -> str:
     return f"{activity.count}: {format_size(activity.bytes)} in {format_duration(activity.seconds)}"
 
 
+def _blocks_cell(model: str) -> Any:
+    def cell(summary: Summary) -> str:
+        blocks = summary.blocks.get(model, Blocks())
+        if blocks.count == 0:
+            return "0"
+        return (
+            f"{blocks.count}: {format_size(blocks.bytes)} read in "
+            f"{format_duration(blocks.seconds)}, computed {format_duration(blocks.compute)}"
+        )
+
+    return cell
+
+
 def _reason_cell(reason: str) -> Any:
     def cell(summary: Summary) -> str:
         return _activity(summary.releases_by_reason.get(reason, Activity()))
@@ -126,6 +139,11 @@ def whole_run_rows(summaries: Sequence[Summary]) -> list[list[str]]:
     if any(s.prefetches.count for s in summaries):  # only runs with prefetch have them
         at = [name for name, _ in rows].index("releases")
         rows.insert(at, ("prefetches", lambda s: _activity(s.prefetches)))
+    streamed: list[str] = []
+    for summary in summaries:  # streamed models: blocks read, bytes, read vs compute time
+        streamed += [m for m in summary.blocks if m not in streamed]
+    at = [name for name, _ in rows].index("samples")
+    rows[at:at] = [(f"blocks of {model}", _blocks_cell(model)) for model in streamed]
     if any(s.marks for s in summaries):
         rows.append(("marks", lambda s: str(len(s.marks))))
     return [[name, *(fn(s) for s in summaries)] for name, fn in rows]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.events import (
+    BLOCK,
     REASON_BUDGET,
     REASON_CLOSE,
     REASON_EVICT,
@@ -128,6 +129,26 @@ class Activity:
 
 
 @dataclass
+class Blocks:
+    """The ``block`` events of one streamed model: blocks read, bytes, seconds reading
+    (overlapped with compute where prefetched) and seconds computing with them."""
+
+    count: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    compute: float = 0.0
+
+    def add(self, event: TraceEvent) -> None:
+        self.count += 1
+        self.bytes += event.bytes or 0
+        self.seconds += event.seconds or 0.0
+        self.compute += event.compute or 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
 class Summary:
     """What a trace says about the run, per stage and as a whole."""
 
@@ -167,6 +188,8 @@ class Summary:
     bad_lines: list[int] = field(default_factory=list)
     bad_times: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    #: Streamed models (``stageload.streamed``): their ``block`` events per model name.
+    blocks: dict[str, Blocks] = field(default_factory=dict)
 
     def stage(self, name: str) -> StageSummary | None:
         """The summary of stage ``name``, or ``None`` if the run never reached it."""
@@ -200,6 +223,7 @@ class Summary:
             "prefetches": self.prefetches.to_dict(),
             "releases": self.releases.to_dict(),
             "releases_by_reason": {k: v.to_dict() for k, v in self.releases_by_reason.items()},
+            "blocks": {k: v.to_dict() for k, v in self.blocks.items()},
             "marks": [asdict(m) for m in self.marks],
             "read_errors": self.read_errors,
             "skipped": {
@@ -250,7 +274,10 @@ def summarize(trace: Trace) -> Summary:
         "release": Activity(),
     }
     by_reason: dict[str, Activity] = {}
+    blocks: dict[str, Blocks] = {}
     for event in trace.events:
+        if event.kind == BLOCK:
+            blocks.setdefault(event.model or "?", Blocks()).add(event)
         if event.kind in activity:
             activity[event.kind].add(event)
         if event.kind == RELEASE:
@@ -294,6 +321,7 @@ def summarize(trace: Trace) -> Summary:
         read_errors=read_errors,
         meta=trace.meta,
         pid=trace.pid,
+        blocks=blocks,
     )
 
 
