@@ -28,7 +28,7 @@ from ..core.staged import StagedModels
 from ..hooks.registry import patch
 from ..hooks.release import ReleasedModuleError, release
 from ..load.refill import Recipe, learn, reload
-from . import _placeholder
+from . import _marks, _placeholder
 from ._args import (
     _MODEL_KWARGS,
     _check_device,
@@ -449,7 +449,7 @@ def staged_pipeline(
     models = model_components(folder)
     check_fits(pipeline_cls, folder, from_pretrained_kwargs)
     given = {name for name in from_pretrained_kwargs if name in models}
-    plan, staged = choose_plan(pipeline_cls, folder, models, given, stages)
+    plan, staged, marks = choose_plan(pipeline_cls, folder, models, given, stages)
     keep = check_keep(keep, staged, folder)
 
     dtypes = {
@@ -502,9 +502,11 @@ def staged_pipeline(
             functools.partial(state.models.__getitem__, name),
         )
         _placeholder.attach(skeleton, hook)
+    _marks.attach(state, pipe.components, marks)  # resident components begin their stage
     pipe.stageload = state
     state._pipeline = weakref.ref(pipe)  # for map(); the pipeline owns its stager
-    summary = "; ".join(f"{s}: {', '.join(n)}" for s, n in state.plan.items())
+    resident = {s: [f"{n} (resident)" for n, at in marks.items() if at == s] for s in state.plan}
+    summary = "; ".join(f"{s}: {', '.join([*n, *resident[s]])}" for s, n in state.plan.items())
     note = Event(NOTE, note=f"staged {pipeline_cls.__name__}: {summary}")
     state.emit(note)  # to the sink and, under `stageload meter`, its trace
     return pipe
