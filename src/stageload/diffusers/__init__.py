@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._external import progress_bars_disabled
 from ..core.events import NOTE, Event, EventSink
 from ..core.policy import parse_budget
 from ..core.staged import StagedModels
@@ -160,6 +161,8 @@ class StagedPipeline:
         recipe = self._recipes.get(name)
         if recipe is not None:  # refill in place from the files, as the first load was
             fresh = tracked.empty(skeleton)
+            pipe = self._pipeline() if self._pipeline is not None else None
+            quiet = pipe is not None and progress_bars_disabled(pipe)  # as the pipeline's bars
             reload(
                 skeleton,
                 recipe,
@@ -167,6 +170,8 @@ class StagedPipeline:
                 target["dtype"],
                 _placeholder.real_to,
                 names=tracked.names(skeleton),
+                name=name,
+                progress=not quiet,
             )
             tracked.filled(skeleton, fresh)
             _placeholder.check_added(name, skeleton, tracked)
