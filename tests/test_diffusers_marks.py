@@ -185,3 +185,27 @@ def test_the_mark_is_a_hook_of_the_one_protocol(small_vae: Path) -> None:
     for sub in pipe.vae.modules():
         registry = HookRegistry.of(sub)
         assert registry is not None and isinstance(registry.get(_marks.MARK), _marks.StageMark)
+
+
+def _leaf(module: torch.nn.Module) -> torch.nn.Module:
+    """A submodule that takes any tensor (an activation): calling it runs its hooks."""
+    kinds = (torch.nn.SiLU, torch.nn.GELU, torch.nn.ReLU, torch.nn.Dropout, torch.nn.Identity)
+    return next(m for m in module.modules() if isinstance(m, kinds))
+
+
+def test_a_replaced_or_copied_component_marks_nothing(small_vae: Path) -> None:
+    import copy
+
+    sink = ListSink()
+    pipe = staged_pipeline(diffusers.QwenImage21Pipeline, small_vae, events=sink)
+    old = pipe.vae
+    pipe.stageload.models.enter("denoise")
+    copied = copy.deepcopy(old)  # copies the hooks, not the stager (it holds locks)
+    _leaf(copied)(torch.zeros(2))
+    assert _stages(sink) == ["denoise"]  # the copy is not the pipeline's VAE
+    _leaf(old)(torch.zeros(2))
+    assert _stages(sink) == ["denoise", "decode"]  # the control: the pipeline's VAE marks
+    pipe.stageload.models.enter("denoise")
+    pipe.vae = copied
+    _leaf(old)(torch.zeros(2))
+    assert _stages(sink) == ["denoise", "decode", "denoise"]  # replaced: it marks no more

@@ -12,6 +12,7 @@ components are staged does not change.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -28,19 +29,32 @@ MARK = "stage_mark"
 
 
 class StageMark(ModuleHook):
-    """On every submodule of a component that stays loaded: its calls begin ``stage``."""
+    """On every submodule of a component that stays loaded: its calls begin ``stage``.
 
-    def __init__(self, state: StagedPipeline, name: str, stage: str) -> None:
-        self.state = state
+    The stager is held weakly: ``copy.deepcopy`` of the component copies its hooks, and
+    must neither copy the stager (locks, every model) nor keep it alive. The component is
+    held strongly, so a deep copy's mark points at the copy, which the pipeline does not
+    hold: it marks nothing.
+    """
+
+    def __init__(self, state: StagedPipeline, name: str, stage: str, component: nn.Module) -> None:
+        self._state = weakref.ref(state)
         self.name = name
         self.stage = stage
+        self.component = component
 
     def pre_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Runs before every submodule call of the component: inside its stage, one
         # comparison and nothing else.
-        if self.state.models.stage != self.stage:
-            enter(self.state, self.stage)
+        state = self._state()
+        if state is not None and state.models.stage != self.stage and self._held_by(state):
+            enter(state, self.stage)
         return None
+
+    def _held_by(self, state: StagedPipeline) -> bool:
+        # Replaced on the pipeline (pipe.vae = ...), the old module marks nothing any more.
+        pipe = state._pipeline() if state._pipeline is not None else None
+        return pipe is not None and getattr(pipe, self.name, None) is self.component
 
     def __repr__(self) -> str:
         return f"StageMark({self.name!r}, stage={self.stage!r})"
@@ -70,6 +84,6 @@ def attach(state: StagedPipeline, components: Mapping[str, Any], marks: Mapping[
         component = components.get(name)
         if not isinstance(component, nn.Module) or stage not in state.plan:
             continue
-        hook = StageMark(state, name, stage)
+        hook = StageMark(state, name, stage, component)
         for sub in component.modules():
             HookRegistry.attach(sub).add(MARK, hook)
