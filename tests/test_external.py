@@ -156,3 +156,13 @@ def test_diffusers_reads_accelerates_hook_attribute() -> None:
     assert pipe._execution_device == torch.device("meta")
     pipe.remove_all_hooks()
     assert hook.seen == ["pre_forward", "detach_hook"]
+
+
+def test_set_progress_bar_config_is_read_back_from_the_pipeline() -> None:
+    diffusers = pytest.importorskip("diffusers")
+    pipe = diffusers.DDPMPipeline(unet=None, scheduler=diffusers.DDPMScheduler())
+    assert not _external.progress_bars_disabled(pipe)
+    pipe.set_progress_bar_config(disable=True)
+    assert _external.progress_bars_disabled(pipe)
+    pipe.set_progress_bar_config(disable=False)
+    assert not _external.progress_bars_disabled(pipe)

@@ -74,3 +74,27 @@ def test_a_class_instead_of_an_instance_is_a_clear_error():
     with pytest.raises(TypeError, match=r"one instance, got the class Pipeline; pass an instance"):
         on_call(Pipeline, "encode_prompt", before=lambda *a, **k: None)
     assert vars(Pipeline)["encode_prompt"] is original
+
+
+def test_a_deep_copy_of_a_hooked_module_runs_its_own_forward_with_the_hooks() -> None:
+    """The registry is copied with the module; the copy's forward is the copy's own."""
+    import copy
+    from typing import Any
+
+    torch = pytest.importorskip("torch")
+    from stageload.hooks.registry import HookRegistry, ModuleHook
+
+    calls: list[int] = []
+
+    class Count(ModuleHook):
+        def pre_call(self, module: Any, args: Any, kwargs: Any) -> Any:
+            calls.append(id(module))
+            return None
+
+    module = torch.nn.Linear(2, 2)
+    HookRegistry.attach(module).add("count", Count())
+    twin = copy.deepcopy(module)
+    assert torch.equal(twin(torch.ones(1, 2)), module(torch.ones(1, 2)))
+    assert calls == [id(twin), id(module)]
+    HookRegistry.remove(twin, "count")
+    assert "forward" not in vars(twin)  # its class's forward again, as before the hook

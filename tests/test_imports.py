@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-HEAVY = ("torch", "matplotlib", "diffusers", "transformers", "numpy", "ray")
+HEAVY = ("torch", "matplotlib", "diffusers", "transformers", "numpy", "ray", "tqdm")
 
 
 def modules_after(code: str) -> set[str]:

@@ -68,3 +68,10 @@ def keep_in_fp32_modules(cls: type) -> tuple[str, ...]:
 #: reads ``_hf_hook.execution_device``, and ``remove_all_hooks`` calls
 #: ``_hf_hook.detach_hook(module)`` before deleting it.
 HF_HOOK_ATTR = "_hf_hook"
+
+
+def progress_bars_disabled(pipeline: Any) -> bool:
+    """Whether ``pipeline.set_progress_bar_config(disable=True)`` was called: diffusers
+    keeps the settings in a private dict that it passes to every ``tqdm`` of the pipeline."""
+    config = getattr(pipeline, "_progress_bar_config", None)
+    return bool(config.get("disable", False)) if isinstance(config, dict) else False

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import StageloadError
 from ..hooks.release import held_elsewhere, is_released, module_bytes, release
+from ..load.progress import PREFETCH_THREAD
 from .batch import Batch
 from .events import (
     LOAD,
@@ -283,7 +284,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
                     if name in self._prefetchable:
                         jobs.append(self._start(name, background=True, purpose=purpose))
                 if jobs and self._executor is None:
-                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="stageload-prefetch")
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix=PREFETCH_THREAD)
                 for job in jobs:
                     self._executor.submit(self._run_background, job)  # type: ignore[union-attr]
         if not self.prefetch:  # a custom policy's loads ahead, on this thread as before

@@ -22,13 +22,14 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._external import progress_bars_disabled
 from ..core.events import NOTE, Event, EventSink
 from ..core.policy import parse_budget
 from ..core.staged import StagedModels
 from ..hooks.registry import patch
 from ..hooks.release import ReleasedModuleError, release
 from ..load.refill import Recipe, learn, reload
-from . import _placeholder
+from . import _marks, _placeholder
 from ._args import (
     _MODEL_KWARGS,
     _check_device,
@@ -160,6 +161,8 @@ class StagedPipeline:
         recipe = self._recipes.get(name)
         if recipe is not None:  # refill in place from the files, as the first load was
             fresh = tracked.empty(skeleton)
+            pipe = self._pipeline() if self._pipeline is not None else None
+            quiet = pipe is not None and progress_bars_disabled(pipe)  # as the pipeline's bars
             reload(
                 skeleton,
                 recipe,
@@ -167,6 +170,8 @@ class StagedPipeline:
                 target["dtype"],
                 _placeholder.real_to,
                 names=tracked.names(skeleton),
+                name=name,
+                progress=not quiet,
             )
             tracked.filled(skeleton, fresh)
             _placeholder.check_added(name, skeleton, tracked)
@@ -453,7 +458,7 @@ def staged_pipeline(
     models = model_components(folder)
     check_fits(pipeline_cls, folder, from_pretrained_kwargs)
     given = {name for name in from_pretrained_kwargs if name in models}
-    plan, staged = choose_plan(pipeline_cls, folder, models, given, stages)
+    plan, staged, marks = choose_plan(pipeline_cls, folder, models, given, stages)
     keep = check_keep(keep, staged, folder)
 
     dtypes = {
@@ -506,9 +511,11 @@ def staged_pipeline(
             functools.partial(state.models.__getitem__, name),
         )
         _placeholder.attach(skeleton, hook)
+    _marks.attach(state, pipe.components, marks)  # resident components begin their stage
     pipe.stageload = state
     state._pipeline = weakref.ref(pipe)  # for map(); the pipeline owns its stager
-    summary = "; ".join(f"{s}: {', '.join(n)}" for s, n in state.plan.items())
+    resident = {s: [f"{n} (resident)" for n, at in marks.items() if at == s] for s in state.plan}
+    summary = "; ".join(f"{s}: {', '.join([*n, *resident[s]])}" for s, n in state.plan.items())
     note = Event(NOTE, note=f"staged {pipeline_cls.__name__}: {summary}")
     state.emit(note)  # to the sink and, under `stageload meter`, its trace
     return pipe

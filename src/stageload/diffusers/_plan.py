@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -237,9 +237,16 @@ def choose_plan(
     models: Mapping[str, type],
     given: Iterable[str],
     stages: Mapping[str, Iterable[str]] | None,
-) -> tuple[dict[str, list[str]], list[str]]:
-    """The plan and every staged component (those of unknown role too, which the default
-    plan lists once the pipeline first uses them). ``given``: components passed as objects.
+) -> tuple[dict[str, list[str]], list[str], dict[str, str]]:
+    """The plan, every staged component (those of unknown role too, which the default
+    plan lists once the pipeline first uses them), and the marks: each loaded-and-kept
+    component of known role with the one stage whose start its first use marks
+    (``{"vae": "decode"}``). ``given``: components passed as objects (never marked).
+
+    With the default plan, a role's stage is in the plan even when none of its components
+    is staged (``"decode": []`` beside a 41 GB transformer), so that the stage shows in
+    traces and reports; entering it releases what it does not list, as any stage does.
+    A ``stages=`` plan is the caller's: no stages added, no marks.
     """
     given = set(given)
     if stages is not None:
@@ -250,13 +257,50 @@ def choose_plan(
                 f"{sorted(clash)!r} passed as objects and listed in stages=; a component given "
                 f"to from_pretrained is used as is, so leave it out of the plan"
             )
-        return plan, list(dict.fromkeys(n for names in plan.values() for n in names))
+        return plan, list(dict.fromkeys(n for names in plan.values() for n in names)), {}
     candidates = [name for name, cls in models.items() if name not in given and can_stage(cls)]
     worth = staged_components(weight_bytes(folder, candidates))
     seq = getattr(pipeline_cls, "model_cpu_offload_seq", None)
-    plan = default_plan(seq, {name: models[name] for name in worth})
+    # The plan of every component the pipeline loads, then only the staged ones listed.
+    full = default_plan(seq, {name: cls for name, cls in models.items() if name not in given})
+    plan = {stage: [n for n in names if n in worth] for stage, names in full.items()}
     planned = [n for names in plan.values() for n in names]
-    return plan, [*dict.fromkeys(planned), *(n for n in worth if n not in planned)]
+    return (
+        plan,
+        [*dict.fromkeys(planned), *(n for n in worth if n not in planned)],
+        marks(full, worth),
+    )
+
+
+def marks(plan: Mapping[str, Iterable[str]], staged: Iterable[str]) -> dict[str, str]:
+    """Components of ``plan`` that are not staged, each with the stage that lists it. One
+    listed in several stages (a controlnet beside ``denoise`` and ``denoise_2``) marks none:
+    its use says nothing about which of them runs."""
+    where: dict[str, list[str]] = {}
+    for stage, names in plan.items():
+        for name in names:
+            where.setdefault(name, []).append(stage)
+    staged = set(staged)
+    return {n: s[0] for n, s in where.items() if n not in staged and len(s) == 1}
+
+
+def mark_begins(order: Sequence[str], current: str | None, stage: str) -> bool:
+    """Whether a use of a component marking ``stage``, in stage ``current``, begins it.
+
+    Not when a denoising stage of its group lies ahead of ``current`` before ``stage``
+    (plan taken as a cycle): ``vae.encode`` of an input image before denoising belongs to
+    the stage it runs in, as ``refine`` decides for a staged VAE.
+    """
+    if current == stage:
+        return False
+    at = order.index(stage)
+    if current is None:
+        between = order[:at]
+    else:
+        i = order.index(current)
+        between = [*order[i + 1 : at]] if i < at else [*order[i + 1 :], *order[:at]]
+    group = stage_kind(stage)[0]
+    return not any(stage_kind(s) == (group, DENOISE) for s in between)
 
 
 def staged_components(sizes: Mapping[str, int], *, fraction: float = STAGE_FRACTION) -> list[str]:

@@ -37,7 +37,22 @@ if TYPE_CHECKING:
 #: The one attribute the protocol sets on a module (besides ``forward``, while hooked).
 HOOKS_ATTR = "_stageload_hooks"
 
-_MISSING = object()
+
+class _Missing:
+    """ "No attribute of its own". Copies are itself: ``copy.deepcopy`` of a hooked module
+    copies its registry, whose check ``is _MISSING`` must still hold in the copy."""
+
+    def __copy__(self) -> _Missing:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Missing:
+        return self
+
+    def __reduce__(self) -> str:
+        return "_MISSING"
+
+
+_MISSING = _Missing()
 
 
 class ModuleHook:

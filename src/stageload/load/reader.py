@@ -11,6 +11,7 @@ import functools
 import os
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,8 +79,18 @@ def advise_huge_pages(ptr: int, nbytes: int) -> None:
         madvise(start, end - start, _MADV_HUGEPAGE)
 
 
-def run_chunks(jobs: list[Any], device: torch.device, threads: int, bounce_bytes: int) -> None:
-    """Run every chunk job; stop early on the first error and raise it (with the others)."""
+def run_chunks(
+    jobs: list[Any],
+    device: torch.device,
+    threads: int,
+    bounce_bytes: int,
+    on_bytes: Callable[[int], None] | None = None,
+) -> None:
+    """Run every chunk job; stop early on the first error and raise it (with the others).
+
+    ``on_bytes(n)`` is called after each chunk of ``n`` bytes is in place, from the
+    thread that read it (a progress bar).
+    """
 
     local = threading.local()
     stop = threading.Event()
@@ -98,12 +109,14 @@ def run_chunks(jobs: list[Any], device: torch.device, threads: int, bounce_bytes
         try:
             if src is None:  # same dtype, on the CPU: straight into the destination
                 pread_into(fd, path, offset, memory(dst, at, n))
-                return
-            buf = bounce()
-            pread_into(fd, path, offset, memory(buf, 0, n))
-            size = src.itemsize
-            first = at // size
-            dst.view(-1)[first : first + n // size].copy_(buf[:n].view(src))
+            else:
+                buf = bounce()
+                pread_into(fd, path, offset, memory(buf, 0, n))
+                size = src.itemsize
+                first = at // size
+                dst.view(-1)[first : first + n // size].copy_(buf[:n].view(src))
+            if on_bytes is not None:
+                on_bytes(n)
         except BaseException:
             stop.set()
             raise

@@ -94,22 +94,26 @@ def reload(
     dtype: torch.dtype | None = None,
     real_to: Callable[..., Any] | None = None,
     names: Mapping[str, str] | None = None,
+    *,
+    name: str | None = None,
+    progress: bool = True,
 ) -> None:
     """Fill the released tensors of ``module`` in place as its first load did (``recipe``
     from :func:`learn`; ``names`` as there); tensors still in memory stay. ``dtype``
-    converts afterwards, as ``.to(dtype)`` did the first time."""
+    converts afterwards, as ``.to(dtype)`` did the first time. ``name`` and ``progress``:
+    the progress bar's, as for :func:`~stageload.load_weights`."""
     import torch
 
     with torch.no_grad():
         for target in _targets(module):
-            name = _key(target, names or {})
+            key = _key(target, names or {})  # not `name`: that is the model's, for the bar
             old = target.tensor
             if not old.is_meta:
                 continue
-            if name in recipe.computed:
-                new = recipe.computed[name].clone()
-            elif old.dtype != recipe.dtypes.get(name, old.dtype):
-                new = torch.empty_like(old, dtype=recipe.dtypes[name], device="meta")
+            if key in recipe.computed:
+                new = recipe.computed[key].clone()
+            elif old.dtype != recipe.dtypes.get(key, old.dtype):
+                new = torch.empty_like(old, dtype=recipe.dtypes[key], device="meta")
             else:
                 continue
             put(target, new)
@@ -122,6 +126,8 @@ def reload(
         only_empty=True,
         strict=True,
         unused_ok=names is not None,  # a submodule the user replaced leaves its keys unused
+        name=name,
+        progress=progress,
     )
     if dtype is not None:  # pipe.to(dtype): as the eager path, convert after loading
         (real_to or type(module).to)(module, dtype=dtype)

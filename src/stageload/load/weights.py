@@ -33,6 +33,7 @@ from .checkpoint import (
     checkpoint_files,
     read_entries,
 )
+from .progress import progress as progress_bar
 from .reader import advise_huge_pages, run_chunks
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ def load_weights(
     dtype: torch.dtype | None = None,
     strict: bool = True,
     threads: int | None = None,
+    name: str | None = None,
+    progress: bool = True,
 ) -> int:
     """Fill every parameter and buffer of ``module`` from safetensors files; return the bytes.
 
@@ -92,11 +95,24 @@ def load_weights(
         strict: missing and unexpected keys are an error (listed together, with the files).
             Shape mismatches are an error either way.
         threads: reader threads (default 4 to 8, by core count).
+        name: what the progress bar calls the model (default: its class name).
+        progress: False never shows a bar. Otherwise a load of over a GiB shows one on
+            stderr when it is a terminal or ``STAGELOAD_PROGRESS=1`` (``0``: never), except
+            on the prefetch thread (``stageload.load.progress``).
 
     Tied weights (one tensor under several names) stay one tensor. On failure ``module``
     is released, so it cannot be used half filled; the error names the file.
     """
-    return _load(module, files, device=device, dtype=dtype, strict=strict, threads=threads)
+    return _load(
+        module,
+        files,
+        device=device,
+        dtype=dtype,
+        strict=strict,
+        threads=threads,
+        name=name,
+        progress=progress,
+    )
 
 
 def _load(
@@ -111,6 +127,8 @@ def _load(
     names: Mapping[str, str] | None = None,
     only_empty: bool = False,
     unused_ok: bool = False,
+    name: str | None = None,
+    progress: bool = True,
 ) -> int:
     """:func:`load_weights`, plus what adapters that refill a module need.
 
@@ -147,7 +165,12 @@ def _load(
             }
         with torch.no_grad():
             results, nbytes = _read_all(
-                plan, target_device, dtype, threads or _default_threads(), alignment or {}
+                plan,
+                target_device,
+                dtype,
+                threads or _default_threads(),
+                alignment or {},
+                (name or type(module).__name__, progress),
             )
             _install(module, targets, results, target_device, dtype, strict)
     except BaseException:
@@ -163,10 +186,10 @@ def from_safetensors(
 
     ``build()`` runs under ``torch.device("meta")``, so the structure costs no memory and
     its initialisers draw no random numbers; then :func:`load_weights` fills it from
-    ``files`` (``kwargs``: ``device``, ``dtype``, ``strict``, ``threads``). Buffers that
-    ``build`` computes rather than the checkpoint holding them (non-persistent buffers) have
-    no values on ``meta``: strict mode names them; build such modules yourself and call
-    :func:`load_weights`.
+    ``files`` (``kwargs``: ``device``, ``dtype``, ``strict``, ``threads``, ``name``,
+    ``progress``). Buffers that ``build`` computes rather than the checkpoint holding them
+    (non-persistent buffers) have no values on ``meta``: strict mode names them; build such
+    modules yourself and call :func:`load_weights`.
 
     Example::
 
@@ -175,7 +198,7 @@ def from_safetensors(
     """
     if not callable(build):
         raise TypeError(f"build must be a callable that returns an nn.Module, got {build!r}")
-    unknown = set(kwargs) - {"device", "dtype", "strict", "threads"}
+    unknown = set(kwargs) - {"device", "dtype", "strict", "threads", "name", "progress"}
     if unknown:
         raise TypeError(f"from_safetensors() got unexpected keyword(s) {sorted(unknown)!r}")
 
@@ -283,8 +306,12 @@ def _read_all(
     dtype: torch.dtype | None,
     threads: int,
     alignment: dict[str, int],
+    bar: tuple[str, bool] = ("", False),
 ) -> tuple[dict[int, torch.Tensor], int]:
-    """Allocate every destination and fill it; returns {id(target): tensor}, total bytes."""
+    """Allocate every destination and fill it; returns {id(target): tensor}, total bytes.
+
+    ``bar``: the model's name and whether a progress bar may show (:mod:`.progress`).
+    """
     import torch
 
     threads = min(threads, max(1, sum(-(-e.nbytes // CHUNK) for _, e in plan)))
@@ -314,7 +341,10 @@ def _read_all(
                     (fds[entry.file], entry.file, entry.offset + start, n, dst, start, convert)
                 )
         jobs.sort(key=lambda j: (str(j[1]), j[2]))  # file order: sequential runs per thread
-        run_chunks(jobs, device, min(threads, max(1, len(jobs))), bounce)
+        # The bar counts bytes read from the checkpoint, the size that sets the load's time.
+        read = sum(j[3] for j in jobs)
+        with progress_bar(bar[0], read, allowed=bar[1]) as on_bytes:
+            run_chunks(jobs, device, min(threads, max(1, len(jobs))), bounce, on_bytes)
     finally:
         for fd in fds.values():
             os.close(fd)

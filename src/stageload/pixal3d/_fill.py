@@ -37,7 +37,7 @@ class FastReload:
         if known is None or not is_released(known[0]):
             return None
         module, recipe = known
-        reload(module, recipe, torch.device(self.device))
+        reload(module, recipe, torch.device(self.device), name=name)
         return module
 
     def learned(self, name: str, module: nn.Module, path: Any) -> None:

@@ -1,0 +1,89 @@
+"""Stage marks: the first use of a component that is not staged still begins its stage.
+
+The default plan stages only components worth it (``_plan.STAGE_FRACTION``); a 0.25 GB VAE
+beside a 41 GB transformer loads with the pipeline and stays. Its stage is in the plan all
+the same, with no models (``"decode": []``), and a :class:`StageMark` in the hook registry
+of each of its submodules (as the placeholder's ``StageHook``, see ``_placeholder``) enters
+that stage when the pipeline first computes with it. So traces, ``stageload report`` and
+the plot show every stage the pipeline goes through, decoding's own time and peak
+included; entering the stage releases what it does not list, as for any stage. Which
+components are staged does not change.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..hooks.registry import HookRegistry, ModuleHook
+from ._plan import mark_begins
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from . import StagedPipeline
+
+#: The registry name of the hook on every submodule of a marked component.
+MARK = "stage_mark"
+
+
+class StageMark(ModuleHook):
+    """On every submodule of a component that stays loaded: its calls begin ``stage``.
+
+    The stager is held weakly: ``copy.deepcopy`` of the component copies its hooks, and
+    must neither copy the stager (locks, every model) nor keep it alive. The component is
+    held strongly, so a deep copy's mark points at the copy, which the pipeline does not
+    hold: it marks nothing.
+    """
+
+    def __init__(self, state: StagedPipeline, name: str, stage: str, component: nn.Module) -> None:
+        self._state = weakref.ref(state)
+        self.name = name
+        self.stage = stage
+        self.component = component
+
+    def pre_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # Runs before every submodule call of the component: inside its stage, one
+        # comparison and nothing else.
+        state = self._state()
+        if state is not None and state.models.stage != self.stage and self._held_by(state):
+            enter(state, self.stage)
+        return None
+
+    def _held_by(self, state: StagedPipeline) -> bool:
+        # Replaced on the pipeline (pipe.vae = ...), the old module marks nothing any more.
+        pipe = state._pipeline() if state._pipeline is not None else None
+        return pipe is not None and getattr(pipe, self.name, None) is self.component
+
+    def __repr__(self) -> str:
+        return f"StageMark({self.name!r}, stage={self.stage!r})"
+
+
+def enter(state: StagedPipeline, stage: str) -> None:
+    """Enter ``stage`` for a use of one of its resident components, if that use begins it."""
+    models = state.models
+    if state._closed_at is not None or not mark_begins(state._order, models.stage, stage):
+        return
+    if models.batch_running:
+        # A call of map(): wait for the stage outside the stager's lock, which the other
+        # calls of the batch need while this one is parked (as StagedPipeline.use does).
+        models.enter(stage)
+        return
+    with state._lock:
+        if state._closed_at is None and models.stage != stage:
+            models.enter(stage)
+
+
+def attach(state: StagedPipeline, components: Mapping[str, Any], marks: Mapping[str, str]) -> None:
+    """Put a :class:`StageMark` on every submodule of each marked component in
+    ``components`` (the pipeline's); components that are not modules are skipped."""
+    from torch import nn
+
+    for name, stage in marks.items():
+        component = components.get(name)
+        if not isinstance(component, nn.Module) or stage not in state.plan:
+            continue
+        hook = StageMark(state, name, stage, component)
+        for sub in component.modules():
+            HookRegistry.attach(sub).add(MARK, hook)
