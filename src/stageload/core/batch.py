@@ -317,7 +317,9 @@ def _live_storage_sizes() -> dict[int, int]:
 
     sizes: dict[int, int] = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not obj.is_meta and obj.layout == torch.strided:
+        # type(), not isinstance(): isinstance reads __class__, which some objects that
+        # gc tracks answer with a deprecation warning (torch.distributed.reduce_op).
+        if issubclass(type(obj), torch.Tensor) and not obj.is_meta and obj.layout == torch.strided:
             storage = obj.untyped_storage()
             if storage.data_ptr():
                 sizes[storage.data_ptr()] = storage.nbytes()

@@ -393,6 +393,7 @@ def staged_pipeline(
     events: EventSink | None = None,
     budget: int | str | None = None,
     prefetch: bool = False,
+    stream: Iterable[str] | str | None = None,
     **from_pretrained_kwargs: Any,
 ) -> Any:
     """Build ``pipeline_cls`` from ``path`` with its large models loaded per stage.
@@ -416,6 +417,10 @@ def staged_pipeline(
             ``None``: release what the next stage does not list.
         prefetch: with a budget, load the next stage's components in a background thread
             while the current stage computes.
+        stream: components to stream block by block from their checkpoint instead of
+            loading whole (``["transformer"]``: :func:`stageload.streamed`), for a model
+            larger than memory; ``"auto"`` (with ``budget=``) streams each component that
+            does not fit the budget on its own. Its parts outside the blocks stay loaded.
         **from_pretrained_kwargs: passed to ``pipeline_cls.from_pretrained``; ``variant``,
             ``use_safetensors``, ``revision``, ``low_cpu_mem_usage`` and ``disable_mmap``
             also reach each staged component (``disable_mmap`` reaches transformers models
@@ -459,6 +464,16 @@ def staged_pipeline(
     check_fits(pipeline_cls, folder, from_pretrained_kwargs)
     given = {name for name in from_pretrained_kwargs if name in models}
     plan, staged, marks = choose_plan(pipeline_cls, folder, models, given, stages)
+    streaming = _streamed_names(
+        stream, models, staged, folder, torch_dtype, budget, from_pretrained_kwargs
+    )
+    if streaming:  # streamed components are not staged whole: they begin their stage
+        for name in streaming:
+            listed = [s for s, names in plan.items() if name in names]
+            if len(listed) == 1:
+                marks[name] = listed[0]
+        plan = {s: [n for n in names if n not in streaming] for s, names in plan.items()}
+        staged = [n for n in staged if n not in streaming]
     keep = check_keep(keep, staged, folder)
 
     dtypes = {
@@ -475,12 +490,26 @@ def staged_pipeline(
         # called directly) says so, instead of failing on a meta tensor.
         release(skeleton, name=name, stage=None)
 
+    streams = {
+        name: _stream_component(
+            models[name], folder / name, torch_dtype, device, events, from_pretrained_kwargs, name
+        )
+        for name in streaming
+    }
     pipe = pipeline_cls.from_pretrained(
-        os.fspath(folder), **_dtype_kwarg(torch_dtype), **skeletons, **from_pretrained_kwargs
+        os.fspath(folder),
+        **_dtype_kwarg(torch_dtype),
+        **skeletons,
+        **streams,
+        **from_pretrained_kwargs,
     )
     if device.type != "cpu":
         for name, component in pipe.components.items():
-            if name not in skeletons and isinstance(component, torch.nn.Module):
+            if (
+                name not in skeletons
+                and name not in streams
+                and isinstance(component, torch.nn.Module)
+            ):
                 component.to(device)
 
     state = StagedPipeline(
@@ -519,6 +548,68 @@ def staged_pipeline(
     note = Event(NOTE, note=f"staged {pipeline_cls.__name__}: {summary}")
     state.emit(note)  # to the sink and, under `stageload meter`, its trace
     return pipe
+
+
+def _streamed_names(
+    stream: Iterable[str] | str | None,
+    models: Mapping[str, type],
+    staged: list[str],
+    folder: Path,
+    torch_dtype: torch.dtype | None,
+    budget: int | str | None,
+    kwargs: Mapping[str, Any],
+) -> list[str]:
+    """The components ``staged_pipeline(stream=...)`` streams, checked."""
+    if stream is None:
+        return []
+    if isinstance(stream, str) and stream.strip().lower() == "auto":
+        if budget is None:
+            raise ValueError(
+                "stream='auto' streams the components that do not fit the budget on their own; "
+                "pass budget= too (e.g. budget='80%'), or name them: stream=['transformer']"
+            )
+        limit = parse_budget(budget)
+        dtypes = {
+            n: _placeholder.skeleton_dtype(models[n], folder / n, torch_dtype) for n in staged
+        }
+        sizes = component_sizes(folder, dtypes, kwargs.get("variant"))
+        return [n for n in staged if sizes.get(n, 0) > limit]
+    if isinstance(stream, str):
+        raise TypeError(f"stream must list component names, e.g. [{stream!r}], or be 'auto'")
+    names = list(stream)
+    streamable = [n for n, cls in models.items() if _placeholder.can_stage(cls)]
+    for name in names:
+        if name not in streamable:
+            raise ValueError(
+                f"stream names {name!r}, which is not a model component of this pipeline; "
+                f"components: {', '.join(streamable) or '(none)'}"
+            )
+    return names
+
+
+def _stream_component(
+    cls: type,
+    folder: Path,
+    torch_dtype: torch.dtype | None,
+    device: torch.device,
+    events: EventSink | None,
+    kwargs: Mapping[str, Any],
+    name: str,
+) -> nn.Module:
+    """``name`` built on meta and streamed block by block from its checkpoint files."""
+    from ..stream import streamed
+
+    files = checkpoint_of(folder, {k: v for k, v in kwargs.items() if k in _MODEL_KWARGS})
+    if isinstance(files, str):
+        raise ValueError(f"cannot stream {name!r}: {files}; it needs a safetensors checkpoint")
+    dtype = _placeholder.skeleton_dtype(cls, folder, torch_dtype)
+    return streamed(
+        lambda: _placeholder.build_empty(cls, folder, dtype),
+        files,
+        device=device,
+        name=name,
+        events=events,
+    )
 
 
 def _user(state: StagedPipeline, name: str) -> Any:

@@ -306,6 +306,14 @@ def build_skeleton(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
     """An instance of ``placeholder_class(cls)`` built from the config in ``folder``, with
     every parameter on ``meta`` in ``dtype`` (float32 where the class keeps modules in
     float32)."""
+    model = build_empty(cls, folder, dtype)
+    model.__class__ = placeholder_class(cls)
+    return model
+
+
+def build_empty(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
+    """``cls`` built from the config in ``folder`` with every parameter on ``meta`` in the
+    dtype ``from_pretrained`` would give it (see :func:`build_skeleton`)."""
     import torch
     from accelerate import init_empty_weights
 
@@ -336,7 +344,6 @@ def build_skeleton(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
                 meta = torch.empty_like(param, device="meta", dtype=want)
                 setattr(sub, key, torch.nn.Parameter(meta, requires_grad=param.requires_grad))
     model.eval()
-    model.__class__ = placeholder_class(cls)
     return model
 
 
