@@ -227,3 +227,28 @@ def test_what_is_kept_stays_in_memory_and_the_rest_is_released(root: Path) -> No
     kept = {n: p for n, p in pipe.unet.named_parameters() if not p.is_meta}
     assert kept and all("lora_" in n for n in kept)
     assert sum(p.nbytes for p in kept.values()) == sum(v.nbytes for v in a.values())
+
+
+def test_attention_processors_and_fused_projections_are_kept(root: Path) -> None:
+    from diffusers.models.attention_processor import AttnProcessor
+
+    compare(
+        "sd",
+        root,
+        "default",
+        [
+            lambda p: p.unet.set_attn_processor(AttnProcessor()),
+            lambda p: (load(p, "unet", "vae"), p.fuse_qkv_projections()),
+        ],
+    )
+
+
+def test_fusing_projections_of_an_unloaded_component_fails_clearly(root: Path) -> None:
+    fam = FAMILIES["sd"]
+    pipe = staged("sd", root, "default")
+    run(pipe, "sd", "default")
+    pipe.fuse_qkv_projections()  # the new to_qkv weights are built from empty ones
+    with pytest.raises(ModelLoadError) as info:
+        pipe(**fam.call(0))
+    assert isinstance(info.value.__cause__, StagedChangeError)
+    assert "to_qkv" in str(info.value)
