@@ -20,6 +20,15 @@ with no second model beside it).
 
     python bench/residency.py                               # demo and qwen, N = 1 4 8
     python bench/residency.py --workloads demo --ns 1 4     # a quick look
+
+The prefetch cost model (issue 22), ``python bench/residency.py cost``: three real modules
+(192 + 256 + 192 MiB float32, ``from_safetensors`` from real files, page cache warm), three
+stages of one model each, 4 calls; per stage a forward pass and a fixed amount of filler
+compute (matrix products, a count calibrated once to about ``--long`` or ``--short``
+seconds, the same count in every mode, so outputs can be compared bit for bit). Budgets:
+roomy (all three) and two of three; modes: no prefetch, prefetch with the cost model,
+prefetch with it off. Runs interleaved, ``--repeats`` each (medians), in this process, after
+touching the working size once (bench/_touch.py).
 """
 
 from __future__ import annotations
@@ -276,7 +285,187 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# -- the prefetch cost model ------------------------------------------------------------------
+COST_MODES = ("roomy", "two", "two+prefetch", "two+prefetch, cost model off")
+LOAD_KINDS = ("load", "reload", "prefetch")
+COST_SIZES = {"a": 12, "b": 16, "c": 12}  # Linear(2048, 2048) layers: 16 MiB each
+
+
+def cost_checkpoints(folder: Path) -> dict[str, Path]:
+    import torch
+    from safetensors.torch import save_file
+    from torch import nn
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, layers in COST_SIZES.items():
+        path = folder / f"{name}.safetensors"
+        if not path.exists():
+            torch.manual_seed(layers)
+            model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(layers)])
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+        paths[name] = path
+    return paths
+
+
+def filler(iters: int) -> Any:
+    """Deterministic stand-in compute: ``iters`` products of two 384x384 matrices."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(384, 384, generator=g)
+    b = torch.randn(384, 384, generator=g) / 20
+    for _ in range(iters):
+        a = torch.tanh(a @ b)
+    return a
+
+
+def calibrate(seconds: float) -> int:
+    filler(20)
+    start = time.perf_counter()
+    filler(200)
+    per = (time.perf_counter() - start) / 200
+    return max(1, round(seconds / per))
+
+
+def cost_run(paths: dict[str, Path], mode: str, iters: int, calls: int) -> dict[str, Any]:
+    import torch
+    from torch import nn
+
+    from stageload import ListSink, StagedModels
+    from stageload.core.policy import FurthestNextUse
+    from stageload.load.checkpoint import checkpoint_bytes
+    from stageload.load.weights import from_safetensors
+
+    sizes = {n: checkpoint_bytes(p) for n, p in paths.items()}
+    s1, s2, s3 = sorted(sizes.values(), reverse=True)
+    budget = int(sum(sizes.values()) * 1.01) if mode == "roomy" else s1 + s2 + s3 // 2
+    stages = {f"stage-{n}": (n,) for n in paths}
+    loaders = {
+        n: from_safetensors(
+            lambda n=n: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(COST_SIZES[n])]), p
+        )
+        for n, p in paths.items()
+    }
+    kw: dict[str, Any] = {"budget": budget}
+    if "prefetch" in mode:
+        kw = {
+            "policy": FurthestNextUse(budget, prefetch=True, cost_model="off" not in mode),
+            "prefetch": True,
+        }
+    sink = ListSink()
+    x0 = torch.linspace(-1, 1, 2048).repeat(4, 1)
+    outs = []
+    start = time.perf_counter()
+    with StagedModels(loaders, stages=stages, sizes=sizes, events=sink, **kw) as models:
+        for call in range(calls):
+            x = x0 + call
+            for stage, (name,) in stages.items():
+                models.enter(stage)
+                x = torch.tanh(models[name](x)) + filler(iters)[:4, :1].sum()
+            outs.append(x)
+    wall = time.perf_counter() - start
+    kinds = [e.kind for e in sink.events]
+    notes = [e.note for e in sink.kinds("note") if e.note and e.note.startswith("prefetch ")]
+    return {
+        "mode": mode,
+        "wall_seconds": wall,
+        "loads": sum(k in LOAD_KINDS for k in kinds),
+        "prefetches": kinds.count("prefetch"),
+        "load_seconds": [e.seconds for e in sink.events if e.kind in LOAD_KINDS],
+        "made": sum(": made" in n for n in notes),
+        "skipped": sum(": skipped" in n for n in notes),
+        "budget": budget,
+        "sha256": _sha(outs),
+    }
+
+
+def cost_main(argv: list[str]) -> None:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _touch import touch
+
+    p = argparse.ArgumentParser(description="the prefetch cost model")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--calls", type=int, default=4)
+    p.add_argument("--long", type=float, default=0.3, help="filler seconds per stage")
+    p.add_argument("--short", type=float, default=0.02)
+    p.add_argument("--dir", type=Path, default=Path("/tmp/stageload-bench-cost"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    paths = cost_checkpoints(args.dir)
+    for path in paths.values():
+        path.read_bytes()  # page cache warm: this bench times the policy, not the disk
+    touched = touch(2 * sum(p.stat().st_size for p in paths.values()))
+    cases = {"long": calibrate(args.long), "short": calibrate(args.short)}
+    runs: list[dict[str, Any]] = []
+    for rep in range(args.repeats):
+        for case, iters in cases.items():
+            for mode in COST_MODES:  # interleaved, so machine load hits every mode alike
+                got = cost_run(paths, mode, iters, args.calls) | {"case": case, "iters": iters}
+                runs.append(got)
+                print(
+                    f"r{rep} {case:5s} {mode:30s} {got['wall_seconds']:.2f} s, "
+                    f"{got['loads']} loads ({got['prefetches']} prefetched), "
+                    f"made {got['made']} skipped {got['skipped']}",
+                    flush=True,
+                )
+    rows = []
+    med = statistics.median
+    for case in cases:
+        cell = {m: [r for r in runs if r["case"] == case and r["mode"] == m] for m in COST_MODES}
+        wall = {m: med(r["wall_seconds"] for r in cell[m]) for m in COST_MODES}
+        gap = wall["two"] - wall["roomy"]
+        hashes = {tuple(r["sha256"]) for r in runs if r["case"] == case}
+        for m in COST_MODES:
+            rows.append(
+                {
+                    "case": case,
+                    "filler_seconds": args.long if case == "long" else args.short,
+                    "mode": m,
+                    "wall_seconds": wall[m],
+                    "vs_two": wall[m] / wall["two"],
+                    "gap_closed": (wall["two"] - wall[m]) / gap if gap > 0 else None,
+                    "loads": med(r["loads"] for r in cell[m]),
+                    "prefetches": med(r["prefetches"] for r in cell[m]),
+                    "load_seconds": med(med(r["load_seconds"]) for r in cell[m]),
+                    "identical": len(hashes) == 1,
+                    "runs": len(cell[m]),
+                }
+            )
+    lines = [
+        f"# The prefetch cost model ({args.calls} calls, {args.repeats} runs per cell, medians)",
+        "",
+        f"Machine: {os.cpu_count()} CPUs shared with other engineers' test runs (noisy: "
+        f"medians of interleaved runs; ratios within a case). Memory touched once before "
+        f"timing ({touched:.1f} s, bench/_touch.py); page cache warm.",
+        "",
+        "| stage compute | mode | wall s | / two, no prefetch | share of the gap to roomy "
+        "closed | loads | of which prefetched | median load s | outputs |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        closed = "-" if r["gap_closed"] is None else f"{r['gap_closed']:.2f}"
+        lines.append(
+            f"| {r['case']} ({r['filler_seconds']:g} s filler) | {r['mode']} | "
+            f"{r['wall_seconds']:.2f} | {r['vs_two']:.2f} | {closed} | {r['loads']:g} | "
+            f"{r['prefetches']:g} | {r['load_seconds']:.2f} | "
+            f"{'identical' if r['identical'] else 'DIFFER'} |"
+        )
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "cost.json").write_text(json.dumps({"runs": runs, "rows": rows}, indent=2) + "\n")
+    (OUT / "cost.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    for path in paths.values():
+        path.unlink()
+    args.dir.rmdir()
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "cost":
+        cost_main(sys.argv[2:])
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         workload, mode, n, which, trace, result = sys.argv[2:8]
         worker(workload, mode, int(n), which, Path(trace), Path(result))
