@@ -18,6 +18,8 @@ Cases (1 GiB float16 checkpoint of Linear/LayerNorm blocks, unless --gb says oth
   lw-seq              shared chunks, POSIX_FADV_SEQUENTIAL on the descriptor
   lw-ahead            lw-seq, and WILLNEED on the chunk 64 MiB ahead before each read
   lw-c64              lw-seq with 64 MiB chunks
+  lw-willneed(128)    shared chunks, no SEQUENTIAL, WILLNEED 64 (128) MiB ahead
+  lw-old-t2           lw-old with 2 threads
   hand                a hand-written loader: per-tensor torch.empty, huge pages advised,
                       4 threads of 16 MiB preadv from one descriptor (the warm yardstick)
   lw-bf16             load_weights, fp16 -> bf16
@@ -459,6 +461,21 @@ def main(argv: list[str] | None = None) -> int:
         "lw-seq": (lambda: case_load_weights(ckpt, args.gb, sequential=True, ahead=0), files, True),
         "lw-ahead": (
             lambda: case_load_weights(ckpt, args.gb, sequential=True, ahead=64 << 20),
+            files,
+            True,
+        ),
+        "lw-willneed": (
+            lambda: case_load_weights(ckpt, args.gb, sequential=False, ahead=64 << 20),
+            files,
+            True,
+        ),
+        "lw-willneed128": (
+            lambda: case_load_weights(ckpt, args.gb, sequential=False, ahead=128 << 20),
+            files,
+            True,
+        ),
+        "lw-old-t2": (
+            lambda: case_load_weights(ckpt, args.gb, sequential=False, ahead=0, threads=2),
             files,
             True,
         ),

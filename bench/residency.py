@@ -357,7 +357,10 @@ def cost_run(paths: dict[str, Path], mode: str, iters: int, calls: int) -> dict[
     x0 = torch.linspace(-1, 1, 2048).repeat(4, 1)
     outs = []
     start = time.perf_counter()
-    with StagedModels(loaders, stages=stages, sizes=sizes, events=sink, **kw) as models:
+    with (
+        torch.no_grad(),
+        StagedModels(loaders, stages=stages, sizes=sizes, events=sink, **kw) as models,
+    ):
         for call in range(calls):
             x = x0 + call
             for stage, (name,) in stages.items():
