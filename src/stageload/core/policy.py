@@ -42,8 +42,8 @@ class PolicyView:
     prefetchable: frozenset[str] = frozenset()
     #: Seconds of each model's last load (any kind), as its load event measured it.
     load_seconds: Mapping[str, float] = field(default_factory=dict)
-    #: Seconds each stage last computed: its span on the driving thread, less the time
-    #: that thread spent loading or waiting for loads.
+    #: Seconds each stage computes: the shortest of its spans so far on the driving thread,
+    #: less the time that thread spent loading or waiting for loads.
     compute_seconds: Mapping[str, float] = field(default_factory=dict)
 
 
