@@ -45,6 +45,8 @@ class PolicyView:
     #: Seconds each stage computes: the shortest of its spans so far on the driving thread,
     #: less the time that thread spent loading or waiting for loads.
     compute_seconds: Mapping[str, float] = field(default_factory=dict)
+    #: Seconds each stage last took (measured as above) while a prefetch ran beside it.
+    contended_seconds: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -207,8 +209,10 @@ class FurthestNextUse:
         """Seconds for two calls from ``stage`` on (``loaded`` staying on its entry), with a
         prefetch at every stage or none, the rule otherwise as now; None when a time it
         needs is not measured. A stage takes its on-demand loads, then the longer of its
-        compute and the loads prefetched during it. A model never loaded takes its bytes at
-        the mean speed of the measured loads."""
+        compute and the loads prefetched during it; with a prefetch beside it, its compute is
+        as long as it last measured with one (a background load competes for the cores),
+        else as without. A model never loaded takes its bytes at the mean speed of the
+        measured loads."""
         order = list(plan.stages)
         start = order.index(stage)
         speeds = [
@@ -237,6 +241,8 @@ class FurthestNextUse:
             demand = [n for n in plan.stages[s] if n not in state]
             times = [load(n) for n in (*demand, *ahead)]
             compute = plan.compute_seconds.get(s)
+            if ahead and compute is not None:
+                compute = max(compute, plan.contended_seconds.get(s, compute))
             if compute is None or any(t is None for t in times):
                 return None
             total += sum(times[: len(demand)]) + max(compute, sum(times[len(demand) :]))  # type: ignore[arg-type]

@@ -168,6 +168,10 @@ class StagedModels(Mapping[str, "nn.Module"]):
         # stage's compute (its span less the driving thread's time in loads and waits).
         self._load_seconds: dict[str, float] = {}
         self._compute: dict[str, float] = {}
+        # A stage's span while a prefetch ran beside it: on few cores a background load
+        # slows the compute it overlaps, and only measuring shows by how much.
+        self._contended: dict[str, float] = {}
+        self._prefetched_in_stage = False
         self._stage_start = 0.0
         self._blocked = 0.0
         if self.prefetch:
@@ -286,7 +290,10 @@ class StagedModels(Mapping[str, "nn.Module"]):
             # The shortest span seen: other processes and a prefetch competing for the cores
             # only make it longer, and a longer one would make any prefetch look hidden.
             span = max(0.0, now - self._stage_start - self._blocked)
-            self._compute[self._stage] = min(span, self._compute.get(self._stage, span))
+            if self._prefetched_in_stage:
+                self._contended[self._stage] = span
+            else:
+                self._compute[self._stage] = min(span, self._compute.get(self._stage, span))
         self._wait_background()
         with self._lock:
             self._stage = stage
@@ -318,6 +325,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
                 for name in ahead:
                     if name in self._prefetchable:
                         jobs.append(self._start(name, background=True, purpose=purpose))
+                self._prefetched_in_stage = bool(jobs)
                 if jobs and self._executor is None:
                     self._executor = ThreadPoolExecutor(1, thread_name_prefix="stageload-prefetch")
                 for job in jobs:
@@ -398,6 +406,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
             ),
             load_seconds=dict(self._load_seconds),
             compute_seconds=dict(self._compute),
+            contended_seconds=dict(self._contended),
         )
 
     def _trim(self, stage: str | None) -> None:
