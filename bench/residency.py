@@ -316,20 +316,19 @@ def filler(iters: int) -> Any:
     a = torch.randn(384, 384, generator=g)
     b = torch.randn(384, 384, generator=g) / 20
     for _ in range(iters):
-        a = torch.tanh(a @ b)
+        a = torch.tanh(a @ b) + 0.5  # away from 0: denormals would slow later iterations
     return a
 
 
 def calibrate(seconds: float) -> int:
-    """Filler iterations for about ``seconds``, from the fastest of 5 timings (other
-    processes only slow a timing down)."""
+    """Filler iterations for about ``seconds``, from the median of 5 timings."""
     filler(20)
     per = []
     for _ in range(5):
         start = time.perf_counter()
         filler(30)
         per.append((time.perf_counter() - start) / 30)
-    return max(1, round(seconds / min(per)))
+    return max(1, round(seconds / statistics.median(per)))
 
 
 def cost_run(paths: dict[str, Path], mode: str, iters: int, calls: int) -> dict[str, Any]:
