@@ -29,6 +29,10 @@ seconds, the same count in every mode, so outputs can be compared bit for bit). 
 roomy (all three) and two of three; modes: no prefetch, prefetch with the cost model,
 prefetch with it off. Runs interleaved, ``--repeats`` each (medians), in this process, after
 touching the working size once (bench/_touch.py).
+
+The first call under a budget (issue 22), ``python bench/residency.py first-call``: the same
+three modules, a budget for two, no ``sizes=``: models and bytes held while each stage's
+code runs, with the release after a load (``after_load``) and without it (the rule before).
 """
 
 from __future__ import annotations
@@ -470,7 +474,92 @@ def cost_main(argv: list[str]) -> None:
     args.dir.rmdir()
 
 
+def first_call(paths: dict[str, Path], trim: bool) -> dict[str, Any]:
+    """One call with a budget for two of the three models and no ``sizes=``: the models
+    and bytes held each time a stage's code runs, and at most at any event (a load event
+    comes before the releases its size makes due)."""
+    import torch
+    from torch import nn
+
+    from stageload import ListSink, StagedModels
+    from stageload.core.policy import FurthestNextUse
+    from stageload.hooks.release import module_bytes
+    from stageload.load.checkpoint import checkpoint_bytes
+    from stageload.load.weights import from_safetensors
+
+    class TrimOff(FurthestNextUse):
+        def after_load(self, *args: Any) -> list[str]:  # the rule before issue 22
+            return []
+
+    sizes = {n: checkpoint_bytes(p) for n, p in paths.items()}
+    s1, s2, s3 = sorted(sizes.values(), reverse=True)
+    budget = s1 + s2 + s3 // 2
+    loaders = {
+        n: from_safetensors(
+            lambda n=n: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(COST_SIZES[n])]), p
+        )
+        for n, p in paths.items()
+    }
+    stages = {f"stage-{n}": (n,) for n in paths}
+    sink = ListSink()
+    policy = FurthestNextUse(budget) if trim else TrimOff(budget)
+    held: list[tuple[int, int]] = []
+    with torch.no_grad(), StagedModels(loaders, stages=stages, events=sink, policy=policy) as m:
+        for stage, (name,) in stages.items():
+            m.enter(stage)
+            m[name](torch.zeros(1, 2048))
+            resident = m.resident()
+            held.append((len(resident), sum(module_bytes(x) for x in resident.values())))
+    live, peak = 0, 0
+    for e in sink.events:
+        if e.kind in LOAD_KINDS:
+            live += e.bytes or 0
+        elif e.kind == "release" and e.reason != "close":
+            live -= e.bytes or 0
+        peak = max(peak, live)
+    return {
+        "rule": "after_load (issue 22)" if trim else "before (no release until enter)",
+        "budget": budget,
+        "models_held_max": max(n for n, _ in held),
+        "bytes_held_max": max(b for _, b in held),
+        "bytes_at_events_max": peak,
+    }
+
+
+def first_call_main() -> None:
+    folder = Path("/tmp/stageload-bench-firstcall")
+    paths = cost_checkpoints(folder)
+    rows = [first_call(paths, trim) for trim in (True, False)]
+    mib = 2**20
+    lines = [
+        "# The first call under a budget for two of three, no sizes= (one run each: counts "
+        "and bytes are exact, not timings)",
+        "",
+        f"Models 96 + 128 + 96 MiB float32 (`from_safetensors`), "
+        f"budget {rows[0]['budget'] / mib:.0f} MiB.",
+        "",
+        "| rule | models held while a stage's code runs, at most | their bytes / budget | "
+        "bytes at any event / budget |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['rule']} | {r['models_held_max']} | {r['bytes_held_max'] / r['budget']:.2f} | "
+            f"{r['bytes_at_events_max'] / r['budget']:.2f} |"
+        )
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "first-call.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (OUT / "first-call.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    for path in paths.values():
+        path.unlink()
+    folder.rmdir()
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "first-call":
+        first_call_main()
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "cost":
         cost_main(sys.argv[2:])
         return
