@@ -405,7 +405,9 @@ def cost_main(argv: list[str]) -> None:
     p.add_argument("--short", type=float, default=0.02)
     p.add_argument("--dir", type=Path, default=Path("/tmp/stageload-bench-cost"))
     args = p.parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    # One compute thread: with two, an OpenMP barrier waits on a thread that other
+    # processes' jobs have descheduled, and the same filler took from 0.05 to 1 s per stage.
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
     paths = cost_checkpoints(args.dir)
     for path in paths.values():
         path.read_bytes()  # page cache warm: this bench times the policy, not the disk
