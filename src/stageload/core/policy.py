@@ -126,6 +126,9 @@ class FurthestNextUse:
         self.budget = budget
         self.prefetch = prefetch
         self.cost_model = cost_model
+        # The last decision and what it was made from: enter() asks for the same one up to
+        # three times (its note, the early releases, the prefetch), each a simulation.
+        self._memo: tuple[str, tuple[str, ...], PolicyView, PrefetchDecision] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -163,6 +166,16 @@ class FurthestNextUse:
         self, stage: str, loaded: Sequence[str], plan: PolicyView
     ) -> PrefetchDecision:
         """The prefetch for the stage after ``stage``, ``loaded`` being what stays on entry."""
+        memo = self._memo
+        if memo is not None and memo[0] == stage and memo[1] == tuple(loaded) and memo[2] == plan:
+            return memo[3]
+        decision = self._decide_prefetch(stage, loaded, plan)
+        self._memo = (stage, tuple(loaded), plan, decision)
+        return decision
+
+    def _decide_prefetch(
+        self, stage: str, loaded: Sequence[str], plan: PolicyView
+    ) -> PrefetchDecision:
         early, names = self._prefetch_plan(stage, loaded, plan)
         if not names:
             return PrefetchDecision([], [])
