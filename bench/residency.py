@@ -20,6 +20,19 @@ with no second model beside it).
 
     python bench/residency.py                               # demo and qwen, N = 1 4 8
     python bench/residency.py --workloads demo --ns 1 4     # a quick look
+
+The prefetch cost model (issue 22), ``python bench/residency.py cost``: three real modules
+(96 + 128 + 96 MiB float32, ``from_safetensors`` from real files, page cache warm), three
+stages of one model each, 4 calls; per stage the model's first layer and a fixed amount of filler
+compute (matrix products, a count calibrated once to about ``--long`` or ``--short``
+seconds, the same count in every mode, so outputs can be compared bit for bit). Budgets:
+roomy (all three) and two of three; modes: no prefetch, prefetch with the cost model,
+prefetch with it off. Runs interleaved, ``--repeats`` each (medians), in this process, after
+touching the working size once (bench/_touch.py).
+
+The first call under a budget (issue 22), ``python bench/residency.py first-call``: the same
+three modules, a budget for two, no ``sizes=``: models and bytes held while each stage's
+code runs, with the release after a load (``after_load``) and without it (the rule before).
 """
 
 from __future__ import annotations
@@ -276,7 +289,282 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# -- the prefetch cost model ------------------------------------------------------------------
+COST_MODES = ("roomy", "two", "two+prefetch", "two+prefetch, cost model off")
+LOAD_KINDS = ("load", "reload", "prefetch")
+COST_SIZES = {"a": 6, "b": 8, "c": 6}  # Linear(2048, 2048) layers: 16 MiB each
+
+
+def cost_checkpoints(folder: Path) -> dict[str, Path]:
+    import torch
+    from safetensors.torch import save_file
+    from torch import nn
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, layers in COST_SIZES.items():
+        path = folder / f"{name}-{layers}.safetensors"
+        if not path.exists():
+            torch.manual_seed(layers)
+            model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(layers)])
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+        paths[name] = path
+    return paths
+
+
+def filler(iters: int) -> Any:
+    """Deterministic stand-in compute: ``iters`` products of two 384x384 matrices."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(384, 384, generator=g)
+    b = torch.randn(384, 384, generator=g) / 20
+    for _ in range(iters):
+        a = torch.tanh(a @ b) + 0.5  # away from 0: denormals would slow later iterations
+    return a
+
+
+def calibrate(seconds: float) -> int:
+    """Filler iterations for about ``seconds``, from the median of 5 timings."""
+    filler(20)
+    per = []
+    for _ in range(5):
+        start = time.perf_counter()
+        filler(30)
+        per.append((time.perf_counter() - start) / 30)
+    return max(1, round(seconds / statistics.median(per)))
+
+
+def cost_run(paths: dict[str, Path], mode: str, iters: int, calls: int) -> dict[str, Any]:
+    import torch
+    from torch import nn
+
+    from stageload import ListSink, StagedModels
+    from stageload.core.policy import FurthestNextUse
+    from stageload.load.checkpoint import checkpoint_bytes
+    from stageload.load.weights import from_safetensors
+
+    sizes = {n: checkpoint_bytes(p) for n, p in paths.items()}
+    s1, s2, s3 = sorted(sizes.values(), reverse=True)
+    budget = int(sum(sizes.values()) * 1.01) if mode == "roomy" else s1 + s2 + s3 // 2
+    stages = {f"stage-{n}": (n,) for n in paths}
+    loaders = {
+        n: from_safetensors(
+            lambda n=n: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(COST_SIZES[n])]), p
+        )
+        for n, p in paths.items()
+    }
+    kw: dict[str, Any] = {"budget": budget}
+    if "prefetch" in mode:
+        kw = {
+            "policy": FurthestNextUse(budget, prefetch=True, cost_model="off" not in mode),
+            "prefetch": True,
+        }
+    sink = ListSink()
+    x0 = torch.linspace(-1, 1, 2048).repeat(4, 1)
+    outs = []
+    start = time.perf_counter()
+    with (
+        torch.no_grad(),
+        StagedModels(loaders, stages=stages, sizes=sizes, events=sink, **kw) as models,
+    ):
+        for call in range(calls):
+            x = x0 + call
+            for stage, (name,) in stages.items():
+                models.enter(stage)
+                # One layer of the model: its weights shape the output, while the stage's
+                # time is the filler's (a whole forward pass alone hides most loads).
+                x = torch.tanh(models[name][0](x)) + filler(iters)[:4, :1].sum()
+            outs.append(x)
+    wall = time.perf_counter() - start
+    kinds = [e.kind for e in sink.events]
+    notes = [e.note for e in sink.kinds("note") if e.note and e.note.startswith("prefetch ")]
+    return {
+        "mode": mode,
+        "wall_seconds": wall,
+        "loads": sum(k in LOAD_KINDS for k in kinds),
+        "prefetches": kinds.count("prefetch"),
+        "load_seconds": [e.seconds for e in sink.events if e.kind in LOAD_KINDS],
+        "made": sum(": made" in n for n in notes),
+        "skipped": sum(": skipped" in n for n in notes),
+        "budget": budget,
+        "sha256": _sha(outs),
+    }
+
+
+def cost_main(argv: list[str]) -> None:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _touch import touch
+
+    p = argparse.ArgumentParser(description="the prefetch cost model")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--calls", type=int, default=4)
+    p.add_argument("--long", type=float, default=0.3, help="filler seconds per stage")
+    p.add_argument("--short", type=float, default=0.02)
+    p.add_argument("--dir", type=Path, default=Path("/tmp/stageload-bench-cost"))
+    args = p.parse_args(argv)
+    # One compute thread: with two, an OpenMP barrier waits on a thread that other
+    # processes' jobs have descheduled, and the same filler took from 0.05 to 1 s per stage.
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
+    paths = cost_checkpoints(args.dir)
+    for path in paths.values():
+        path.read_bytes()  # page cache warm: this bench times the policy, not the disk
+    touched = touch(2 * sum(p.stat().st_size for p in paths.values()))
+    cases = {"long": calibrate(args.long), "short": calibrate(args.short)}
+    runs: list[dict[str, Any]] = []
+    for rep in range(args.repeats):
+        for case, iters in cases.items():
+            for mode in COST_MODES:  # interleaved, so machine load hits every mode alike
+                got = cost_run(paths, mode, iters, args.calls) | {"case": case, "iters": iters}
+                runs.append(got)
+                print(
+                    f"r{rep} {case:5s} {mode:30s} {got['wall_seconds']:.2f} s, "
+                    f"{got['loads']} loads ({got['prefetches']} prefetched), "
+                    f"made {got['made']} skipped {got['skipped']}",
+                    flush=True,
+                )
+    rows = []
+    med = statistics.median
+    for case in cases:
+        cell = {m: [r for r in runs if r["case"] == case and r["mode"] == m] for m in COST_MODES}
+        wall = {m: med(r["wall_seconds"] for r in cell[m]) for m in COST_MODES}
+        gap = wall["two"] - wall["roomy"]
+        hashes = {tuple(r["sha256"]) for r in runs if r["case"] == case}
+        for m in COST_MODES:
+            rows.append(
+                {
+                    "case": case,
+                    "filler_seconds": args.long if case == "long" else args.short,
+                    "mode": m,
+                    "wall_seconds": wall[m],
+                    "vs_two": wall[m] / wall["two"],
+                    "gap_closed": (wall["two"] - wall[m]) / gap if gap > 0 else None,
+                    "loads": med(r["loads"] for r in cell[m]),
+                    "prefetches": med(r["prefetches"] for r in cell[m]),
+                    "load_seconds": med(med(r["load_seconds"]) for r in cell[m]),
+                    "identical": len(hashes) == 1,
+                    "runs": len(cell[m]),
+                }
+            )
+    lines = [
+        f"# The prefetch cost model ({args.calls} calls, {args.repeats} runs per cell, medians)",
+        "",
+        f"Machine: {os.cpu_count()} CPUs shared with other engineers' test runs (noisy: "
+        f"medians of interleaved runs; ratios within a case). Memory touched once before "
+        f"timing ({touched:.1f} s, bench/_touch.py); page cache warm.",
+        "",
+        "| stage compute | mode | wall s | / two, no prefetch | share of the gap to roomy "
+        "closed | loads | of which prefetched | median load s | outputs |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        closed = "-" if r["gap_closed"] is None else f"{r['gap_closed']:.2f}"
+        lines.append(
+            f"| {r['case']} ({r['filler_seconds']:g} s filler) | {r['mode']} | "
+            f"{r['wall_seconds']:.2f} | {r['vs_two']:.2f} | {closed} | {r['loads']:g} | "
+            f"{r['prefetches']:g} | {r['load_seconds']:.2f} | "
+            f"{'identical' if r['identical'] else 'DIFFER'} |"
+        )
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "cost.json").write_text(json.dumps({"runs": runs, "rows": rows}, indent=2) + "\n")
+    (OUT / "cost.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    for path in paths.values():
+        path.unlink()
+    args.dir.rmdir()
+
+
+def first_call(paths: dict[str, Path], trim: bool) -> dict[str, Any]:
+    """One call with a budget for two of the three models and no ``sizes=``: the models
+    and bytes held each time a stage's code runs, and at most at any event (a load event
+    comes before the releases its size makes due)."""
+    import torch
+    from torch import nn
+
+    from stageload import ListSink, StagedModels
+    from stageload.core.policy import FurthestNextUse
+    from stageload.hooks.release import module_bytes
+    from stageload.load.checkpoint import checkpoint_bytes
+    from stageload.load.weights import from_safetensors
+
+    class TrimOff(FurthestNextUse):
+        def after_load(self, *args: Any) -> list[str]:  # the rule before issue 22
+            return []
+
+    sizes = {n: checkpoint_bytes(p) for n, p in paths.items()}
+    s1, s2, s3 = sorted(sizes.values(), reverse=True)
+    budget = s1 + s2 + s3 // 2
+    loaders = {
+        n: from_safetensors(
+            lambda n=n: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(COST_SIZES[n])]), p
+        )
+        for n, p in paths.items()
+    }
+    stages = {f"stage-{n}": (n,) for n in paths}
+    sink = ListSink()
+    policy = FurthestNextUse(budget) if trim else TrimOff(budget)
+    held: list[tuple[int, int]] = []
+    with torch.no_grad(), StagedModels(loaders, stages=stages, events=sink, policy=policy) as m:
+        for stage, (name,) in stages.items():
+            m.enter(stage)
+            m[name](torch.zeros(1, 2048))
+            resident = m.resident()
+            held.append((len(resident), sum(module_bytes(x) for x in resident.values())))
+    live, peak = 0, 0
+    for e in sink.events:
+        if e.kind in LOAD_KINDS:
+            live += e.bytes or 0
+        elif e.kind == "release" and e.reason != "close":
+            live -= e.bytes or 0
+        peak = max(peak, live)
+    return {
+        "rule": "after_load (issue 22)" if trim else "before (no release until enter)",
+        "budget": budget,
+        "models_held_max": max(n for n, _ in held),
+        "bytes_held_max": max(b for _, b in held),
+        "bytes_at_events_max": peak,
+    }
+
+
+def first_call_main() -> None:
+    folder = Path("/tmp/stageload-bench-firstcall")
+    paths = cost_checkpoints(folder)
+    rows = [first_call(paths, trim) for trim in (True, False)]
+    mib = 2**20
+    lines = [
+        "# The first call under a budget for two of three, no sizes= (one run each: counts "
+        "and bytes are exact, not timings)",
+        "",
+        f"Models 96 + 128 + 96 MiB float32 (`from_safetensors`), "
+        f"budget {rows[0]['budget'] / mib:.0f} MiB.",
+        "",
+        "| rule | models held while a stage's code runs, at most | their bytes / budget | "
+        "bytes at any event / budget |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['rule']} | {r['models_held_max']} | {r['bytes_held_max'] / r['budget']:.2f} | "
+            f"{r['bytes_at_events_max'] / r['budget']:.2f} |"
+        )
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "first-call.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (OUT / "first-call.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    for path in paths.values():
+        path.unlink()
+    folder.rmdir()
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "first-call":
+        first_call_main()
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "cost":
+        cost_main(sys.argv[2:])
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         workload, mode, n, which, trace, result = sys.argv[2:8]
         worker(workload, mode, int(n), which, Path(trace), Path(result))

@@ -255,11 +255,11 @@ def test_map_under_a_budget_with_prefetch_loads_each_model_once(checkpoints, fit
     four, sink = batch(4)
     assert four == one  # independent of N
     assert sink.kinds("prefetch"), "the next stage's model was loaded ahead"
-    # The policy takes the plan to repeat: with room for two, entering decode prefetches the
-    # encoder for a next call that a batch never makes (one load, whatever N).
-    assert four == (
-        {"encoder": 2, "denoiser": 1, "decoder": 1} if fit == 2 else dict.fromkeys(checkpoints, 1)
-    )
+    # With room for two, entering decode could prefetch the encoder for a next call (the
+    # policy takes the plan to repeat) by releasing the denoiser early; the prefetch cost
+    # model skips it (decode's compute is not measured yet), so no load is wasted on a next
+    # call that a batch never makes.
+    assert four == dict.fromkeys(checkpoints, 1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (not run here)")

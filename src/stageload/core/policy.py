@@ -40,13 +40,32 @@ class PolicyView:
     pinned: frozenset[str]
     sizes: Mapping[str, int] = field(default_factory=dict)
     prefetchable: frozenset[str] = frozenset()
+    #: Seconds of each model's last load (any kind), as its load event measured it.
+    load_seconds: Mapping[str, float] = field(default_factory=dict)
+    #: Seconds each stage computes: the shortest of its spans so far on the driving thread,
+    #: less the time that thread spent loading or waiting for loads.
+    compute_seconds: Mapping[str, float] = field(default_factory=dict)
+    #: Seconds each stage last took (measured as above) while a prefetch ran beside it.
+    contended_seconds: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrefetchDecision:
+    """What a prefetch decision releases early and loads ahead, and why (``note``)."""
+
+    early: list[str]
+    names: list[str]
+    note: str | None = None
 
 
 class ResidencyPolicy(Protocol):
     """Decides what stays in memory. StagedModels asks it on every ``enter``.
 
     A policy may also define ``why(name, stage, plan) -> str``: the reason recorded in
-    the ``release`` event of a model it released (``"not in plan"``, ``"budget"``).
+    the ``release`` event of a model it released (``"not in plan"``, ``"budget"``);
+    ``after_load(stage, loaded, plan, protect) -> list[str]``: what to release once a load
+    revealed a size (never a name in ``protect``); and ``prefetch_note(stage, loaded,
+    plan) -> str | None``: why the prefetch of ``enter(stage)`` was made or skipped.
     """
 
     def to_release(self, stage: str, loaded: Sequence[str], plan: PolicyView) -> list[str]:
@@ -94,17 +113,28 @@ class FurthestNextUse:
     current stage's models are named for a background load, in plan order. To make room,
     other models are released early by the same rule, seen from the next stage. That can
     cost a load the budget alone would not (a model kept for later goes now), in exchange
-    for a load that overlaps the current stage's compute.
+    for a load that overlaps the current stage's compute. With ``cost_model`` (the default)
+    a prefetch that releases a model early is made only when it pays: the wall time over
+    the next two calls, estimated from the measured load and compute times
+    (:meth:`estimate`), is shorter prefetching at every stage than never prefetching. A
+    prefetch that releases nothing early costs no load and is always made.
     """
 
-    def __init__(self, budget: int, *, prefetch: bool = False) -> None:
+    def __init__(self, budget: int, *, prefetch: bool = False, cost_model: bool = True) -> None:
         if budget <= 0:
             raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
         self.budget = budget
         self.prefetch = prefetch
+        self.cost_model = cost_model
+        # The last decision and what it was made from: enter() asks for the same one up to
+        # three times (its note, the early releases, the prefetch), each a simulation.
+        self._memo: tuple[str, tuple[str, ...], PolicyView, PrefetchDecision] | None = None
 
     def __repr__(self) -> str:
-        return f"FurthestNextUse(budget={self.budget!r}, prefetch={self.prefetch!r})"
+        return (
+            f"FurthestNextUse(budget={self.budget!r}, prefetch={self.prefetch!r}, "
+            f"cost_model={self.cost_model!r})"
+        )
 
     # -- the protocol --------------------------------------------------------------------
     def to_release(self, stage: str, loaded: Sequence[str], plan: PolicyView) -> list[str]:
@@ -112,14 +142,125 @@ class FurthestNextUse:
         if not self.prefetch:
             return victims
         staying = [n for n in loaded if n not in victims]
-        early, _ = self._prefetch_plan(stage, staying, plan)
-        return victims + early
+        return victims + self.decide_prefetch(stage, staying, plan).early
 
     def to_prefetch(self, stage: str, loaded: Sequence[str], plan: PolicyView) -> list[str]:
         if not self.prefetch:
             return []
-        _, names = self._prefetch_plan(stage, loaded, plan)
-        return names
+        return self.decide_prefetch(stage, loaded, plan).names
+
+    def after_load(
+        self, stage: str, loaded: Sequence[str], plan: PolicyView, protect: frozenset[str]
+    ) -> list[str]:
+        """What no longer fits once a load revealed its size: the same rule as on enter."""
+        return self.victims(stage, loaded, plan, protect=protect)
+
+    def prefetch_note(self, stage: str, loaded: Sequence[str], plan: PolicyView) -> str | None:
+        """Why entering ``stage`` (with ``loaded`` before its releases) prefetches or not."""
+        if not self.prefetch:
+            return None
+        staying = [n for n in loaded if n not in self.victims(stage, loaded, plan)]
+        return self.decide_prefetch(stage, staying, plan).note
+
+    def decide_prefetch(
+        self, stage: str, loaded: Sequence[str], plan: PolicyView
+    ) -> PrefetchDecision:
+        """The prefetch for the stage after ``stage``, ``loaded`` being what stays on entry."""
+        memo = self._memo
+        if memo is not None and memo[0] == stage and memo[1] == tuple(loaded) and memo[2] == plan:
+            return memo[3]
+        decision = self._decide_prefetch(stage, loaded, plan)
+        self._memo = (stage, tuple(loaded), plan, decision)
+        return decision
+
+    def _decide_prefetch(
+        self, stage: str, loaded: Sequence[str], plan: PolicyView
+    ) -> PrefetchDecision:
+        early, names = self._prefetch_plan(stage, loaded, plan)
+        if not names:
+            return PrefetchDecision([], [])
+        order = list(plan.stages)
+        nxt = order[(order.index(stage) + 1) % len(order)]
+        what = f"prefetch {', '.join(map(repr, names))} for stage {nxt!r}"
+        if not early:
+            return PrefetchDecision([], names, f"{what}: made, it releases nothing early")
+        released = ", ".join(map(repr, early))
+        if not self.cost_model:
+            return PrefetchDecision(
+                early, names, f"{what}: made, releasing {released} early (cost model off)"
+            )
+        with_, without = (
+            self.estimate(stage, loaded, plan, True),
+            self.estimate(stage, loaded, plan, False),
+        )
+        if with_ is None or without is None:
+            return PrefetchDecision(
+                [],
+                [],
+                f"{what}: skipped, it would release {released} early and the load "
+                f"and compute times to weigh that are not measured yet",
+            )
+        verdict = "made" if with_ < without else "skipped"
+        how = (
+            f"releasing {released} early"
+            if with_ < without
+            else f"it would release {released} early"
+        )
+        note = (
+            f"{what}: {verdict}, {how}; the next two calls estimated at {with_:.2f} s "
+            f"prefetching, {without:.2f} s not"
+        )
+        return (
+            PrefetchDecision(early, names, note)
+            if with_ < without
+            else PrefetchDecision([], [], note)
+        )
+
+    def estimate(
+        self, stage: str, loaded: Sequence[str], plan: PolicyView, prefetch: bool
+    ) -> float | None:
+        """Seconds for two calls from ``stage`` on (``loaded`` staying on its entry), with a
+        prefetch at every stage or none, the rule otherwise as now; None when a time it
+        needs is not measured. A stage takes its on-demand loads, then the longer of its
+        compute and the loads prefetched during it; with a prefetch beside it, its compute is
+        as long as it last measured with one (a background load competes for the cores),
+        else as without. A model never loaded takes its bytes at the mean speed of the
+        measured loads."""
+        order = list(plan.stages)
+        start = order.index(stage)
+        speeds = [
+            plan.sizes[n] / s for n, s in plan.load_seconds.items() if s > 0 and n in plan.sizes
+        ]
+        bps = sum(speeds) / len(speeds) if speeds else None
+
+        def load(name: str) -> float | None:
+            if name in plan.load_seconds:
+                return plan.load_seconds[name]
+            if bps is None or name not in plan.sizes:
+                return None
+            return plan.sizes[name] / bps
+
+        state = list(loaded)
+        total = 0.0
+        for step in range(2 * len(order)):
+            s = order[(start + step) % len(order)]
+            if step:
+                gone = self.victims(s, state, plan)
+                state = [n for n in state if n not in gone]
+            ahead: list[str] = []
+            if prefetch:
+                early, ahead = self._prefetch_plan(s, state, plan)
+                state = [n for n in state if n not in early]
+            demand = [n for n in plan.stages[s] if n not in state]
+            times = [load(n) for n in (*demand, *ahead)]
+            compute = plan.compute_seconds.get(s)
+            if ahead and compute is not None:
+                compute = max(compute, plan.contended_seconds.get(s, compute))
+            if compute is None or any(t is None for t in times):
+                return None
+            total += sum(times[: len(demand)]) + max(compute, sum(times[len(demand) :]))  # type: ignore[arg-type]
+            state += [*demand, *ahead]
+        return total
 
     def why(self, name: str, stage: str, plan: PolicyView) -> str:
         listed = any(name in names for names in plan.stages.values())

@@ -5,6 +5,12 @@ that releases; a running call's modules are therefore never released under it by
 thread. Prefetch loads run on one background thread and never release. Every load, on any
 thread, goes through one future per model name, so a model is never loaded twice at once,
 and the registry's lock is never held while a loader runs.
+
+Under a budget, a load that reveals a size (the first load of a model without ``sizes=``)
+releases at once, on the driving thread, what the budget no longer holds (the policy's
+``after_load``), before the stage's code gets the model. The entered stage's models, pinned
+ones, and every model handed out in this stage stay. A load on the prefetch thread only
+marks that check as due; the driving thread runs it at its next ``enter`` or ``models[...]``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from .events import (
     LOAD,
     NOTE,
     PREFETCH,
+    REASON_BUDGET,
     REASON_CLOSE,
     REASON_EVICT,
     RELEASE,
@@ -156,6 +163,18 @@ class StagedModels(Mapping[str, "nn.Module"]):
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()
         self._batch: Batch | None = None  # set by map() while its calls run
+        self._used: set[str] = set()  # handed out in this stage: never released by a trim
+        self._trim_due = False  # a background load revealed a size: trim on the driving thread
+        # What the cost model of prefetch weighs: each model's last load time, and each
+        # stage's compute (its span less the driving thread's time in loads and waits).
+        self._load_seconds: dict[str, float] = {}
+        self._compute: dict[str, float] = {}
+        # A stage's span while a prefetch ran beside it: on few cores a background load
+        # slows the compute it overlaps, and only measuring shows by how much.
+        self._contended: dict[str, float] = {}
+        self._prefetched_in_stage = False
+        self._stage_start = 0.0
+        self._blocked = 0.0
         if self.prefetch:
             note = unprefetchable(self._plan, self._prefetchable)
             if note is not None:
@@ -165,18 +184,26 @@ class StagedModels(Mapping[str, "nn.Module"]):
     def __getitem__(self, name: str) -> nn.Module:
         if name not in self._loaders:
             raise KeyError(f"no model named {name!r}; known models: {', '.join(self._loaders)}")
+        background = self._in_background()
+        outermost = not self._loading()
         with self._lock:
+            self._used.add(name)
+            if self._trim_due and not background:
+                self._trim(self._stage)
             module = self._models.get(name)
             job = None if module is not None else self._jobs.get(name)
             run = False
             if module is None and job is None:
-                job, run = self._start(name, background=self._in_background()), True
+                job, run = self._start(name, background=background), True
             elif job is not None and name in self._loading():
                 self._cycle_error(name)
         if job is not None:
+            start = time.perf_counter()
             if run:
                 self._run(job)
             module = self._wait(job)
+            if outermost and not background:  # not compute: the cost model's inputs
+                self._blocked += time.perf_counter() - start
         with self._lock:
             self._note_unplanned(name)
         return module
@@ -259,14 +286,30 @@ class StagedModels(Mapping[str, "nn.Module"]):
             batch.park(stage)
         if stage == self._stage:
             return
+        now = time.perf_counter()
+        if self._stage is not None:
+            # The shortest span seen: other processes and a prefetch competing for the cores
+            # only make it longer, and a longer one would make any prefetch look hidden.
+            span = max(0.0, now - self._stage_start - self._blocked)
+            if self._prefetched_in_stage:
+                self._contended[self._stage] = span
+            else:
+                self._compute[self._stage] = min(span, self._compute.get(self._stage, span))
         self._wait_background()
         with self._lock:
             self._stage = stage
+            self._stage_start, self._blocked = time.perf_counter(), 0.0
             self._noted.clear()
+            self._used.clear()
+            self._trim_due = False  # the releases below see every size measured so far
             self._over_noted = False
             self.emit(Event(STAGE, stage=stage))
             plan = self._plan_view()
             why = getattr(self.policy, "why", None)
+            explain = getattr(self.policy, "prefetch_note", None) if self.prefetch else None
+            note = explain(stage, list(self._models), plan) if explain is not None else None
+            if note is not None:
+                self.emit(Event(NOTE, stage=stage, note=note))
             for name in self.policy.to_release(stage, list(self._models), plan):
                 reason = why(name, stage, plan) if why is not None else None
                 self._release(name, stage, reason)
@@ -283,6 +326,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
                 for name in ahead:
                     if name in self._prefetchable:
                         jobs.append(self._start(name, background=True, purpose=purpose))
+                self._prefetched_in_stage = bool(jobs)
                 if jobs and self._executor is None:
                     self._executor = ThreadPoolExecutor(1, thread_name_prefix=PREFETCH_THREAD)
                 for job in jobs:
@@ -361,7 +405,22 @@ class StagedModels(Mapping[str, "nn.Module"]):
             prefetchable=frozenset(
                 n for n in self._prefetchable if ready_for_background(self._loaders[n])
             ),
+            load_seconds=dict(self._load_seconds),
+            compute_seconds=dict(self._compute),
+            contended_seconds=dict(self._contended),
         )
+
+    def _trim(self, stage: str | None) -> None:
+        """Release what the budget no longer holds now that a load measured a size (lock
+        held, driving thread only). The stage's models, pinned ones and every model handed
+        out in this stage stay: the stage's code may hold them."""
+        self._trim_due = False
+        after_load = getattr(self.policy, "after_load", None)
+        if after_load is None or stage is None:
+            return
+        protect = frozenset(self._used)
+        for name in after_load(stage, list(self._models), self._plan_view(), protect):
+            self._release(name, stage, REASON_BUDGET)
 
     def emit(self, event: Event) -> None:
         """Send ``event`` where this registry's own events go: its sink and, under
@@ -494,13 +553,18 @@ class StagedModels(Mapping[str, "nn.Module"]):
             kind = PREFETCH if job.background else RELOAD if name in self._ever_loaded else LOAD
             self._models[name] = module
             self._sizes[name] = nbytes
+            self._load_seconds[name] = seconds
             self._ever_loaded.add(name)
             del self._jobs[name]
             note = f"for stage {job.purpose!r}" if job.purpose else None
             self.emit(
                 Event(kind, model=name, stage=stage, bytes=nbytes, seconds=seconds, note=note)
             )
-            if not job.background:
+            if job.background:
+                self._trim_due = True  # releasing is the driving thread's (see the top)
+            else:
+                self._used.add(name)  # handed to its caller next: it stays
+                self._trim(stage)
                 self._check_budget(stage, after=name)
         job.future.set_result(module)
 

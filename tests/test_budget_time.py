@@ -1,0 +1,171 @@
+"""A budget that holds from the first call (sizes learned at a load release what no longer
+fits, before the stage's code runs, on the driving thread), and the cost model of prefetch
+(a prefetch that releases a model early is made only when its load can hide)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from torch import nn
+
+from stageload import ListSink, StagedModels
+from stageload.core.events import Event
+from stageload.core.policy import FurthestNextUse, rng_free
+from stageload.hooks.release import module_bytes
+
+KIB = 1024
+STAGES = {"a": ("A",), "b": ("B",), "c": ("C",)}
+
+
+class Sized(nn.Module):
+    """A model of exactly ``units`` KiB of weights, built without drawing random numbers."""
+
+    def __init__(self, units: int) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.zeros(units * KIB // 4))
+
+
+class TrimOff(FurthestNextUse):
+    """The old rule, as a control: a size learned at a load changes nothing until the next
+    ``enter``."""
+
+    def after_load(self, stage, loaded, plan, protect):  # noqa: ANN001, ANN201
+        return []
+
+
+class ThreadSink(ListSink):
+    """Also records which thread emitted each event."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[str] = []
+
+    def emit(self, event: Event) -> None:
+        super().emit(event)
+        self.threads.append(threading.current_thread().name)
+
+
+def loaders(counts: dict[str, int], units: int = 4, delay: float = 0.0) -> dict:
+    def make(name: str):  # noqa: ANN202
+        @rng_free
+        def load() -> nn.Module:
+            counts[name] = counts.get(name, 0) + 1
+            if delay:
+                time.sleep(delay)  # a load that takes time, for the cost model to measure
+            return Sized(units)
+
+        return load
+
+    return {n: make(n) for n in "ABC"}
+
+
+def held_while_stages_run(models: StagedModels, calls: int = 1, extra=None) -> list[int]:  # noqa: ANN001
+    """Real bytes of the resident models each time a stage's code runs, having its models."""
+    held = []
+    for _ in range(calls):
+        for stage, names in models.stages.items():
+            models.enter(stage)
+            for name in (*(extra or {}).get(stage, ()), *names):
+                models[name]
+            held.append(sum(module_bytes(m) for m in models.resident().values()))
+    return held
+
+
+def test_the_first_call_stays_within_the_budget_without_sizes():
+    budget = 10 * KIB  # two of the three 4 KiB models
+    sink = ListSink()
+    models = StagedModels(loaders({}), stages=STAGES, budget=budget, events=sink)
+    held = held_while_stages_run(models)
+    assert max(held) <= budget, held
+    assert max(held) == 8 * KIB  # not vacuous: two models were held at once
+    # C's load revealed the excess; B (next used furthest away, in stage b of the next
+    # call) went at once, in stage c, before the stage's code ran.
+    releases = sink.kinds("release")
+    assert [(e.model, e.stage, e.reason) for e in releases] == [("B", "c", "budget")]
+    assert sink.kinds("note") == []  # nothing ran over the budget, so nothing to note
+    # The control: the old rule holds all three through stage c.
+    control = StagedModels(loaders({}), stages=STAGES, policy=TrimOff(budget))
+    assert max(held_while_stages_run(control)) == 12 * KIB > budget
+
+
+def test_a_model_handed_out_in_the_stage_is_never_trimmed():
+    budget = 10 * KIB
+    sink = ListSink()
+    models = StagedModels(loaders({}), stages=STAGES, budget=budget, events=sink)
+    # Stage c's code takes B (unplanned there) before C loads: B is in use, so A goes,
+    # though by the rule alone B (furthest next use) would.
+    held_while_stages_run(models, extra={"c": ("B",)})
+    assert [(e.model, e.stage) for e in sink.kinds("release")] == [("A", "c")]
+    assert models.loaded() == ["B", "C"]
+    view = models._plan_view()
+    assert models.policy.victims("c", ["A", "B", "C"], view) == ["B"]  # the control
+
+
+def test_a_size_revealed_by_a_prefetch_is_trimmed_on_the_driving_thread():
+    # C is given as 1 KiB and is 4: its prefetch (in stage b) overshoots; only the driving
+    # thread releases, at its next enter or models[...].
+    budget = 10 * KIB
+    sink = ThreadSink()
+    models = StagedModels(
+        loaders({}),
+        stages=STAGES,
+        budget=budget,
+        prefetch=True,
+        sizes={"C": 1 * KIB},
+        events=sink,
+    )
+    driver = threading.current_thread().name
+    held = held_while_stages_run(models, calls=2)
+    assert sink.kinds("prefetch"), sink.events  # the overshooting load did run ahead
+    assert any(e.reason == "budget" for e in sink.kinds("release"))
+    released_on = {t for e, t in zip(sink.events, sink.threads, strict=True) if e.kind == "release"}
+    assert released_on == {driver}
+    assert max(held) <= budget, held
+    models.close()
+
+
+def run(policy: FurthestNextUse | None, compute: float, delay: float, calls: int = 4):  # noqa: ANN201
+    counts: dict[str, int] = {}
+    sink = ListSink()
+    size = 4 * KIB
+    kw = {"policy": policy, "prefetch": True} if policy is not None else {"budget": 2 * size + KIB}
+    models = StagedModels(
+        loaders(counts, delay=delay),
+        stages=STAGES,
+        sizes=dict.fromkeys("ABC", size),
+        events=sink,
+        **kw,
+    )
+    for _ in range(calls):
+        for stage, names in STAGES.items():
+            models.enter(stage)
+            for name in names:
+                models[name]
+            time.sleep(compute)  # the stage's compute
+    models.close()
+    return sum(counts.values()), sink
+
+
+def test_the_cost_model_skips_a_prefetch_that_cannot_hide_and_its_control():
+    budget = 2 * 4 * KIB + KIB  # two of three
+    # Compute far too short to hide a 50 ms load.
+    alone, _ = run(None, compute=0.0, delay=0.05)
+    costed, sink = run(FurthestNextUse(budget, prefetch=True), compute=0.0, delay=0.05)
+    assert costed == alone, sink.events  # no load more than the budget alone takes
+    notes = [e.note for e in sink.kinds("note")]
+    assert any("skipped, it would release" in n for n in notes), notes
+    # Control: the cost model off releases early for every prefetch and loads more.
+    off = FurthestNextUse(budget, prefetch=True, cost_model=False)
+    uncosted, sink = run(off, compute=0.0, delay=0.05)
+    assert uncosted > alone, sink.events
+    assert any("cost model off" in e.note for e in sink.kinds("note"))
+
+
+def test_the_cost_model_prefetches_when_compute_hides_the_load():
+    budget = 2 * 4 * KIB + KIB
+    # Compute (0.3 s) far longer than a load (10 ms): releasing early pays.
+    _, sink = run(FurthestNextUse(budget, prefetch=True), compute=0.3, delay=0.01, calls=3)
+    notes = [e.note for e in sink.kinds("note")]
+    assert any(": made, releasing" in n for n in notes), notes
