@@ -280,3 +280,12 @@ def test_a_release_that_frees_nothing_says_who_still_holds_the_model():
     assert (kept.model, kept.bytes) == ("backbone", 0)
     assert kept.note == "257.0 KiB of its weights stay, still held by 'head'"
     assert freed.model == "head" and freed.bytes > 257 * 1024 and freed.note is None
+
+
+def test_a_policy_without_the_required_steps_fails_at_construction(checkpoints):
+    class Half:
+        def to_release(self, stage, loaded, plan):
+            return []
+
+    with pytest.raises(TypeError, match="lacks to_prefetch"):
+        StagedModels(loaders_for(checkpoints), stages=STAGES, policy=Half())

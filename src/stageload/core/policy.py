@@ -61,7 +61,8 @@ class PrefetchDecision:
 class ResidencyPolicy(Protocol):
     """Decides what stays in memory. StagedModels asks it on every ``enter``.
 
-    A policy may also define ``why(name, stage, plan) -> str``: the reason recorded in
+    Three steps are optional (:class:`PolicySteps` gives their defaults). A policy may also
+    define ``why(name, stage, plan) -> str``: the reason recorded in
     the ``release`` event of a model it released (``"not in plan"``, ``"budget"``);
     ``after_load(stage, loaded, plan, protect) -> list[str]``: what to release once a load
     revealed a size (never a name in ``protect``); and ``prefetch_note(stage, loaded,
@@ -76,6 +77,38 @@ class ResidencyPolicy(Protocol):
         """Names to load right after entering ``stage``, before anyone asks: in a
         background thread when the registry prefetches, else right away."""
         ...
+
+
+@dataclass(frozen=True)
+class PolicySteps:
+    """A policy's steps as :class:`StagedModels` calls them: the two the protocol requires,
+    and the optional three with their defaults where the policy lacks them (no reason
+    recorded, nothing released after a load, no note). Checked once, when the registry is
+    made, so a policy that is not one fails there with a clear error."""
+
+    to_release: Callable[[str, Sequence[str], PolicyView], list[str]]
+    to_prefetch: Callable[[str, Sequence[str], PolicyView], list[str]]
+    why: Callable[[str, str, PolicyView], str | None]
+    after_load: Callable[[str, Sequence[str], PolicyView, frozenset[str]], list[str]]
+    prefetch_note: Callable[[str, Sequence[str], PolicyView], str | None]
+
+    @classmethod
+    def of(cls, policy: object) -> PolicySteps:
+        missing = [
+            m for m in ("to_release", "to_prefetch") if not callable(getattr(policy, m, None))
+        ]
+        if missing:
+            raise TypeError(
+                f"policy must have to_release() and to_prefetch() (the ResidencyPolicy "
+                f"protocol); {type(policy).__qualname__} lacks {', '.join(missing)}"
+            )
+        return cls(
+            getattr(policy, "to_release"),  # noqa: B009 (checked above; policy is an object)
+            getattr(policy, "to_prefetch"),  # noqa: B009
+            getattr(policy, "why", lambda name, stage, plan: None),
+            getattr(policy, "after_load", lambda stage, loaded, plan, protect: []),
+            getattr(policy, "prefetch_note", lambda stage, loaded, plan: None),
+        )
 
 
 class ReleaseUnlisted:

@@ -42,6 +42,7 @@ from .events import (
 )
 from .outer import outer_trace
 from .policy import (
+    PolicySteps,
     PolicyView,
     ResidencyPolicy,
     check_plan,
@@ -152,6 +153,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
         self.prefetch = bool(self._prefetchable) or prefetch is True
         self.budget: int | None = None if budget is None else parse_budget(budget)
         self.policy: ResidencyPolicy = choose_policy(policy, self.budget, self.prefetch)
+        self._steps = PolicySteps.of(self.policy)
         self._models: dict[str, nn.Module] = {}
         self._sizes: dict[str, int] = {}
         self._ever_loaded: set[str] = set()
@@ -305,18 +307,16 @@ class StagedModels(Mapping[str, "nn.Module"]):
             self._over_noted = False
             self.emit(Event(STAGE, stage=stage))
             plan = self._plan_view()
-            why = getattr(self.policy, "why", None)
-            explain = getattr(self.policy, "prefetch_note", None) if self.prefetch else None
-            note = explain(stage, list(self._models), plan) if explain is not None else None
+            steps = self._steps
+            note = steps.prefetch_note(stage, list(self._models), plan) if self.prefetch else None
             if note is not None:
                 self.emit(Event(NOTE, stage=stage, note=note))
-            for name in self.policy.to_release(stage, list(self._models), plan):
-                reason = why(name, stage, plan) if why is not None else None
-                self._release(name, stage, reason)
+            for name in steps.to_release(stage, list(self._models), plan):
+                self._release(name, stage, steps.why(name, stage, plan))
             self._check_budget(stage)
             ahead = [
                 n
-                for n in self.policy.to_prefetch(stage, list(self._models), self._plan_view())
+                for n in steps.to_prefetch(stage, list(self._models), self._plan_view())
                 if n not in self._models and n not in self._jobs
             ]
             jobs = []
@@ -415,11 +415,10 @@ class StagedModels(Mapping[str, "nn.Module"]):
         held, driving thread only). The stage's models, pinned ones and every model handed
         out in this stage stay: the stage's code may hold them."""
         self._trim_due = False
-        after_load = getattr(self.policy, "after_load", None)
-        if after_load is None or stage is None:
+        if stage is None:
             return
         protect = frozenset(self._used)
-        for name in after_load(stage, list(self._models), self._plan_view(), protect):
+        for name in self._steps.after_load(stage, list(self._models), self._plan_view(), protect):
             self._release(name, stage, REASON_BUDGET)
 
     def emit(self, event: Event) -> None:
