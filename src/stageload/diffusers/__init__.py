@@ -115,6 +115,7 @@ class StagedPipeline:
         self._bridges: set[tuple[str, str]] = set()  # (stage, name): kept there, not run
         self._closed_at: tuple[str | None] | None = None
         self._gone: set[str] = set()  # components the user replaced on the pipeline
+        self._ready: dict[str, str | None] = {}  # name -> the stage of its last full use()
         self._pipeline: weakref.ref[Any] | None = None
         self.models = StagedModels(
             {name: self._loader(name) for name in self._skeletons},
@@ -210,6 +211,16 @@ class StagedPipeline:
         order that does, wrapping around, so a second call of the pipeline starts again at
         ``encode`` and a negative-prompt pass re-enters the stage it needs.
         """
+        models = self.models
+        # The hook runs before every submodule call: once a use in this stage has made the
+        # component ready, the rest of the stage's calls need only see that it still is.
+        if (
+            self._ready.get(name, "") == models.stage
+            and models.is_loaded(name)
+            and not models.batch_running
+            and self._closed_at is None
+        ):
+            return
         self._check_replaced()
         if self.adaptive and self._closed_at is None:
             with self._lock:
@@ -227,6 +238,7 @@ class StagedPipeline:
             if target is not None and target != self.models.stage:
                 self.models.enter(target)
             self.models[name]
+            self._ready[name] = self.models.stage
 
     def load(self, *names: str) -> None:
         """Load the named components now, in the current stage, without changing stage.
