@@ -1,10 +1,26 @@
-"""Make tests/fixtures importable as ``fixtures`` and keep test runs offline."""
+"""Make tests/fixtures importable as ``fixtures``, keep test runs offline, and fixtures that
+several test modules share."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """torch on one thread for a module's tests (``pytest.mark.usefixtures("one_thread")``):
+    tiny models run faster on one thread than on two contended ones."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

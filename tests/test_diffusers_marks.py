@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +43,8 @@ def small_vae(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models run faster on one thread than on two contended ones (conftest).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _call(pipe: Any, seed: int = 0) -> torch.Tensor:

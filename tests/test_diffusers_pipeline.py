@@ -5,7 +5,6 @@ Locally built Stable Diffusion and Flux pipelines, compared bit for bit with eag
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,8 @@ diffusers.utils.logging.set_verbosity_error()
 diffusers.utils.logging.disable_progress_bar()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models run faster on one thread than on two contended ones (conftest).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._external import (
+    CONVERT_METHOD,
     HF_HOOK_ATTR,
     keep_in_fp32_modules,
     tensor_version,
@@ -241,7 +242,7 @@ def placeholder_class(base: type) -> type:
         "__qualname__": base.__qualname__,
         "__doc__": base.__doc__,
         "device": property(device, doc="Where the model runs, also while it is not loaded."),
-        "_apply": _apply,
+        CONVERT_METHOD: _apply,  # nn.Module._apply: every conversion goes through it
         "__getattr__": __getattr__,
     }
     cls = type(base.__name__, (base,), namespace)
