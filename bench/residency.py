@@ -22,8 +22,9 @@ with no second model beside it).
     python bench/residency.py --workloads demo --ns 1 4     # a quick look
 
 The prefetch cost model (issue 22), ``python bench/residency.py cost``: three real modules
-(96 + 128 + 96 MiB float32, ``from_safetensors`` from real files, page cache warm), three
-stages of one model each, 4 calls; per stage the model's first layer and a fixed amount of filler
+(96 + 128 + 96 MiB float32, ``from_safetensors`` from real files), three stages of one
+model each, ``--calls`` calls; the page cache dropped before each load (``cold``, as where
+memory is tight) or kept (``warm``); per stage the model's first layer and a fixed amount of filler
 compute (matrix products, a count calibrated once to about ``--long`` or ``--short``
 seconds, the same count in every mode, so outputs can be compared bit for bit). Budgets:
 roomy (all three) and two of three; modes: no prefetch, prefetch with the cost model,
@@ -335,11 +336,22 @@ def calibrate(seconds: float) -> int:
     return max(1, round(seconds / statistics.median(per)))
 
 
-def cost_run(paths: dict[str, Path], mode: str, iters: int, calls: int) -> dict[str, Any]:
+def drop_cache(path: Path) -> None:
+    """Drop ``path`` from the page cache, as memory pressure would before a reload."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def cost_run(
+    paths: dict[str, Path], mode: str, iters: int, calls: int, cold: bool = False
+) -> dict[str, Any]:
     import torch
     from torch import nn
 
-    from stageload import ListSink, StagedModels
+    from stageload import ListSink, StagedModels, rng_free
     from stageload.core.policy import FurthestNextUse
     from stageload.load.checkpoint import checkpoint_bytes
     from stageload.load.weights import from_safetensors
@@ -354,6 +366,12 @@ def cost_run(paths: dict[str, Path], mode: str, iters: int, calls: int) -> dict[
         )
         for n, p in paths.items()
     }
+    if cold:  # every load reads the disk, as where the page cache cannot hold the weights
+
+        def cold_loader(load: Any, path: Path) -> Any:
+            return rng_free(lambda: (drop_cache(path), load())[1])
+
+        loaders = {n: cold_loader(loaders[n], paths[n]) for n in loaders}
     kw: dict[str, Any] = {"budget": budget}
     if "prefetch" in mode:
         kw = {
@@ -404,6 +422,7 @@ def cost_main(argv: list[str]) -> None:
     p.add_argument("--long", type=float, default=0.3, help="filler seconds per stage")
     p.add_argument("--short", type=float, default=0.02)
     p.add_argument("--dir", type=Path, default=Path("/tmp/stageload-bench-cost"))
+    p.add_argument("--cache", nargs="+", choices=("cold", "warm"), default=["cold", "warm"])
     args = p.parse_args(argv)
     # One compute thread: with two, an OpenMP barrier waits on a thread that other
     # processes' jobs have descheduled, and the same filler took from 0.05 to 1 s per stage.
@@ -412,15 +431,16 @@ def cost_main(argv: list[str]) -> None:
     for path in paths.values():
         path.read_bytes()  # page cache warm: this bench times the policy, not the disk
     touched = touch(2 * sum(p.stat().st_size for p in paths.values()))
-    cases = {"long": calibrate(args.long), "short": calibrate(args.short)}
+    iters = {"long": calibrate(args.long), "short": calibrate(args.short)}
+    cases = {f"{c}, {cache}": (iters[c], cache == "cold") for cache in args.cache for c in iters}
     runs: list[dict[str, Any]] = []
     for rep in range(args.repeats):
-        for case, iters in cases.items():
+        for case, (n, cold) in cases.items():
             for mode in COST_MODES:  # interleaved, so machine load hits every mode alike
-                got = cost_run(paths, mode, iters, args.calls) | {"case": case, "iters": iters}
+                got = cost_run(paths, mode, n, args.calls, cold) | {"case": case, "iters": n}
                 runs.append(got)
                 print(
-                    f"r{rep} {case:5s} {mode:30s} {got['wall_seconds']:.2f} s, "
+                    f"r{rep} {case:11s} {mode:30s} {got['wall_seconds']:.2f} s, "
                     f"{got['loads']} loads ({got['prefetches']} prefetched), "
                     f"made {got['made']} skipped {got['skipped']}",
                     flush=True,
@@ -436,7 +456,7 @@ def cost_main(argv: list[str]) -> None:
             rows.append(
                 {
                     "case": case,
-                    "filler_seconds": args.long if case == "long" else args.short,
+                    "filler_seconds": args.long if case.startswith("long") else args.short,
                     "mode": m,
                     "wall_seconds": wall[m],
                     "vs_two": wall[m] / wall["two"],
@@ -451,12 +471,14 @@ def cost_main(argv: list[str]) -> None:
     lines = [
         f"# The prefetch cost model ({args.calls} calls, {args.repeats} runs per cell, medians)",
         "",
-        f"Machine: {os.cpu_count()} CPUs shared with other engineers' test runs (noisy: "
-        f"medians of interleaved runs; ratios within a case). Memory touched once before "
-        f"timing ({touched:.1f} s, bench/_touch.py); page cache warm.",
+        f"Machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end "
+        f"(medians of interleaved runs; ratios within a case). Memory touched once before "
+        f"timing ({touched:.1f} s, bench/_touch.py). Cold: each checkpoint dropped from the "
+        f"page cache (posix_fadvise DONTNEED) right before each of its loads, as where memory "
+        f"is too tight to cache it; warm: read once beforehand and never dropped.",
         "",
-        "| stage compute | mode | wall s | / two, no prefetch | share of the gap to roomy "
-        "closed | loads | of which prefetched | median load s | outputs |",
+        "| stage compute, page cache | mode | wall s | / two, no prefetch | share of the gap "
+        "to roomy closed | loads | of which prefetched | median load s | outputs |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:

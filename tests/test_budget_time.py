@@ -4,9 +4,11 @@ fits, before the stage's code runs, on the driving thread), and the cost model o
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -169,3 +171,61 @@ def test_the_cost_model_prefetches_when_compute_hides_the_load():
     _, sink = run(FurthestNextUse(budget, prefetch=True), compute=0.3, delay=0.01, calls=3)
     notes = [e.note for e in sink.kinds("note")]
     assert any(": made, releasing" in n for n in notes), notes
+
+
+def _nice() -> int:
+    """This thread's nice value, from the kernel's own record (field 19 of its stat)."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+class Pair(nn.Module):
+    """Two tensors: ``load_weights`` reads them on two reader threads of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("u", torch.zeros(KIB))
+        self.register_buffer("v", torch.zeros(KIB))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="thread priorities are read from /proc")
+def test_a_prefetch_and_the_readers_it_starts_yield_the_cores_to_the_compute(tmp_path):
+    # bench/residency.py cost: at equal priority a background load took a share of the
+    # cores from the stage it overlapped. Here: the kernel's nice value of every thread
+    # that reads a model's bytes, on demand (the control: as the driving thread's) and ahead.
+    from safetensors.torch import save_file
+
+    from stageload.load import reader
+    from stageload.load.weights import from_safetensors
+
+    paths = {n: tmp_path / f"{n}.safetensors" for n in "ABC"}
+    for path in paths.values():
+        save_file({"u": torch.ones(KIB), "v": torch.ones(KIB)}, str(path))
+    reads: list[tuple[str, str, int]] = []  # (file, thread, nice)
+    pread_into = reader.pread_into
+
+    def spy(fd, path, offset, buf):  # noqa: ANN001, ANN202
+        reads.append((path.stem, threading.current_thread().name, _nice()))
+        return pread_into(fd, path, offset, buf)
+
+    size = module_bytes(Pair())
+    base = _nice()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(reader, "pread_into", spy)
+        models = StagedModels(
+            {n: rng_free(from_safetensors(Pair, paths[n], threads=2)) for n in "ABC"},
+            stages=STAGES,
+            budget=3 * size,
+            prefetch=True,
+            sizes=dict.fromkeys("ABC", size),
+        )
+        for stage in ("a", "b"):
+            models.enter(stage)  # entering a prefetches B; entering b, C
+            models[stage.upper()]
+        models.close()
+    by_model = {n: {(t.rsplit("_", 1)[0], nice) for m, t, nice in reads if m == n} for n in "ABC"}
+    background = min(19, base + reader.BACKGROUND_NICE)
+    assert background > base, "run the tests below nice 19: there is no lower priority"
+    assert by_model["A"] == {("stageload-load", base)}, reads  # on demand: as the driver
+    assert by_model["B"] == by_model["C"] == {("stageload-load", background)}, reads
+    assert _nice() == base  # the driving thread kept its priority

@@ -46,6 +46,7 @@ from .errors import StageloadError
 from .hooks.registry import HookRegistry, ModuleHook
 from .hooks.release import release
 from .load.checkpoint import Entry, checkpoint_files, read_entries
+from .load.reader import background_thread
 from .load.weights import Files, _default_threads, _install, _match, _read_all, _Target, _targets
 
 if TYPE_CHECKING:
@@ -287,7 +288,9 @@ class Stream:
             return
         planned = self._plan(self.blocks[index])  # here: the module is read on this thread
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="stageload-stream")
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix="stageload-stream", initializer=background_thread
+            )
         self._pending = _Pending(index, self._executor.submit(self._read, planned))
 
     def _drop_pending(self) -> None:

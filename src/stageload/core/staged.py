@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import StageloadError
 from ..hooks.release import held_elsewhere, is_released, module_bytes, release
 from ..load.progress import PREFETCH_THREAD
+from ..load.reader import background_thread
 from .batch import Batch
 from .events import (
     LOAD,
@@ -328,7 +329,9 @@ class StagedModels(Mapping[str, "nn.Module"]):
                         jobs.append(self._start(name, background=True, purpose=purpose))
                 self._prefetched_in_stage = bool(jobs)
                 if jobs and self._executor is None:
-                    self._executor = ThreadPoolExecutor(1, thread_name_prefix=PREFETCH_THREAD)
+                    self._executor = ThreadPoolExecutor(
+                        1, thread_name_prefix=PREFETCH_THREAD, initializer=background_thread
+                    )
                 for job in jobs:
                     self._executor.submit(self._run_background, job)  # type: ignore[union-attr]
         if not self.prefetch:  # a custom policy's loads ahead, on this thread as before

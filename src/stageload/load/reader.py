@@ -44,6 +44,31 @@ SEQUENTIAL = False
 AHEAD = 0
 
 
+#: How much nicer than the computing threads a background load's threads run (Linux).
+#: A prefetch overlaps a stage's compute; at equal priority its copies and page faults
+#: took a share of the cores from that compute (a 0.3 s filler stage ran 0.33-0.38 s beside
+#: a cold 128 MiB load on 2 cores, 0.27-0.29 s with the load at +10: bench/residency.py
+#: cost). A thread cannot take the priority back unprivileged, so only threads that do
+#: nothing else get it: the prefetch and stream threads, and the readers they start
+#: (Linux threads inherit their creator's nice value).
+BACKGROUND_NICE = 10
+
+
+def background_thread() -> None:
+    """Lower this thread's CPU priority by :data:`BACKGROUND_NICE` (Linux; elsewhere a no-op).
+
+    The initializer of a thread that only loads ahead: it then runs on cores the compute
+    leaves idle, and when the computing thread waits for it, it has the cores to itself.
+    macOS threads keep their priority: its thread QoS is not reachable from Python's ``os``.
+    """
+    if sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):  # a seccomp profile may forbid it: load at par
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + BACKGROUND_NICE))
+
+
 def memory(t: torch.Tensor, at: int, n: int) -> memoryview:
     """A writable view of ``n`` bytes of ``t``'s CPU memory from byte ``at``."""
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr() + at)).cast("B")
