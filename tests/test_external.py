@@ -166,3 +166,27 @@ def test_set_progress_bar_config_is_read_back_from_the_pipeline() -> None:
     assert _external.progress_bars_disabled(pipe)
     pipe.set_progress_bar_config(disable=False)
     assert not _external.progress_bars_disabled(pipe)
+
+
+def test_every_parameter_assignment_calls_the_registration_hook_which_may_replace_it() -> None:
+    """``stageload.load.meta`` relies on it: a constructor's ``self.weight = Parameter(...)``
+    reaches the hook, and what the hook returns is what the module keeps."""
+    seen: list[str] = []
+    given: list[nn.Parameter] = []
+
+    def hook(module: nn.Module, name: str, param: Any) -> Any:
+        seen.append(name)
+        if name == "bias":
+            given.append(nn.Parameter(torch.empty_like(param, device="meta")))
+            return given[-1]
+        return None
+
+    remove = _external.on_parameter_registration(hook)
+    try:
+        linear = nn.Linear(2, 3)
+    finally:
+        remove()
+    assert seen == ["weight", "bias"]
+    assert linear.bias is given[0] and linear.bias.is_meta and not linear.weight.is_meta
+    nn.Linear(2, 3)
+    assert seen == ["weight", "bias"]  # removed: not called again

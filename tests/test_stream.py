@@ -23,6 +23,7 @@ from stageload import (
     StagedModels,
     StreamError,
     from_safetensors,
+    load_weights,
     stream_of,
     streamed,
 )
@@ -202,6 +203,125 @@ def test_block_events_and_hooks_set_nothing_else(stack: Path) -> None:
     assert all(e.model == "stack" and e.bytes == block_bytes(WIDTH) for e in blocks)
     assert all(e.compute is not None and e.compute > 0 and e.seconds > 0 for e in blocks)
     assert [("(prefetched)" in e.note) for e in blocks] == [False] + [True] * (DEPTH - 1)
+
+
+# -- buffers: built for real, parameters on meta -------------------------------------------
+
+
+def frequencies(width: int) -> torch.Tensor:
+    return 1.0 / (10000 ** (torch.arange(width, dtype=torch.float32) / width))
+
+
+class RopeBlock(nn.Module):
+    """A block with a buffer it computes (not saved) and one the checkpoint holds."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.register_buffer("phase", torch.linspace(0, 1, width), persistent=False)
+        self.register_buffer("shift", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sin(self.linear(x) + self.phase) + self.shift
+
+
+class RopeStack(nn.Module):
+    """Computed ``pos_freqs`` outside the blocks, as the Pixal3D flow models have."""
+
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+        self.blocks = nn.ModuleList(RopeBlock(width) for _ in range(depth))
+        self.register_buffer("pos_freqs", frequencies(width), persistent=False)
+        self.register_buffer("scale", torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.embed(x)) * self.scale + torch.cos(x * self.pos_freqs)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+@pytest.fixture(scope="module")
+def rope(tmp_path_factory) -> Path:
+    """RopeStack's checkpoint; its persistent buffers differ from what __init__ makes."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    state = RopeStack().state_dict()
+    for key in state:
+        if key.endswith(("shift", "scale")):
+            state[key] = torch.randn(state[key].shape)
+    path = tmp_path_factory.mktemp("rope") / "rope.safetensors"
+    save_file(state, path)
+    return path
+
+
+def rope_eager(path: Path) -> RopeStack:
+    model = RopeStack()  # built for real on the CPU, as a port builds it, then filled
+    load_weights(model, path)
+    return model
+
+
+def test_computed_buffers_are_built_for_real_and_stream_bit_identical(rope: Path) -> None:
+    eager = rope_eager(rope)
+    model = streamed(RopeStack, rope, prefetch=False)
+    x = x_of(0, rows=3)[:, :16]
+    with torch.no_grad():
+        want = eager(x)
+        first, second = model(x), model(x)  # the second: every block read again
+    assert torch.equal(first, want) and torch.equal(second, want)
+    assert stream_of(model).stats.blocks_loaded == 6
+    assert torch.equal(model.pos_freqs, frequencies(16))
+    # The persistent buffers came from the checkpoint, not from __init__.
+    assert torch.equal(model.scale, eager.scale) and not torch.equal(model.scale, torch.ones(16))
+    # Between calls each block's checkpoint tensors are freed; its computed buffer stays,
+    # since no read could give it back.
+    block = model.blocks[1]
+    assert block.linear.weight.is_meta and block.shift.is_meta
+    assert torch.equal(block.phase, torch.linspace(0, 1, 16))
+    # Control: built wholly on meta (as from_safetensors builds), the computed buffers
+    # are meta tensors that nothing fills.
+    with pytest.raises(ValueError, match=r"still on meta[\s\S]*pos_freqs"):
+        from_safetensors(RopeStack, rope)()
+
+
+def test_building_draws_no_random_numbers_and_keeps_no_weights(rope: Path) -> None:
+    state = torch.get_rng_state()
+    model = streamed(RopeStack, rope)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(t.is_meta for t in model.blocks.state_dict().values())
+    # Control: the same constructor built for real draws its initial weights.
+    RopeStack()
+    assert not torch.equal(torch.get_rng_state(), state)
+
+
+def test_parameters_go_to_meta_only_on_the_thread_that_asked() -> None:
+    """torch's registration hook is global: another thread's model (a StagedModels
+    prefetch building a model meanwhile) keeps real weights."""
+    import threading
+
+    from stageload.load.meta import meta_parameters
+
+    inside, built = threading.Event(), threading.Event()
+    other: list[nn.Module] = []
+
+    def build_elsewhere() -> None:
+        inside.wait()
+        other.append(nn.Linear(4, 4))
+        built.set()
+
+    thread = threading.Thread(target=build_elsewhere)
+    thread.start()
+    with meta_parameters():
+        inside.set()
+        built.wait()
+        mine = nn.Linear(4, 4)
+    thread.join()
+    assert mine.weight.is_meta and mine.bias.is_meta
+    assert not other[0].weight.is_meta
+    assert not nn.Linear(4, 4).weight.is_meta  # and nothing after the block
 
 
 # -- block-major batches -----------------------------------------------------------------

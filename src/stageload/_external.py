@@ -7,6 +7,7 @@ Nothing here is imported at ``import stageload``: each function imports its libr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -35,6 +36,16 @@ def non_persistent_buffers(module: nn.Module) -> set[str]:
     """Names of ``module``'s own buffers that ``state_dict()`` leaves out (computed in
     ``__init__``, such as rotary tables): torch keeps them in a private set."""
     return set(module._non_persistent_buffers_set)
+
+
+def on_parameter_registration(hook: Callable[[nn.Module, str, Any], Any]) -> Callable[[], None]:
+    """Call ``hook(module, name, param)`` at every parameter any module registers (each
+    ``self.weight = nn.Parameter(...)`` goes through ``register_parameter``, which calls
+    it); a non-None return is registered instead. torch's global registration hook: every
+    thread's modules see it. Returns the function that removes it."""
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+
+    return register_module_parameter_registration_hook(hook).remove
 
 
 #: The one ``nn.Module`` method that ``to``, ``cpu``, ``cuda``, ``half``, ``float``,

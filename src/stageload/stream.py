@@ -1,7 +1,9 @@
 """Stream a model larger than memory block by block from its checkpoint.
 
-:func:`streamed` builds the model on ``meta`` and reads in everything outside its block
-list (embeddings, norms, heads) at once. Each block stays on ``meta`` until it is called:
+:func:`streamed` builds the model with its weights on ``meta`` (the buffers its
+constructor computes, such as rotary tables, are made for real: see
+:mod:`stageload.load.meta`) and reads in everything outside its block list (embeddings,
+norms, heads) at once. Each block stays on ``meta`` until it is called:
 a :class:`~stageload.hooks.registry.ModuleHook` on the block reads it from the checkpoint
 with the fast reader (``load.weights``) in its ``pre_call`` and frees it with
 :func:`~stageload.release` in its ``post_call``. With ``prefetch``, the next block is read
@@ -33,12 +35,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._external import non_persistent_buffers
 from .core.batch import current_batch
 from .core.events import BLOCK, Event, EventSink
 from .core.outer import outer_trace
@@ -46,6 +49,7 @@ from .errors import StageloadError
 from .hooks.registry import HookRegistry, ModuleHook
 from .hooks.release import release
 from .load.checkpoint import Entry, checkpoint_files, read_entries
+from .load.meta import build_on_meta
 from .load.reader import background_thread
 from .load.weights import Files, _default_threads, _install, _match, _read_all, _Target, _targets
 
@@ -338,6 +342,16 @@ class _BlockHook(ModuleHook):
         self.stream._leave(self.index)
         return output
 
+    def retain(self, module: nn.Module) -> Iterable[torch.Tensor]:
+        # A block's computed buffers (non-persistent) are not in the checkpoint: a release
+        # that freed them could not be undone by the next read.
+        return [
+            t
+            for sub in module.modules()
+            for key, t in sub.named_buffers(recurse=False)
+            if key in non_persistent_buffers(sub)
+        ]
+
 
 class _ModelHook(ModuleHook):
     """On the streamed model itself: how :func:`stream_of` finds its stream."""
@@ -436,7 +450,12 @@ def streamed(
     the blocks, two blocks (one with ``prefetch=False``) and the working memory.
 
     Args:
-        build: makes the model; runs under ``torch.device("meta")`` (no memory, no RNG).
+        build: makes the model. Its parameters go to ``meta`` as they are registered, so
+            their initialisers take no memory and draw no random numbers; its buffers are
+            made as the constructor makes them, and those the checkpoint holds then go to
+            ``meta``, so computed ones (rotary tables) are right. A constructor that draws
+            numbers outside the initialisers (``nn.Parameter(torch.randn(...))``) draws
+            them (:func:`stageload.load.meta.meta_parameters`).
         files: as :func:`~stageload.load_weights` takes them.
         blocks: the block list's path (or several, in call order); default: the
             ``nn.ModuleList`` (or ``nn.Sequential``) with the most parameters.
@@ -461,8 +480,10 @@ def streamed(
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive int, got {threads!r}")
     paths = checkpoint_files(files)
-    with torch.device("meta"):
-        model = build()
+    # Not torch.device("meta"): buffers computed in __init__ would be meta tensors that no
+    # checkpoint can fill. Computed buffers go to `device` with the rest (load_rest) or
+    # with their block.
+    model = build_on_meta(build)
     if not isinstance(model, nn.Module):
         raise TypeError(f"build() returned {type(model).__name__}, not an nn.Module")
     model.requires_grad_(False)  # inference only: the weights go after each forward

@@ -10,6 +10,10 @@ How the port is taken apart, in order:
    StagedModels mapping; the extractors and the remover become lazy stand-ins.
 3. Stage boundaries are hooked with ``on_call`` on the port's own methods.
 
+Models named in ``stream`` are loaded with :func:`stageload.streamed` instead: built from
+``{path}.json`` with their weights on ``meta``, the parts outside their block list read when
+their stage first needs them, each block read at its call and freed after it.
+
 ``load="eager"`` runs the port's own loading instead, with the same boundaries and
 fingerprints, for comparison.
 """
@@ -18,8 +22,10 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import json
+import os
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,10 +40,21 @@ from ..core.staged import StagedModels
 from ..hooks.on_call import on_call
 from ..hooks.registry import patch
 from ..hooks.share import share
+from ..load.meta import build_on_meta
+from ..stream import Stream, StreamError, find_blocks, stream_of, streamed
 from ._fill import FastReload
 from ._parts import ExtractorRecipe, Holder, LazyEntry, NafRecipe, Unloaded, build_on_device
 from .fingerprints import Fingerprints
-from .plan import BACKBONE, EXTRACTOR_STAGES, MODEL_NAMES, NAF, REMBG, STAGES, plan_for
+from .plan import (
+    BACKBONE,
+    EXTRACTOR_STAGES,
+    MODEL_NAMES,
+    NAF,
+    REMBG,
+    STAGES,
+    check_stream,
+    plan_for,
+)
 from .port import Port, PortError, api_mismatch
 
 #: The ways to load: stageload's staged loading, or the port's own.
@@ -112,7 +129,11 @@ class Pixal3DRun:
     and stages (a MemoryMeter, a ListSink). ``stop_after`` ends the run at the boundary
     after that stage. ``fingerprints`` is a folder for the latents' hashes and copies.
     ``build_on="cpu"`` builds each model on the CPU and moves it, like the port (see
-    :data:`BUILD_ON`).
+    :data:`BUILD_ON`). ``stream`` names models (of :data:`~.plan.MODEL_NAMES`) to stream
+    block by block from their checkpoint instead of loading whole (:func:`stageload.streamed`):
+    a streamed model is built when its stage first needs it and released like any model at
+    the end of its stages, its parts outside the blocks with it (the next use builds it
+    again: they are small, and its blocks are read at each call anyway).
     """
 
     def __init__(
@@ -128,9 +149,15 @@ class Pixal3DRun:
         build_on: str = "device",
         budget: int | str | None = None,
         prefetch: bool = False,
+        stream: Iterable[str] | None = None,
     ) -> None:
         if load not in LOADS:
             raise ValueError(f"load must be 'staged' or 'eager', got {load!r}")
+        self.stream = check_stream(stream or ())
+        if self.stream and load != "staged":
+            raise ValueError(
+                "stream needs load='staged': the port's own loading reads every model whole"
+            )
         if stop_after is not None and stop_after not in STAGES:
             raise ValueError(f"stop_after must be one of {', '.join(STAGES)}; got {stop_after!r}")
         if build_on not in BUILD_ON:
@@ -152,6 +179,7 @@ class Pixal3DRun:
         self._extractor_stage: dict[int, str] = {}
         self._backbone_cache: dict[Any, Any] = {}
         self._rembg: Any = None  # the remover the port built, until its first load
+        self._streams: dict[str, Stream] = {}  # each streamed model's latest stream
         self._fast = FastReload(self.device, self._note)
         try:
             if load == "staged":
@@ -222,6 +250,19 @@ class Pixal3DRun:
         loaders: dict[str, Callable[[], nn.Module]] = {}
         for name, placeholder in found.items():
             loaders[name] = functools.partial(self._load_model, name, from_pretrained, placeholder)
+        for name in self.stream:  # all of MODEL_NAMES are in found (checked above)
+            build, file = self._stream_recipe(name, found[name])
+            # Checked now, on meta, so a model without a block list fails before the run.
+            empty = build_on_meta(build)
+            try:
+                find_blocks(empty)
+            except StreamError:  # with blocks=None, only "no list at all" is raised
+                raise StreamError(
+                    f"cannot stream {name!r}: {type(empty).__name__} has no nn.ModuleList or "
+                    "nn.Sequential of blocks called one after another, so it can only be "
+                    "loaded whole; leave it out of stream (--stream)"
+                ) from None
+            loaders[name] = functools.partial(self._load_streamed, name, build, file)
         for attr, recipe in recipes.items():
             loaders[attr] = functools.partial(self._load_extractor, attr, recipe, build_extractor)
         loaders[BACKBONE] = functools.partial(self._load_backbone, recipes, build_extractor)
@@ -288,6 +329,49 @@ class Pixal3DRun:
         self._note_fallback(name, why)
         self._fast.learned(name, model.eval(), placeholder.path)
         return model
+
+    def _stream_recipe(self, name: str, placeholder: Unloaded) -> tuple[Callable[[], Any], Path]:
+        """How to build ``name`` without its weights, and its checkpoint file. The port's
+        ``from_pretrained(path, **kwargs)`` builds ``getattr(pixal3d.models, config["name"])
+        (**config["args"], **kwargs)`` from ``{path}.json``, then reads ``{path}.safetensors``
+        whole; streaming needs the build alone."""
+        path = os.fspath(placeholder.path)
+        config_file, file = Path(f"{path}.json"), Path(f"{path}.safetensors")
+        absent = [str(f) for f in (config_file, file) if not f.is_file()]
+        if absent:
+            raise StreamError(
+                f"cannot stream {name!r}: no local file {', '.join(map(repr, absent))}; "
+                "streaming reads the model's config and checkpoint from local files (pass "
+                "the port a local --model-path)"
+            )
+        if placeholder.call_args:
+            raise StreamError(
+                f"cannot stream {name!r}: the port called from_pretrained with positional "
+                f"arguments {placeholder.call_args!r} after the path, which stageload cannot "
+                "map onto the model's constructor"
+            )
+        config = json.loads(config_file.read_text())
+        cls_name = config.get("name") if isinstance(config, dict) else None
+        cls = getattr(self.port.models, cls_name, None) if isinstance(cls_name, str) else None
+        if not callable(cls) or not isinstance(config.get("args", {}), dict):
+            raise api_mismatch(
+                self.port.path,
+                [f"pixal3d.models.{cls_name} (the class {str(config_file)!r} names)"],
+            )
+        args, kwargs = dict(config.get("args", {})), dict(placeholder.call_kwargs)
+        return (lambda: cls(**args, **kwargs)), file
+
+    def _load_streamed(self, name: str, build: Callable[[], Any], file: Path) -> nn.Module:
+        # Built anew at each load: the release at the end of its last stage emptied the
+        # previous one (its blocks were empty already). Its prefetch thread goes with it.
+        previous = self._streams.pop(name, None)
+        if previous is not None:
+            previous.close()
+        model = streamed(build, file, device=self.device, name=name, events=self.events)
+        stream = stream_of(model)
+        if stream is not None:  # always, from streamed()
+            self._streams[name] = stream
+        return model.eval()
 
     def _load_extractor(
         self, name: str, recipe: ExtractorRecipe, build: Callable[..., Any]
@@ -463,6 +547,9 @@ class Pixal3DRun:
             if self.models is not None:
                 self.models.close()
         finally:
+            streams, self._streams = self._streams, {}
+            for stream in streams.values():
+                stream.close()  # their models are released: this stops the read-ahead threads
             self._stack.close()
 
     def __enter__(self) -> Pixal3DRun:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli._args import interval, unusable_folder, unwritable_file
-from .plan import STAGES
+from .plan import MODEL_NAMES, STAGES, check_stream
 
 EXIT_OK = 0
 #: The run failed: a model could not load, or the port raised.
@@ -36,6 +36,11 @@ The port is imported from your checkout: --port DIR or $STAGELOAD_PIXAL3D_PORT. 
 option not listed here goes to the port (e.g. --device, --pipeline-type, --steps,
 --texture-size, --fov). Only --pipeline-type 1024_cascade has a stage plan.
 
+--stream NAME loads a model block by block instead of whole: its parts outside its block
+list when its stage begins, each block at its call, freed right after (for a model larger
+than memory; same latents, slower). Flow models have block lists; a model without one
+is refused before the run.
+
 stages: setup, preprocess, camera, structure, shape_512, shape_1024, texture, decode, export
 
 examples:
@@ -43,6 +48,7 @@ examples:
   stageload-pixal3d a.png b.png c.png -o out/     # stage-major: each model loaded once
   stageload-pixal3d photo.png -o photo.glb --trace staged.jsonl --fingerprints fp-staged
   stageload-pixal3d photo.png -o photo.glb --load eager --trace eager.jsonl --stop-after texture
+  stageload-pixal3d photo.png -o photo.glb --stream tex_slat_flow_model_1024   # block by block
   stageload report staged.jsonl eager.jsonl
 
 exit codes: 0 done (or stopped by --stop-after), 1 the run failed, 2 usage or port error
@@ -118,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(docs/residency.md), and a note in the trace names those that are not",
     )
     p.add_argument(
+        "--stream",
+        type=stream_arg,
+        action="append",
+        metavar="NAME",
+        help="stream this model block by block from its checkpoint instead of loading it "
+        "whole (repeat, or separate names with commas); one of: " + ", ".join(MODEL_NAMES),
+    )
+    p.add_argument(
         "--no-preserve-rng",
         action="store_true",
         help="control experiment: don't restore the RNG around lazy loads (changes the noise)",
@@ -135,6 +149,17 @@ def budget_arg(text: str) -> str:
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def stream_arg(text: str) -> list[str]:
+    """``--stream``: one or more model names separated by commas, each checked."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"names no model: {text!r}")
+    try:
+        return list(check_stream(names))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> int:
@@ -163,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _fail(f"--fingerprints {opts.fingerprints!r}: {problem}")
 
     from ..core.staged import ModelLoadError
+    from ..stream import StreamError
     from .adapter import run
     from .plan import UnsupportedPipelineError, plan_for
     from .port import PortError, check_device, find_port, import_port
@@ -188,6 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if opts.prefetch and opts.budget is None:
         return _fail("--prefetch needs --budget SIZE (e.g. --budget auto)")
+    stream = list(check_stream(name for names in opts.stream or () for name in names))
+    if stream and opts.load != "staged":
+        return _fail("--stream needs staged loading: --load eager reads every model whole")
     options: dict[str, Any] = {
         "budget": opts.budget,
         "prefetch": opts.prefetch,
@@ -196,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "stop_after": opts.stop_after,
         "fingerprints": opts.fingerprints,
         "build_on": opts.build_on,
+        "stream": stream,
     }
     if len(images) > 1:
         from .batch import run_many
@@ -216,10 +246,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "pipeline_type": args.pipeline_type,
                 "seed": getattr(args, "seed", None),
                 "port": str(port.path),
+                "stream": stream,
             }
             with MemoryMeter(opts.trace, opts.interval, meta=meta) as meter:
                 result = go(events=meter, **options)
-    except (ModelLoadError, PortError) as exc:
+    except (ModelLoadError, PortError, StreamError) as exc:
         return _fail(str(exc), EXIT_FAILED)
     except OSError as exc:  # a file the port could not read or write (e.g. not an image)
         return _fail(f"the run failed: {exc}", EXIT_FAILED)

@@ -7,6 +7,8 @@ Light on purpose: the CLI imports it for ``--help``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ..errors import StageloadError
 
 #: The pipeline's eight models, as keys of ``pipeline.models``.
@@ -101,3 +103,20 @@ def plan_for(pipeline_type: str) -> dict[str, tuple[str, ...]]:
     if plan is None:
         raise UnsupportedPipelineError(pipeline_type)
     return dict(plan)
+
+
+def check_stream(names: Iterable[str]) -> tuple[str, ...]:
+    """The models ``--stream`` names, each one of :data:`MODEL_NAMES` (else ValueError
+    listing them), in order, without repeats."""
+    if isinstance(names, str):
+        raise TypeError(f"stream must list model names, e.g. [{names!r}]")
+    found: list[str] = []
+    for name in names:
+        if name not in MODEL_NAMES:
+            raise ValueError(
+                f"stream names {name!r}, which is not one of the pipeline's models; "
+                f"models: {', '.join(MODEL_NAMES)}"
+            )
+        if name not in found:
+            found.append(name)
+    return tuple(found)
