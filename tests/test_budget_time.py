@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from fixtures.threads import thread_nice
 from stageload import ListSink, StagedModels
 from stageload.core.events import Event
 from stageload.core.policy import FurthestNextUse, rng_free
@@ -173,12 +174,6 @@ def test_the_cost_model_prefetches_when_compute_hides_the_load():
     assert any(": made, releasing" in n for n in notes), notes
 
 
-def _nice() -> int:
-    """This thread's nice value, from the kernel's own record (field 19 of its stat)."""
-    with open(f"/proc/self/task/{threading.get_native_id()}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[16])
-
-
 class Pair(nn.Module):
     """Two tensors: ``load_weights`` reads them on two reader threads of its own."""
 
@@ -205,11 +200,11 @@ def test_a_prefetch_and_the_readers_it_starts_yield_the_cores_to_the_compute(tmp
     pread_into = reader.pread_into
 
     def spy(fd, path, offset, buf):  # noqa: ANN001, ANN202
-        reads.append((path.stem, threading.current_thread().name, _nice()))
+        reads.append((path.stem, threading.current_thread().name, thread_nice()))
         return pread_into(fd, path, offset, buf)
 
     size = module_bytes(Pair())
-    base = _nice()
+    base = thread_nice()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(reader, "pread_into", spy)
         models = StagedModels(
@@ -228,4 +223,4 @@ def test_a_prefetch_and_the_readers_it_starts_yield_the_cores_to_the_compute(tmp
     assert background > base, "run the tests below nice 19: there is no lower priority"
     assert by_model["A"] == {("stageload-load", base)}, reads  # on demand: as the driver
     assert by_model["B"] == by_model["C"] == {("stageload-load", background)}, reads
-    assert _nice() == base  # the driving thread kept its priority
+    assert thread_nice() == base  # the driving thread kept its priority
