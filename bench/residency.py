@@ -31,6 +31,10 @@ roomy (all three) and two of three; modes: no prefetch, prefetch with the cost m
 prefetch with it off. Runs interleaved, ``--repeats`` each (medians), in this process, after
 touching the working size once (bench/_touch.py).
 
+What a background load takes from the compute beside it, ``python bench/residency.py
+contention``: the filler alone, then beside a cold load on another thread, at nice 0 and at
+the prefetch thread's priority (``BACKGROUND_NICE``), pairs back to back.
+
 The first call under a budget (issue 22), ``python bench/residency.py first-call``: the same
 three modules, a budget for two, no ``sizes=``: models and bytes held while each stage's
 code runs, with the release after a load (``after_load``) and without it (the rule before).
@@ -580,12 +584,97 @@ def first_call_main() -> None:
     folder.rmdir()
 
 
+# -- what a background load takes from the compute it overlaps --------------------------------
+def contention_main(argv: list[str]) -> None:
+    """A stage's filler alone, then beside a cold load of the 128 MiB model on another thread,
+    pairs back to back, the load's thread at nice 0 and at the prefetch's priority."""
+    import threading
+
+    import torch
+    from torch import nn
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _touch import touch
+
+    from stageload.load.reader import BACKGROUND_NICE
+    from stageload.load.weights import from_safetensors
+
+    p = argparse.ArgumentParser(description="what a background load takes from compute")
+    p.add_argument("--runs", type=int, default=7)
+    p.add_argument("--seconds", type=float, default=0.3, help="filler seconds")
+    p.add_argument("--dir", type=Path, default=Path("/tmp/stageload-bench-cost"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
+    path = cost_checkpoints(args.dir)["b"]
+    load = from_safetensors(lambda: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]), path)
+    touched = touch(2 * path.stat().st_size)
+    iters = calibrate(args.seconds)
+    rows = []
+    for nice in (0, BACKGROUND_NICE):
+        alone, beside, loads = [], [], []
+        for _ in range(args.runs):
+            start = time.perf_counter()
+            filler(iters)
+            alone.append(time.perf_counter() - start)
+            drop_cache(path)
+            took: list[float] = []
+
+            def background(nice: int = nice, took: list[float] = took) -> None:
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+                t0 = time.perf_counter()
+                load()
+                took.append(time.perf_counter() - t0)
+
+            thread = threading.Thread(target=background)
+            start = time.perf_counter()
+            thread.start()
+            filler(iters)
+            beside.append(time.perf_counter() - start)
+            thread.join()
+            loads.append(took[0])
+        med = statistics.median
+        rows.append(
+            {
+                "nice": nice,
+                "alone": med(alone),
+                "beside": med(beside),
+                "taken": med(b - a for a, b in zip(alone, beside, strict=True)),
+                "load": med(loads),
+            }
+        )
+        print(rows[-1], flush=True)
+    lines = [
+        f"# What a cold background load takes from the compute beside it ({args.runs} pairs)",
+        "",
+        f"Filler compute of about {args.seconds:g} s on one torch thread, alone and then beside "
+        f"a cold load (page cache dropped) of a 128 MiB checkpoint on another thread, pairs "
+        f"back to back, medians. Machine: {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f}; memory touched once before timing ({touched:.1f} s).",
+        "",
+        "| load thread's nice | filler alone s | filler beside the load s | taken from the "
+        "filler s (median of pairs) | the load s |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| +{r['nice']} | {r['alone']:.3f} | {r['beside']:.3f} | {r['taken']:.3f} | "
+            f"{r['load']:.3f} |"
+        )
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "contention.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "first-call":
         first_call_main()
         return
     if len(sys.argv) > 1 and sys.argv[1] == "cost":
         cost_main(sys.argv[2:])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "contention":
+        contention_main(sys.argv[2:])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         workload, mode, n, which, trace, result = sys.argv[2:8]

@@ -17,6 +17,7 @@ from stageload import ListSink, StagedModels
 from stageload.core.events import Event
 from stageload.core.policy import FurthestNextUse, rng_free
 from stageload.hooks.release import module_bytes
+from stageload.load.progress import PREFETCH_THREAD
 
 KIB = 1024
 STAGES = {"a": ("A",), "b": ("B",), "c": ("C",)}
@@ -168,8 +169,9 @@ def test_the_cost_model_skips_a_prefetch_that_cannot_hide_and_its_control():
 
 def test_the_cost_model_prefetches_when_compute_hides_the_load():
     budget = 2 * 4 * KIB + KIB
-    # Compute (0.3 s) far longer than a load (10 ms): releasing early pays.
-    _, sink = run(FurthestNextUse(budget, prefetch=True), compute=0.3, delay=0.01, calls=3)
+    # Compute (0.3 s) longer than a load (0.1 s): releasing early pays, by more than the
+    # margin (MARGIN) the estimate must clear.
+    _, sink = run(FurthestNextUse(budget, prefetch=True), compute=0.3, delay=0.1, calls=3)
     notes = [e.note for e in sink.kinds("note")]
     assert any(": made, releasing" in n for n in notes), notes
 
@@ -224,3 +226,58 @@ def test_a_prefetch_and_the_readers_it_starts_yield_the_cores_to_the_compute(tmp
     assert by_model["A"] == {("stageload-load", base)}, reads  # on demand: as the driver
     assert by_model["B"] == by_model["C"] == {("stageload-load", background)}, reads
     assert thread_nice() == base  # the driving thread kept its priority
+
+
+def run_contended(retry_after: int, calls: int = 7) -> list[str]:
+    """Stages of 0.15 s whose compute takes 0.2 s more when a prefetch ran beside them (an
+    emulated contention, so it is the same on any machine), loads of 50 ms: the prefetch
+    notes of ``calls`` calls under a budget for two of three."""
+    slowed = threading.Event()
+    counts: dict[str, int] = {}
+    base = loaders(counts, delay=0.05)
+
+    def make(name: str):  # noqa: ANN202
+        @rng_free
+        def load() -> nn.Module:
+            if threading.current_thread().name.startswith(PREFETCH_THREAD):
+                slowed.set()
+            return base[name]()
+
+        return load
+
+    policy = FurthestNextUse(2 * 4 * KIB + KIB, prefetch=True)
+    policy.RETRY_AFTER = retry_after
+    sink = ListSink()
+    models = StagedModels(
+        {n: make(n) for n in "ABC"},
+        stages=STAGES,
+        sizes=dict.fromkeys("ABC", 4 * KIB),
+        policy=policy,
+        prefetch=True,
+        events=sink,
+    )
+    for _ in range(calls):
+        for stage, names in STAGES.items():
+            models.enter(stage)
+            for name in names:
+                models[name]
+            time.sleep(0.15 + (0.2 if slowed.is_set() else 0.0))
+            slowed.clear()
+    models.close()
+    return [e.note for e in sink.kinds("note") if e.note.startswith("prefetch")]
+
+
+def test_a_prefetch_skipped_for_contention_alone_is_made_again_to_remeasure_it():
+    # Measured once, the slowdown would decide every later call: skipping measures nothing.
+    notes = run_contended(retry_after=3)
+    skipped = [n for n in notes if ": skipped, it would release" in n]
+    again = [n for n in notes if "to measure again" in n]
+    assert skipped and again, notes
+    assert len(skipped) >= 2 * len(again)  # at most one in RETRY_AFTER is made for it
+    # Control: with no retry, the first measurement decides every later prefetch.
+    notes = run_contended(retry_after=10**6)
+    assert not any("to measure again" in n for n in notes), notes
+    first = next(
+        i for i, n in enumerate(notes) if ": skipped, it would release" in n and "estimated" in n
+    )
+    assert all(": skipped" in n for n in notes[first:]), notes

@@ -45,7 +45,9 @@ class PolicyView:
     #: Seconds each stage computes: the shortest of its spans so far on the driving thread,
     #: less the time that thread spent loading or waiting for loads.
     compute_seconds: Mapping[str, float] = field(default_factory=dict)
-    #: Seconds each stage last took (measured as above) while a prefetch ran beside it.
+    #: Seconds each stage took (measured as above, the shortest so far) while a prefetch ran
+    #: beside it. The same statistic as ``compute_seconds``, so noise alone does not read
+    #: as contention.
     contended_seconds: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -159,6 +161,10 @@ class FurthestNextUse:
         self.budget = budget
         self.prefetch = prefetch
         self.cost_model = cost_model
+        # Per stage: prefetches skipped in a row only because a stage measured slower beside
+        # one. Skipping takes no new measurement, so one slow sample (another process, a
+        # page cache miss) would decide every later call; every RETRY_AFTER-th is made.
+        self._contention_skips: dict[str, int] = {}
         # The last decision and what it was made from: enter() asks for the same one up to
         # three times (its note, the early releases, the prefetch), each a simulation.
         self._memo: tuple[str, tuple[str, ...], PolicyView, PrefetchDecision] | None = None
@@ -233,32 +239,55 @@ class FurthestNextUse:
                 f"{what}: skipped, it would release {released} early and the load "
                 f"and compute times to weigh that are not measured yet",
             )
-        verdict = "made" if with_ < without else "skipped"
-        how = (
-            f"releasing {released} early"
-            if with_ < without
-            else f"it would release {released} early"
+        estimated = (
+            f"the next two calls estimated at {with_:.2f} s prefetching, {without:.2f} s not"
         )
-        note = (
-            f"{what}: {verdict}, {how}; the next two calls estimated at {with_:.2f} s "
-            f"prefetching, {without:.2f} s not"
-        )
-        return (
-            PrefetchDecision(early, names, note)
-            if with_ < without
-            else PrefetchDecision([], [], note)
+        if with_ < without * (1 - self.MARGIN):
+            self._contention_skips.pop(stage, None)
+            return PrefetchDecision(
+                early, names, f"{what}: made, releasing {released} early; {estimated}"
+            )
+        free = self.estimate(stage, loaded, plan, True, contention=False)
+        if free is not None and free < without * (1 - self.MARGIN):  # only contention says no
+            skips = self._contention_skips.get(stage, 0) + 1
+            if skips >= self.RETRY_AFTER:
+                self._contention_skips.pop(stage, None)
+                return PrefetchDecision(
+                    early,
+                    names,
+                    f"{what}: made, releasing {released} early, to measure again how much a "
+                    f"background load slows stage {stage!r} (skipped {skips - 1} times for "
+                    f"that alone); {estimated}",
+                )
+            self._contention_skips[stage] = skips
+        return PrefetchDecision(
+            [], [], f"{what}: skipped, it would release {released} early; {estimated}"
         )
 
+    #: A prefetch skipped only for the measured contention is made every this many times.
+    RETRY_AFTER = 3
+    #: A prefetch that releases early is made when it is estimated at least this much
+    #: shorter: the estimate leaves out each load's fixed costs (thread starts, waits at
+    #: ``enter``), and at a tie (short stages, warm loads as long as the compute) prefetching
+    #: took 1.1-1.4 times as long (bench/residency.py cost, short, warm).
+    MARGIN = 0.05
+
     def estimate(
-        self, stage: str, loaded: Sequence[str], plan: PolicyView, prefetch: bool
+        self,
+        stage: str,
+        loaded: Sequence[str],
+        plan: PolicyView,
+        prefetch: bool,
+        *,
+        contention: bool = True,
     ) -> float | None:
         """Seconds for two calls from ``stage`` on (``loaded`` staying on its entry), with a
         prefetch at every stage or none, the rule otherwise as now; None when a time it
         needs is not measured. A stage takes its on-demand loads, then the longer of its
-        compute and the loads prefetched during it; with a prefetch beside it, its compute is
-        as long as it last measured with one (a background load competes for the cores),
-        else as without. A model never loaded takes its bytes at the mean speed of the
-        measured loads."""
+        compute and the loads prefetched during it; with a prefetch beside it (and
+        ``contention``), its compute is as long as measured with one (a background load
+        competes for the cores), else as without. A model never loaded takes its bytes at
+        the mean speed of the measured loads."""
         order = list(plan.stages)
         start = order.index(stage)
         speeds = [
@@ -287,7 +316,7 @@ class FurthestNextUse:
             demand = [n for n in plan.stages[s] if n not in state]
             times = [load(n) for n in (*demand, *ahead)]
             compute = plan.compute_seconds.get(s)
-            if ahead and compute is not None:
+            if ahead and compute is not None and contention:
                 compute = max(compute, plan.contended_seconds.get(s, compute))
             if compute is None or any(t is None for t in times):
                 return None

@@ -295,7 +295,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
             # only make it longer, and a longer one would make any prefetch look hidden.
             span = max(0.0, now - self._stage_start - self._blocked)
             if self._prefetched_in_stage:
-                self._contended[self._stage] = span
+                self._contended[self._stage] = min(span, self._contended.get(self._stage, span))
             else:
                 self._compute[self._stage] = min(span, self._compute.get(self._stage, span))
         self._wait_background()
