@@ -440,7 +440,9 @@ def cost_main(argv: list[str]) -> None:
     runs: list[dict[str, Any]] = []
     for rep in range(args.repeats):
         for case, (n, cold) in cases.items():
-            for mode in COST_MODES:  # interleaved, so machine load hits every mode alike
+            # Interleaved, so machine load hits every mode alike, and each repeat starts one
+            # mode later: the machine drifted by up to 20 % within a repeat.
+            for mode in COST_MODES[rep % 4 :] + COST_MODES[: rep % 4]:
                 got = cost_run(paths, mode, n, args.calls, cold) | {"case": case, "iters": n}
                 runs.append(got)
                 print(
@@ -606,11 +608,13 @@ def contention_main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
     path = cost_checkpoints(args.dir)["b"]
-    load = from_safetensors(lambda: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]), path)
     touched = touch(2 * path.stat().st_size)
     iters = calibrate(args.seconds)
     rows = []
-    for nice in (0, BACKGROUND_NICE):
+    for nice, threads in ((0, 4), (BACKGROUND_NICE, 4), (0, 1), (BACKGROUND_NICE, 1)):
+        load = from_safetensors(
+            lambda: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]), path, threads=threads
+        )
         alone, beside, loads = [], [], []
         for _ in range(args.runs):
             start = time.perf_counter()
@@ -619,7 +623,7 @@ def contention_main(argv: list[str]) -> None:
             drop_cache(path)
             took: list[float] = []
 
-            def background(nice: int = nice, took: list[float] = took) -> None:
+            def background(nice: int = nice, took: list[float] = took, load: Any = load) -> None:
                 tid = threading.get_native_id()
                 os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
                 t0 = time.perf_counter()
@@ -637,6 +641,7 @@ def contention_main(argv: list[str]) -> None:
         rows.append(
             {
                 "nice": nice,
+                "threads": threads,
                 "alone": med(alone),
                 "beside": med(beside),
                 "taken": med(b - a for a, b in zip(alone, beside, strict=True)),
@@ -647,22 +652,23 @@ def contention_main(argv: list[str]) -> None:
     lines = [
         f"# What a cold background load takes from the compute beside it ({args.runs} pairs)",
         "",
-        f"Filler compute of about {args.seconds:g} s on one torch thread, alone and then beside "
+        f"Filler compute of about {args.seconds:g} s on {torch.get_num_threads()} torch "
+        f"thread(s), alone and then beside "
         f"a cold load (page cache dropped) of a 128 MiB checkpoint on another thread, pairs "
         f"back to back, medians. Machine: {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f}; memory touched once before timing ({touched:.1f} s).",
         "",
-        "| load thread's nice | filler alone s | filler beside the load s | taken from the "
-        "filler s (median of pairs) | the load s |",
-        "| ---: | ---: | ---: | ---: | ---: |",
+        "| load thread's nice | reader threads | filler alone s | filler beside the load s "
+        "| taken from the filler s (median of pairs) | the load s |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
-            f"| +{r['nice']} | {r['alone']:.3f} | {r['beside']:.3f} | {r['taken']:.3f} | "
-            f"{r['load']:.3f} |"
+            f"| +{r['nice']} | {r['threads']} | {r['alone']:.3f} | {r['beside']:.3f} | "
+            f"{r['taken']:.3f} | {r['load']:.3f} |"
         )
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "contention.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"contention-{torch.get_num_threads()}t.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -188,8 +188,8 @@ class Pair(nn.Module):
 @pytest.mark.skipif(sys.platform != "linux", reason="thread priorities are read from /proc")
 def test_a_prefetch_and_the_readers_it_starts_yield_the_cores_to_the_compute(tmp_path):
     # bench/residency.py cost: at equal priority a background load took a share of the
-    # cores from the stage it overlapped. Here: the kernel's nice value of every thread
-    # that reads a model's bytes, on demand (the control: as the driving thread's) and ahead.
+    # cores from the stage it overlapped. Here: which threads read a model's bytes, and the
+    # kernel's nice value of each, on demand (the control: as the driving thread's) and ahead.
     from safetensors.torch import save_file
 
     from stageload.load import reader
@@ -223,8 +223,11 @@ def test_a_prefetch_and_the_readers_it_starts_yield_the_cores_to_the_compute(tmp
     by_model = {n: {(t.rsplit("_", 1)[0], nice) for m, t, nice in reads if m == n} for n in "ABC"}
     background = min(19, base + reader.BACKGROUND_NICE)
     assert background > base, "run the tests below nice 19: there is no lower priority"
-    assert by_model["A"] == {("stageload-load", base)}, reads  # on demand: as the driver
-    assert by_model["B"] == by_model["C"] == {("stageload-load", background)}, reads
+    # On demand: two reader threads, at the driving thread's priority.
+    assert by_model["A"] == {("stageload-load", base)}, reads
+    # Ahead: BACKGROUND_READERS (1) reader, the prefetch thread itself, at the lower one.
+    assert reader.BACKGROUND_READERS == 1
+    assert by_model["B"] == by_model["C"] == {(f"{PREFETCH_THREAD}", background)}, reads
     assert thread_nice() == base  # the driving thread kept its priority
 
 

@@ -40,7 +40,8 @@ class PolicyView:
     pinned: frozenset[str]
     sizes: Mapping[str, int] = field(default_factory=dict)
     prefetchable: frozenset[str] = frozenset()
-    #: Seconds of each model's last load (any kind), as its load event measured it.
+    #: Seconds each model's loads (any kind) took, as their events measured them: the
+    #: median of its last three.
     load_seconds: Mapping[str, float] = field(default_factory=dict)
     #: Seconds each stage computes: the shortest of its spans so far on the driving thread,
     #: less the time that thread spent loading or waiting for loads.

@@ -15,6 +15,7 @@ marks that check as due; the driving thread runs it at its next ``enter`` or ``m
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import StageloadError
 from ..hooks.release import held_elsewhere, is_released, module_bytes, release
 from ..load.progress import PREFETCH_THREAD
-from ..load.reader import background_thread
+from ..load.reader import BACKGROUND_READERS, background_thread
 from .batch import Batch
 from .events import (
     LOAD,
@@ -61,6 +62,11 @@ if TYPE_CHECKING:
     from torch import nn
 
 Loader = Callable[[], "nn.Module"]
+
+
+#: The cost model weighs each model's load time as the median of its last this many loads:
+#: one slow read (another process on the disk, a starved prefetch) does not decide alone.
+LOADS_WEIGHED = 3
 
 
 class ModelLoadError(StageloadError, RuntimeError):
@@ -170,7 +176,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
         self._trim_due = False  # a background load revealed a size: trim on the driving thread
         # What the cost model of prefetch weighs: each model's last load time, and each
         # stage's compute (its span less the driving thread's time in loads and waits).
-        self._load_seconds: dict[str, float] = {}
+        self._load_seconds: dict[str, list[float]] = {}  # the last LOADS_WEIGHED, per model
         self._compute: dict[str, float] = {}
         # A stage's span while a prefetch ran beside it: on few cores a background load
         # slows the compute it overlaps, and only measuring shows by how much.
@@ -330,7 +336,10 @@ class StagedModels(Mapping[str, "nn.Module"]):
                 self._prefetched_in_stage = bool(jobs)
                 if jobs and self._executor is None:
                     self._executor = ThreadPoolExecutor(
-                        1, thread_name_prefix=PREFETCH_THREAD, initializer=background_thread
+                        1,
+                        thread_name_prefix=PREFETCH_THREAD,
+                        initializer=background_thread,
+                        initargs=(BACKGROUND_READERS,),
                     )
                 for job in jobs:
                     self._executor.submit(self._run_background, job)  # type: ignore[union-attr]
@@ -408,7 +417,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
             prefetchable=frozenset(
                 n for n in self._prefetchable if ready_for_background(self._loaders[n])
             ),
-            load_seconds=dict(self._load_seconds),
+            load_seconds={n: statistics.median(t) for n, t in self._load_seconds.items()},
             compute_seconds=dict(self._compute),
             contended_seconds=dict(self._contended),
         )
@@ -555,7 +564,9 @@ class StagedModels(Mapping[str, "nn.Module"]):
             kind = PREFETCH if job.background else RELOAD if name in self._ever_loaded else LOAD
             self._models[name] = module
             self._sizes[name] = nbytes
-            self._load_seconds[name] = seconds
+            times = self._load_seconds.setdefault(name, [])
+            times.append(seconds)
+            del times[:-LOADS_WEIGHED]
             self._ever_loaded.add(name)
             del self._jobs[name]
             note = f"for stage {job.purpose!r}" if job.purpose else None

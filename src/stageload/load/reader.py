@@ -45,22 +45,29 @@ AHEAD = 0
 
 
 #: How much nicer than the computing threads a background load's threads run (Linux).
-#: A prefetch overlaps a stage's compute; at equal priority its copies and page faults
-#: took a share of the cores from that compute (a 0.3 s filler stage ran 0.33-0.38 s beside
-#: a cold 128 MiB load on 2 cores, 0.27-0.29 s with the load at +10: bench/residency.py
-#: cost). A thread cannot take the priority back unprivileged, so only threads that do
-#: nothing else get it: the prefetch and stream threads, and the readers they start
-#: (Linux threads inherit their creator's nice value).
 BACKGROUND_NICE = 10
+#: Reader threads of a load on a prefetch thread (``background_thread(readers=...)``).
+#: ``bench/residency.py contention``, a cold 128 MiB load beside 0.3 s of compute on 2
+#: cores, medians of 7 pairs: with 4 readers at nice 0 the compute lost 0.046 s (2 torch
+#: threads: 0.061 s); 4 readers at +10, 0.025 s (0.078 s); 1 reader at +10, 0.001 s
+#: (0.014 s), its load 0.084 s against 0.14 s with 4 (0.22 s with 2 torch threads, the
+#: compute having the cores).
+BACKGROUND_READERS = 1
+
+_background = threading.local()  # .readers: this thread's cap on reader threads
 
 
-def background_thread() -> None:
-    """Lower this thread's CPU priority by :data:`BACKGROUND_NICE` (Linux; elsewhere a no-op).
+def background_thread(readers: int | None = None) -> None:
+    """Make this thread one that only loads ahead: lower its CPU priority by
+    :data:`BACKGROUND_NICE` (Linux; elsewhere unchanged) and cap the reader threads of
+    its loads at ``readers``, so a load beside a computing stage leaves it the cores.
 
-    The initializer of a thread that only loads ahead: it then runs on cores the compute
-    leaves idle, and when the computing thread waits for it, it has the cores to itself.
-    macOS threads keep their priority: its thread QoS is not reachable from Python's ``os``.
+    The initializer of the prefetch and stream threads. The readers it starts inherit the
+    priority (Linux threads take their creator's nice value). An unprivileged thread
+    cannot raise its priority back, so only threads that do nothing else call this. macOS
+    threads keep their priority: thread QoS is not reachable from Python's ``os``.
     """
+    _background.readers = readers
     if sys.platform != "linux":
         return
     tid = threading.get_native_id()
@@ -135,6 +142,9 @@ def run_chunks(
     thread that read it (a progress bar).
     """
 
+    cap = getattr(_background, "readers", None)
+    if cap is not None:  # a load ahead of the compute: see BACKGROUND_READERS
+        threads = min(threads, cap)
     local = threading.local()
     stop = threading.Event()
     pin = device.type in ("cuda", "mps")
