@@ -284,3 +284,26 @@ def test_a_prefetch_skipped_for_contention_alone_is_made_again_to_remeasure_it()
         i for i, n in enumerate(notes) if ": skipped, it would release" in n and "estimated" in n
     )
     assert all(": skipped" in n for n in notes[first:]), notes
+
+
+def test_loads_ahead_are_weighed_by_their_own_times():
+    # A load ahead reads with one thread at a lower priority: it may take longer than the
+    # same load on demand. Weighed as on demand, this prefetch looks hidden; it is not.
+    from stageload.core.policy import PolicyView
+
+    size = 4 * KIB
+    timed = {
+        "stages": {s: tuple(m) for s, m in STAGES.items()},
+        "pinned": frozenset(),
+        "sizes": dict.fromkeys("ABC", size),
+        "prefetchable": frozenset("ABC"),
+        "load_seconds": dict.fromkeys("ABC", 0.1),
+        "compute_seconds": dict.fromkeys(STAGES, 0.3),
+    }
+    policy = FurthestNextUse(2 * size + KIB, prefetch=True)
+    slow = PolicyView(**timed, prefetch_seconds=dict.fromkeys("ABC", 0.5))
+    decision = policy.decide_prefetch("a", ["A", "C"], slow)
+    assert decision.names == [] and ": skipped" in decision.note, decision
+    # Control: loads ahead not timed yet count as on demand, and the prefetch is made.
+    decision = policy.decide_prefetch("a", ["A", "C"], PolicyView(**timed))
+    assert decision.names == ["B"] and decision.early == ["C"], decision

@@ -40,9 +40,12 @@ class PolicyView:
     pinned: frozenset[str]
     sizes: Mapping[str, int] = field(default_factory=dict)
     prefetchable: frozenset[str] = frozenset()
-    #: Seconds each model's loads (any kind) took, as their events measured them: the
-    #: median of its last three.
+    #: Seconds each model's loads on demand (``load``, ``reload``) took, as their events
+    #: measured them: the median of its last three.
     load_seconds: Mapping[str, float] = field(default_factory=dict)
+    #: The same for its loads ahead (``prefetch``): one reader thread at a lower priority
+    #: (``load.reader.BACKGROUND_READERS``), so not as long as on demand.
+    prefetch_seconds: Mapping[str, float] = field(default_factory=dict)
     #: Seconds each stage computes: the shortest of its spans so far on the driving thread,
     #: less the time that thread spent loading or waiting for loads.
     compute_seconds: Mapping[str, float] = field(default_factory=dict)
@@ -287,8 +290,9 @@ class FurthestNextUse:
         needs is not measured. A stage takes its on-demand loads, then the longer of its
         compute and the loads prefetched during it; with a prefetch beside it (and
         ``contention``), its compute is as long as measured with one (a background load
-        competes for the cores), else as without. A model never loaded takes its bytes at
-        the mean speed of the measured loads."""
+        competes for the cores), else as without. A load ahead takes as long as that
+        model's loads ahead took (until one is timed, as its loads on demand). A model never
+        loaded takes its bytes at the mean speed of the measured loads."""
         order = list(plan.stages)
         start = order.index(stage)
         speeds = [
@@ -296,9 +300,13 @@ class FurthestNextUse:
         ]
         bps = sum(speeds) / len(speeds) if speeds else None
 
-        def load(name: str) -> float | None:
-            if name in plan.load_seconds:
+        def load(name: str, ahead: bool = False) -> float | None:
+            if ahead and name in plan.prefetch_seconds:
+                return plan.prefetch_seconds[name]
+            if name in plan.load_seconds:  # a load ahead not timed yet: as on demand
                 return plan.load_seconds[name]
+            if name in plan.prefetch_seconds:
+                return plan.prefetch_seconds[name]
             if bps is None or name not in plan.sizes:
                 return None
             return plan.sizes[name] / bps
@@ -315,7 +323,7 @@ class FurthestNextUse:
                 early, ahead = self._prefetch_plan(s, state, plan)
                 state = [n for n in state if n not in early]
             demand = [n for n in plan.stages[s] if n not in state]
-            times = [load(n) for n in (*demand, *ahead)]
+            times = [load(n) for n in demand] + [load(n, ahead=True) for n in ahead]
             compute = plan.compute_seconds.get(s)
             if ahead and compute is not None and contention:
                 compute = max(compute, plan.contended_seconds.get(s, compute))

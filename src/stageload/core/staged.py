@@ -176,7 +176,9 @@ class StagedModels(Mapping[str, "nn.Module"]):
         self._trim_due = False  # a background load revealed a size: trim on the driving thread
         # What the cost model of prefetch weighs: each model's last load time, and each
         # stage's compute (its span less the driving thread's time in loads and waits).
-        self._load_seconds: dict[str, list[float]] = {}  # the last LOADS_WEIGHED, per model
+        # The last LOADS_WEIGHED load times per model, on demand and ahead apart.
+        self._load_seconds: dict[str, list[float]] = {}
+        self._prefetch_seconds: dict[str, list[float]] = {}
         self._compute: dict[str, float] = {}
         # A stage's span while a prefetch ran beside it: on few cores a background load
         # slows the compute it overlaps, and only measuring shows by how much.
@@ -418,6 +420,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
                 n for n in self._prefetchable if ready_for_background(self._loaders[n])
             ),
             load_seconds={n: statistics.median(t) for n, t in self._load_seconds.items()},
+            prefetch_seconds={n: statistics.median(t) for n, t in self._prefetch_seconds.items()},
             compute_seconds=dict(self._compute),
             contended_seconds=dict(self._contended),
         )
@@ -564,7 +567,8 @@ class StagedModels(Mapping[str, "nn.Module"]):
             kind = PREFETCH if job.background else RELOAD if name in self._ever_loaded else LOAD
             self._models[name] = module
             self._sizes[name] = nbytes
-            times = self._load_seconds.setdefault(name, [])
+            timed = self._prefetch_seconds if job.background else self._load_seconds
+            times = timed.setdefault(name, [])
             times.append(seconds)
             del times[:-LOADS_WEIGHED]
             self._ever_loaded.add(name)
