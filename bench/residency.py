@@ -611,7 +611,7 @@ def contention_main(argv: list[str]) -> None:
     touched = touch(2 * path.stat().st_size)
     iters = calibrate(args.seconds)
     rows = []
-    for nice, threads in ((0, 4), (BACKGROUND_NICE, 4), (0, 1), (BACKGROUND_NICE, 1)):
+    for nice, threads in ((0, 4), (BACKGROUND_NICE, 4), (BACKGROUND_NICE, 2), (BACKGROUND_NICE, 1)):
         load = from_safetensors(
             lambda: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]), path, threads=threads
         )
@@ -673,6 +673,7 @@ def contention_main(argv: list[str]) -> None:
 
 
 def main() -> None:
+    global OUT  # --out moves the tables and traces
     if len(sys.argv) > 1 and sys.argv[1] == "first-call":
         first_call_main()
         return
@@ -699,7 +700,9 @@ def main() -> None:
     p.add_argument("--budgets", nargs="+", choices=BUDGETS, default=list(BUDGETS))
     p.add_argument("--repeats", type=int, default=3, help="runs per cell; medians reported")
     p.add_argument("--qwen-gb", type=float, default=0.25, help="GB per large Qwen model")
+    p.add_argument("--out", type=Path, default=OUT, help="folder for tables and traces")
     args = p.parse_args()
+    OUT = args.out
     (OUT / "traces").mkdir(parents=True, exist_ok=True)
     if "qwen" in args.workloads:
         path = Path(f"/tmp/stageload-bench/qwen21-{args.qwen_gb:g}g")

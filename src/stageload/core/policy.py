@@ -41,7 +41,7 @@ class PolicyView:
     sizes: Mapping[str, int] = field(default_factory=dict)
     prefetchable: frozenset[str] = frozenset()
     #: Seconds each model's loads on demand (``load``, ``reload``) took, as their events
-    #: measured them: the median of its last three.
+    #: measured them: the lower median of its last three.
     load_seconds: Mapping[str, float] = field(default_factory=dict)
     #: The same for its loads ahead (``prefetch``): one reader thread at a lower priority
     #: (``load.reader.BACKGROUND_READERS``), so not as long as on demand.
@@ -165,10 +165,11 @@ class FurthestNextUse:
         self.budget = budget
         self.prefetch = prefetch
         self.cost_model = cost_model
-        # Per stage: prefetches skipped in a row only because a stage measured slower beside
-        # one. Skipping takes no new measurement, so one slow sample (another process, a
-        # page cache miss) would decide every later call; every RETRY_AFTER-th is made.
-        self._contention_skips: dict[str, int] = {}
+        # Prefetches skipped in a row only for what loads ahead measured (a stage slower
+        # beside one, a slow load ahead). Skipping takes no new measurement, so one slow
+        # sample (another process, two reads at once) would decide every later call; every
+        # RETRY_AFTER-th is made.
+        self._background_skips = 0
         # The last decision and what it was made from: enter() asks for the same one up to
         # three times (its note, the early releases, the prefetch), each a simulation.
         self._memo: tuple[str, tuple[str, ...], PolicyView, PrefetchDecision] | None = None
@@ -247,28 +248,27 @@ class FurthestNextUse:
             f"the next two calls estimated at {with_:.2f} s prefetching, {without:.2f} s not"
         )
         if with_ < without * (1 - self.MARGIN):
-            self._contention_skips.pop(stage, None)
+            self._background_skips = 0
             return PrefetchDecision(
                 early, names, f"{what}: made, releasing {released} early; {estimated}"
             )
-        free = self.estimate(stage, loaded, plan, True, contention=False)
-        if free is not None and free < without * (1 - self.MARGIN):  # only contention says no
-            skips = self._contention_skips.get(stage, 0) + 1
+        free = self.estimate(stage, loaded, plan, True, background=False)
+        if free is not None and free < without * (1 - self.MARGIN):
+            # Only what was measured of loads ahead says no, and skipping measures nothing.
+            skips = self._background_skips = self._background_skips + 1
             if skips >= self.RETRY_AFTER:
-                self._contention_skips.pop(stage, None)
+                self._background_skips = 0
                 return PrefetchDecision(
                     early,
                     names,
-                    f"{what}: made, releasing {released} early, to measure again how much a "
-                    f"background load slows stage {stage!r} (skipped {skips - 1} times for "
-                    f"that alone); {estimated}",
+                    f"{what}: made, releasing {released} early, to measure loads ahead again "
+                    f"(skipped {skips - 1} times for their times alone); {estimated}",
                 )
-            self._contention_skips[stage] = skips
         return PrefetchDecision(
             [], [], f"{what}: skipped, it would release {released} early; {estimated}"
         )
 
-    #: A prefetch skipped only for the measured contention is made every this many times.
+    #: A prefetch skipped only for what loads ahead measured is made every this many times.
     RETRY_AFTER = 3
     #: A prefetch that releases early is made when it is estimated at least this much
     #: shorter: the estimate leaves out each load's fixed costs (thread starts, waits at
@@ -283,16 +283,17 @@ class FurthestNextUse:
         plan: PolicyView,
         prefetch: bool,
         *,
-        contention: bool = True,
+        background: bool = True,
     ) -> float | None:
         """Seconds for two calls from ``stage`` on (``loaded`` staying on its entry), with a
         prefetch at every stage or none, the rule otherwise as now; None when a time it
         needs is not measured. A stage takes its on-demand loads, then the longer of its
-        compute and the loads prefetched during it; with a prefetch beside it (and
-        ``contention``), its compute is as long as measured with one (a background load
-        competes for the cores), else as without. A load ahead takes as long as that
-        model's loads ahead took (until one is timed, as its loads on demand). A model never
-        loaded takes its bytes at the mean speed of the measured loads."""
+        compute and the loads prefetched during it. What was measured of loads in the
+        background counts with ``background``: a stage with a prefetch beside it computes as
+        long as measured with one (a background load competes for the cores), and a load
+        ahead takes as long as that model's loads ahead took (until one is timed, as on
+        demand). Without it, both are taken as if free. A model never loaded takes its bytes
+        at the mean speed of the measured loads."""
         order = list(plan.stages)
         start = order.index(stage)
         speeds = [
@@ -301,7 +302,7 @@ class FurthestNextUse:
         bps = sum(speeds) / len(speeds) if speeds else None
 
         def load(name: str, ahead: bool = False) -> float | None:
-            if ahead and name in plan.prefetch_seconds:
+            if ahead and background and name in plan.prefetch_seconds:
                 return plan.prefetch_seconds[name]
             if name in plan.load_seconds:  # a load ahead not timed yet: as on demand
                 return plan.load_seconds[name]
@@ -325,7 +326,7 @@ class FurthestNextUse:
             demand = [n for n in plan.stages[s] if n not in state]
             times = [load(n) for n in demand] + [load(n, ahead=True) for n in ahead]
             compute = plan.compute_seconds.get(s)
-            if ahead and compute is not None and contention:
+            if ahead and compute is not None and background:
                 compute = max(compute, plan.contended_seconds.get(s, compute))
             if compute is None or any(t is None for t in times):
                 return None

@@ -64,8 +64,9 @@ if TYPE_CHECKING:
 Loader = Callable[[], "nn.Module"]
 
 
-#: The cost model weighs each model's load time as the median of its last this many loads:
-#: one slow read (another process on the disk, a starved prefetch) does not decide alone.
+#: The cost model weighs each model's load time as the lower median of its last this many
+#: loads: one slow read (two reads at once, another process on the disk) does not decide
+#: alone, even with only two timed.
 LOADS_WEIGHED = 3
 
 
@@ -107,6 +108,9 @@ class _Job:
         self.background = background
         self.purpose = purpose  # the stage a prefetch is for
         self.future: Future[nn.Module] = Future()
+        # Another load ran at the same time (a load on demand beside a prefetch): both
+        # shared the disk and cores, so this one's time says little of either alone.
+        self.overlapped = False
 
 
 class StagedModels(Mapping[str, "nn.Module"]):
@@ -419,8 +423,10 @@ class StagedModels(Mapping[str, "nn.Module"]):
             prefetchable=frozenset(
                 n for n in self._prefetchable if ready_for_background(self._loaders[n])
             ),
-            load_seconds={n: statistics.median(t) for n, t in self._load_seconds.items()},
-            prefetch_seconds={n: statistics.median(t) for n, t in self._prefetch_seconds.items()},
+            load_seconds={n: statistics.median_low(t) for n, t in self._load_seconds.items()},
+            prefetch_seconds={
+                n: statistics.median_low(t) for n, t in self._prefetch_seconds.items()
+            },
             compute_seconds=dict(self._compute),
             contended_seconds=dict(self._contended),
         )
@@ -545,6 +551,11 @@ class StagedModels(Mapping[str, "nn.Module"]):
         # restore a stale state over the main thread's draws (hence rng_free loaders only).
         guard = preserved_rng() if self.preserve_rng and not job.background else nullcontext()
         loading = self._loading()
+        with self._lock:
+            others = [j for j in self._jobs.values() if j is not job and not j.future.done()]
+            for other in others:
+                other.overlapped = True
+            job.overlapped = job.overlapped or bool(others)
         start = time.perf_counter()
         loading.append(name)
         try:
@@ -568,9 +579,10 @@ class StagedModels(Mapping[str, "nn.Module"]):
             self._models[name] = module
             self._sizes[name] = nbytes
             timed = self._prefetch_seconds if job.background else self._load_seconds
-            times = timed.setdefault(name, [])
-            times.append(seconds)
-            del times[:-LOADS_WEIGHED]
+            if not job.overlapped or name not in timed:  # the first time is better than none
+                times = timed.setdefault(name, [])
+                times.append(seconds)
+                del times[:-LOADS_WEIGHED]
             self._ever_loaded.add(name)
             del self._jobs[name]
             note = f"for stage {job.purpose!r}" if job.purpose else None

@@ -47,12 +47,13 @@ AHEAD = 0
 #: How much nicer than the computing threads a background load's threads run (Linux).
 BACKGROUND_NICE = 10
 #: Reader threads of a load on a prefetch thread (``background_thread(readers=...)``).
-#: ``bench/residency.py contention``, a cold 128 MiB load beside 0.3 s of compute on 2
-#: cores, medians of 7 pairs: with 4 readers at nice 0 the compute lost 0.046 s (2 torch
-#: threads: 0.061 s); 4 readers at +10, 0.025 s (0.078 s); 1 reader at +10, 0.001 s
-#: (0.014 s), its load 0.084 s against 0.14 s with 4 (0.22 s with 2 torch threads, the
-#: compute having the cores).
-BACKGROUND_READERS = 1
+#: ``bench/residency.py contention`` (a cold 128 MiB load beside 0.3 s of compute on 2
+#: cores, medians of 7 pairs; 1 torch thread): 4 readers at nice 0 took 0.046 s from the
+#: compute, 4 at +10 0.025 s, 1 at +10 0.001 s. But a load with 1 reader that the compute
+#: does not overlap (the driving thread waiting for it) read at a third of the speed, and in
+#: the cost bench's stages prefetches with 1 reader took 0.35-0.99 s (median) against 0.09-
+#: 0.12 s with 2 or 4: 2 keeps their speed with fewer threads beside the compute.
+BACKGROUND_READERS = 2
 
 _background = threading.local()  # .readers: this thread's cap on reader threads
 
