@@ -180,8 +180,9 @@ def _kill_a_busy_worker(calls, max_restarts):
     that is running a chunk after the first result. (results, stream, (label, pid))."""
     import signal
 
-    stream = stream_batch(MAKE, calls, memory="400M", workers=2, batch_size=1,
-                          max_restarts=max_restarts)
+    stream = stream_batch(
+        MAKE, calls, memory="400M", workers=2, batch_size=1, max_restarts=max_restarts
+    )
     seen = []
     killed = None
     for index, result in stream:
@@ -228,13 +229,18 @@ def test_rows_of_a_batch_become_calls():
 
     from stageload.ray import rows_to_calls
 
-    batch = {"prompt": np.array(["a", "b"]), "seed": np.array([3, 4]),
-             "steps": np.array([2, None], dtype=object)}
+    batch = {
+        "prompt": np.array(["a", "b"]),
+        "seed": np.array([3, 4]),
+        "steps": np.array([2, None], dtype=object),
+    }
     calls = rows_to_calls(batch)
     assert calls == [{"prompt": "a", "seed": 3, "steps": 2}, {"prompt": "b", "seed": 4}]
     assert type(calls[0]["seed"]) is int  # np.int64 would fail call_kwargs' seed check
     assert rows_to_calls(pd.DataFrame({"prompt": ["a", "b"], "seed": [3, 4]})) == [
-        {"prompt": "a", "seed": 3}, {"prompt": "b", "seed": 4}]
+        {"prompt": "a", "seed": 3},
+        {"prompt": "b", "seed": 4},
+    ]
     with pytest.raises(TypeError, match="batch of rows"):
         rows_to_calls([{"prompt": "a"}])
 
@@ -289,16 +295,20 @@ def _map_batches_killing_an_actor(tmp_path, rows, **remote_args):
     watcher = threading.Thread(target=kill_in_first_batch, daemon=True)
     watcher.start()
     try:
-        out = ray.data.from_items(rows).map_batches(
-            StagedPredictor,
-            fn_constructor_args=(MAKE,),
-            fn_constructor_kwargs={"trace_dir": str(tmp_path)},
-            batch_size=2,
-            concurrency=1,
-            num_cpus=1,
-            memory=400 << 20,
-            **remote_args,
-        ).take_all()
+        out = (
+            ray.data.from_items(rows)
+            .map_batches(
+                StagedPredictor,
+                fn_constructor_args=(MAKE,),
+                fn_constructor_kwargs={"trace_dir": str(tmp_path)},
+                batch_size=2,
+                concurrency=1,
+                num_cpus=1,
+                memory=400 << 20,
+                **remote_args,
+            )
+            .take_all()
+        )
     finally:
         watcher.join()
     return out, killed

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import StageloadError
 from ..hooks.release import held_elsewhere, is_released, module_bytes, release
 from ..load.progress import PREFETCH_THREAD
-from ..load.reader import BACKGROUND_READERS, background_thread
+from ..load.reader import background_thread
 from .batch import Batch
 from .events import (
     LOAD,
@@ -345,7 +345,6 @@ class StagedModels(Mapping[str, "nn.Module"]):
                         1,
                         thread_name_prefix=PREFETCH_THREAD,
                         initializer=background_thread,
-                        initargs=(BACKGROUND_READERS,),
                     )
                 for job in jobs:
                     self._executor.submit(self._run_background, job)  # type: ignore[union-attr]

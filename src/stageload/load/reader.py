@@ -45,30 +45,25 @@ AHEAD = 0
 
 
 #: How much nicer than the computing threads a background load's threads run (Linux).
+#: ``bench/residency.py contention`` (a cold 128 MiB load with 4 readers beside 0.3 s of
+#: compute on one torch thread, 2 cores, medians of 7 pairs): at nice 0 it took 0.028-0.046 s
+#: from the compute, at +10 0.007-0.025 s (two runs each; a first run, 0.077 and 0.081 s).
+#: Fewer readers took less still, but one read at a third of the speed when nothing computed
+#: beside it, and in the cost bench's stages prefetches with 1 or 2 readers took 0.35-0.99 s
+#: against 0.11-0.12 s with 4: the readers stay as many as on demand.
 BACKGROUND_NICE = 10
-#: Reader threads of a load on a prefetch thread (``background_thread(readers=...)``).
-#: ``bench/residency.py contention`` (a cold 128 MiB load beside 0.3 s of compute on 2
-#: cores, medians of 7 pairs; 1 torch thread): 4 readers at nice 0 took 0.046 s from the
-#: compute, 4 at +10 0.025 s, 1 at +10 0.001 s. But a load with 1 reader that the compute
-#: does not overlap (the driving thread waiting for it) read at a third of the speed, and in
-#: the cost bench's stages prefetches with 1 reader took 0.35-0.99 s (median) against 0.09-
-#: 0.12 s with 2 or 4: 2 keeps their speed with fewer threads beside the compute.
-BACKGROUND_READERS = 2
-
-_background = threading.local()  # .readers: this thread's cap on reader threads
 
 
-def background_thread(readers: int | None = None) -> None:
+def background_thread() -> None:
     """Make this thread one that only loads ahead: lower its CPU priority by
-    :data:`BACKGROUND_NICE` (Linux; elsewhere unchanged) and cap the reader threads of
-    its loads at ``readers``, so a load beside a computing stage leaves it the cores.
+    :data:`BACKGROUND_NICE` (Linux; elsewhere unchanged), so a load beside a computing stage
+    leaves it the cores.
 
     The initializer of the prefetch and stream threads. The readers it starts inherit the
     priority (Linux threads take their creator's nice value). An unprivileged thread
     cannot raise its priority back, so only threads that do nothing else call this. macOS
     threads keep their priority: thread QoS is not reachable from Python's ``os``.
     """
-    _background.readers = readers
     if sys.platform != "linux":
         return
     tid = threading.get_native_id()
@@ -143,9 +138,6 @@ def run_chunks(
     thread that read it (a progress bar).
     """
 
-    cap = getattr(_background, "readers", None)
-    if cap is not None:  # a load ahead of the compute: see BACKGROUND_READERS
-        threads = min(threads, cap)
     local = threading.local()
     stop = threading.Event()
     pin = device.type in ("cuda", "mps")
