@@ -170,6 +170,9 @@ class FurthestNextUse:
         # sample (another process, two reads at once) would decide every later call; every
         # RETRY_AFTER-th is made.
         self._background_skips = 0
+        # Decisions left in a trial: a retry prefetches for a whole call, since a lone load
+        # ahead beside the loads on demand that skipping brings measures neither regime.
+        self._trial = 0
         # The last decision and what it was made from: enter() asks for the same one up to
         # three times (its note, the early releases, the prefetch), each a simulation.
         self._memo: tuple[str, tuple[str, ...], PolicyView, PrefetchDecision] | None = None
@@ -256,20 +259,23 @@ class FurthestNextUse:
         if free is not None and free < without * (1 - self.MARGIN):
             # Only what was measured of loads ahead says no, and skipping measures nothing.
             skips = self._background_skips = self._background_skips + 1
-            if skips >= self.RETRY_AFTER:
+            if self._trial or skips >= self.RETRY_AFTER:
                 self._background_skips = 0
+                self._trial = self._trial - 1 if self._trial else len(plan.stages) - 1
                 return PrefetchDecision(
                     early,
                     names,
                     f"{what}: made, releasing {released} early, to measure loads ahead again "
-                    f"(skipped {skips - 1} times for their times alone); {estimated}",
+                    f"for a whole call; {estimated}",
                 )
         return PrefetchDecision(
             [], [], f"{what}: skipped, it would release {released} early; {estimated}"
         )
 
-    #: A prefetch skipped only for what loads ahead measured is made every this many times.
-    RETRY_AFTER = 3
+    #: After this many prefetches in a row skipped only for what loads ahead measured, the
+    #: next call prefetches at every stage, to measure them again (two calls of three
+    #: stages skipped, one tried: at most a third of the calls).
+    RETRY_AFTER = 6
     #: A prefetch that releases early is made when it is estimated at least this much
     #: shorter: the estimate leaves out each load's fixed costs (thread starts, waits at
     #: ``enter``), and at a tie (short stages, warm loads as long as the compute) prefetching
