@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures.pixal3d_stub import install_stub
+from fixtures.pixal3d_stub import install_stub, port_args, write_image
 from stageload import ReleasedModuleError, on_call
 from stageload.pixal3d import (
     PLAN_1024_CASCADE,
@@ -30,7 +30,7 @@ from stageload.pixal3d import (
 )
 from stageload.pixal3d.cli import main
 
-PIL = pytest.importorskip("PIL.Image")
+pytest.importorskip("PIL.Image")
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +40,7 @@ def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import numpy as np
-
-    path = tmp_path_factory.mktemp("input") / "object.png"
-    pixels = np.random.default_rng(0).integers(0, 256, (48, 48, 3), dtype=np.uint8)
-    PIL.fromarray(pixels).save(path)
-    return path
-
-
-def port_args(port, image: Path, out: Path, *extra: str):  # noqa: ANN001, ANN201
-    return port.parse_args(
-        [str(image), "--output", str(out), "--device", "cpu", "--seed", "7", *extra]
-    )
+    return write_image(tmp_path_factory.mktemp("input") / "object.png")
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.pixal3d_stub import install_stub
+from fixtures.pixal3d_stub import install_stub, write_image
 from stageload import ListSink
 from stageload.pixal3d import import_port, run
 from stageload.pixal3d.batch import run_many
 from stageload.pixal3d.cli import main
 
-PIL = pytest.importorskip("PIL.Image")
+pytest.importorskip("PIL.Image")
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +25,8 @@ def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    import numpy as np
-
     root = tmp_path_factory.mktemp("inputs")
-    paths = []
-    for i, name in enumerate(["chair", "lamp"]):
-        pixels = np.random.default_rng(i).integers(0, 256, (48, 48, 3), dtype=np.uint8)
-        PIL.fromarray(pixels).save(root / f"{name}.png")
-        paths.append(root / f"{name}.png")
-    return paths
+    return [write_image(root / f"{name}.png", i) for i, name in enumerate(["chair", "lamp"])]
 
 
 @pytest.fixture(scope="module")

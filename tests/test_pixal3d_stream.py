@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from fixtures.pixal3d_stub import install_stub
+from fixtures.pixal3d_stub import install_stub, port_args, write_image
 from stageload import ListSink
 from stageload.pixal3d import Pixal3DRun, import_port, run
 from stageload.pixal3d.cli import main
 from stageload.stream import StreamError
 
-PIL = pytest.importorskip("PIL.Image")
+pytest.importorskip("PIL.Image")
 
 SS, SHAPE_1024 = "sparse_structure_flow_model", "shape_slat_flow_model_1024"
 
@@ -33,16 +33,7 @@ def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import numpy as np
-
-    path = tmp_path_factory.mktemp("input") / "object.png"
-    pixels = np.random.default_rng(0).integers(0, 256, (48, 48, 3), dtype=np.uint8)
-    PIL.fromarray(pixels).save(path)
-    return path
-
-
-def port_args(port: Any, image: Path, out: Path) -> Any:
-    return port.parse_args([str(image), "--output", str(out), "--device", "cpu", "--seed", "7"])
+    return write_image(tmp_path_factory.mktemp("input") / "object.png")
 
 
 @pytest.fixture(scope="module")
@@ -161,14 +152,9 @@ def test_a_model_without_a_block_list_is_refused_before_the_run(stub, image, tmp
 def test_two_images_stage_major_read_each_block_once_per_step(stub, image, tmp_path):
     """Under ``StagedModels.map`` (several images) the calls meet at each block: the two
     images read the blocks as often as one image does, and equal their unstreamed run."""
-    import numpy as np
-
     from stageload.pixal3d.batch import run_many
 
-    second = tmp_path / "second.png"
-    PIL.fromarray(np.random.default_rng(1).integers(0, 256, (48, 48, 3), dtype=np.uint8)).save(
-        second
-    )
+    second = write_image(tmp_path / "second.png", seed=1)
     port = import_port(stub)
 
     def images(folder: str) -> list[Any]:
