@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -130,13 +131,24 @@ def test_a_size_revealed_by_a_prefetch_is_trimmed_on_the_driving_thread():
     models.close()
 
 
-def run(policy: FurthestNextUse | None, compute: float, delay: float, calls: int = 4):  # noqa: ANN201
+def run(  # noqa: ANN201
+    policy: FurthestNextUse | None,
+    compute: float | Callable[[], None],
+    delay: float,
+    calls: int = 4,
+    wrap: Callable[[str, Callable[[], nn.Module]], Callable[[], nn.Module]] | None = None,
+):
+    """``calls`` calls of the three stages, each loading its model and computing for
+    ``compute`` seconds (or running it), under ``policy`` (None: a budget for two, no
+    prefetch); ``wrap(name, loader)`` may stand in for each loader. Returns the number of
+    loads and the events."""
     counts: dict[str, int] = {}
     sink = ListSink()
     size = 4 * KIB
     kw = {"policy": policy, "prefetch": True} if policy is not None else {"budget": 2 * size + KIB}
+    made = loaders(counts, delay=delay)
     models = StagedModels(
-        loaders(counts, delay=delay),
+        {n: wrap(n, f) for n, f in made.items()} if wrap else made,
         stages=STAGES,
         sizes=dict.fromkeys("ABC", size),
         events=sink,
@@ -147,7 +159,7 @@ def run(policy: FurthestNextUse | None, compute: float, delay: float, calls: int
             models.enter(stage)
             for name in names:
                 models[name]
-            time.sleep(compute)  # the stage's compute
+            compute() if callable(compute) else time.sleep(compute)  # the stage's compute
     models.close()
     return sum(counts.values()), sink
 
@@ -247,38 +259,23 @@ def run_contended(retry_after: int, calls: int = 9) -> list[str]:
     emulated contention, faked so that it is the same on any machine), loads of 50 ms: the
     prefetch notes of ``calls`` calls under a budget for two of three."""
     slowed = threading.Event()
-    counts: dict[str, int] = {}
-    base = loaders(counts, delay=0.05)
 
-    def make(name: str):  # noqa: ANN202
-        @rng_free
-        def load() -> nn.Module:
+    def flagged(name: str, load: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        def flag() -> nn.Module:
             if threading.current_thread().name.startswith(PREFETCH_THREAD):
                 slowed.set()
-            return base[name]()
+            return load()
 
-        return load
+        return rng_free(flag)
+
+    def compute() -> None:
+        time.sleep(0.15)  # a prefetch entering started has set the flag by now
+        time.sleep(0.2 if slowed.is_set() else 0.0)
+        slowed.clear()
 
     policy = FurthestNextUse(2 * 4 * KIB + KIB, prefetch=True)
     policy.RETRY_AFTER = retry_after
-    sink = ListSink()
-    models = StagedModels(
-        {n: make(n) for n in "ABC"},
-        stages=STAGES,
-        sizes=dict.fromkeys("ABC", 4 * KIB),
-        policy=policy,
-        prefetch=True,
-        events=sink,
-    )
-    for _ in range(calls):
-        for stage, names in STAGES.items():
-            models.enter(stage)
-            for name in names:
-                models[name]
-            time.sleep(0.15)  # a prefetch entering started has set the flag by now
-            time.sleep(0.2 if slowed.is_set() else 0.0)
-            slowed.clear()
-    models.close()
+    _, sink = run(policy, compute, delay=0.05, calls=calls, wrap=flagged)
     return [e.note for e in sink.kinds("note") if e.note.startswith("prefetch")]
 
 
