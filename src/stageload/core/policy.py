@@ -43,8 +43,8 @@ class PolicyView:
     #: Seconds each model's loads on demand (``load``, ``reload``) took, as their events
     #: measured them: the lower median of its last three.
     load_seconds: Mapping[str, float] = field(default_factory=dict)
-    #: The same for its loads ahead (``prefetch``): one reader thread at a lower priority
-    #: (``load.reader.BACKGROUND_READERS``), so not as long as on demand.
+    #: The same for its loads ahead (``prefetch``): at a lower priority
+    #: (``load.reader.BACKGROUND_NICE``), they may take longer than on demand.
     prefetch_seconds: Mapping[str, float] = field(default_factory=dict)
     #: Seconds each stage computes: the shortest of its spans so far on the driving thread,
     #: less the time that thread spent loading or waiting for loads.
@@ -167,8 +167,8 @@ class FurthestNextUse:
         self.cost_model = cost_model
         # Prefetches skipped in a row only for what loads ahead measured (a stage slower
         # beside one, a slow load ahead). Skipping takes no new measurement, so one slow
-        # sample (another process, two reads at once) would decide every later call; every
-        # RETRY_AFTER-th is made.
+        # sample (another process, two reads at once) would decide every later call; after
+        # RETRY_AFTER of them, a trial.
         self._background_skips = 0
         # Decisions left in a trial: a retry prefetches for a whole call, since a lone load
         # ahead beside the loads on demand that skipping brings measures neither regime.
