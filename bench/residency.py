@@ -32,8 +32,9 @@ prefetch with it off. Runs interleaved, ``--repeats`` each (medians), in this pr
 touching the working size once (bench/_touch.py).
 
 What a background load takes from the compute beside it, ``python bench/residency.py
-contention``: the filler alone, then beside a cold load on another thread, at nice 0 and at
-the prefetch thread's priority (``BACKGROUND_NICE``), pairs back to back.
+contention``: the filler alone, then beside a cold load on another thread, pairs back to
+back: at nice 0 and at the prefetch thread's priority (``BACKGROUND_NICE``), with 4, 2 or 1
+readers, into huge-page-advised or plain destinations.
 
 The first call under a budget (issue 22), ``python bench/residency.py first-call``: the same
 three modules, a budget for two, no ``sizes=``: models and bytes held while each stage's
@@ -297,6 +298,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 # -- the prefetch cost model ------------------------------------------------------------------
 COST_MODES = ("roomy", "two", "two+prefetch", "two+prefetch, cost model off")
 LOAD_KINDS = ("load", "reload", "prefetch")
+PAGES = {"thp": "huge pages advised", "plain": "plain"}
 COST_SIZES = {"a": 6, "b": 8, "c": 6}  # Linear(2048, 2048) layers: 16 MiB each
 
 
@@ -345,6 +347,21 @@ def drop_cache(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def raw_cold_read(path: Path) -> float:
+    """Seconds to read ``path`` once, cold, sequentially into one reused 16 MiB buffer: the
+    disk's own time for the bytes a load reads, beside which loads are judged."""
+    buf = memoryview(bytearray(16 << 20))
+    drop_cache(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        start, offset = time.perf_counter(), 0
+        while n := os.preadv(fd, [buf], offset):
+            offset += n
+        return time.perf_counter() - start
     finally:
         os.close(fd)
 
@@ -407,6 +424,7 @@ def cost_run(
         "loads": sum(k in LOAD_KINDS for k in kinds),
         "prefetches": kinds.count("prefetch"),
         "load_seconds": [e.seconds for e in sink.events if e.kind in LOAD_KINDS],
+        "ahead_seconds": [e.seconds for e in sink.events if e.kind == "prefetch"],
         "made": sum(": made" in n for n in notes),
         "skipped": sum(": skipped" in n for n in notes),
         "budget": budget,
@@ -438,8 +456,10 @@ def cost_main(argv: list[str]) -> None:
     iters = {"long": calibrate(args.long), "short": calibrate(args.short)}
     cases = {f"{c}, {cache}": (iters[c], cache == "cold") for cache in args.cache for c in iters}
     runs: list[dict[str, Any]] = []
+    raw: list[float] = []
     for rep in range(args.repeats):
         for case, (n, cold) in cases.items():
+            raw.append(raw_cold_read(paths["b"]))
             # Interleaved, so machine load hits every mode alike, and each repeat starts one
             # mode later: the machine drifted by up to 20 % within a repeat.
             for mode in COST_MODES[rep % 4 :] + COST_MODES[: rep % 4]:
@@ -459,6 +479,9 @@ def cost_main(argv: list[str]) -> None:
         gap = wall["two"] - wall["roomy"]
         hashes = {tuple(r["sha256"]) for r in runs if r["case"] == case}
         for m in COST_MODES:
+            # Loads ahead pooled over the cell's runs: their spread, not only their middle,
+            # decides whether they hide (a slow tail leaves the next stage waiting).
+            ahead = sorted(t for r in cell[m] for t in r["ahead_seconds"])
             rows.append(
                 {
                     "case": case,
@@ -470,6 +493,8 @@ def cost_main(argv: list[str]) -> None:
                     "loads": med(r["loads"] for r in cell[m]),
                     "prefetches": med(r["prefetches"] for r in cell[m]),
                     "load_seconds": med(med(r["load_seconds"]) for r in cell[m]),
+                    "ahead_p50": med(ahead) if ahead else None,
+                    "ahead_p90": ahead[int(0.9 * (len(ahead) - 1))] if ahead else None,
                     "identical": len(hashes) == 1,
                     "runs": len(cell[m]),
                 }
@@ -481,18 +506,22 @@ def cost_main(argv: list[str]) -> None:
         f"(medians of interleaved runs; ratios within a case). Memory touched once before "
         f"timing ({touched:.1f} s, bench/_touch.py). Cold: each checkpoint dropped from the "
         f"page cache (posix_fadvise DONTNEED) right before each of its loads, as where memory "
-        f"is too tight to cache it; warm: read once beforehand and never dropped.",
+        f"is too tight to cache it; warm: read once beforehand and never dropped. The disk "
+        f"alone: a raw sequential cold read of the 128 MiB checkpoint, once per case and "
+        f"repeat, took {statistics.median(raw):.3f} s (median; {min(raw):.3f}-{max(raw):.3f}).",
         "",
         "| stage compute, page cache | mode | wall s | / two, no prefetch | share of the gap "
-        "to roomy closed | loads | of which prefetched | median load s | outputs |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "to roomy closed | loads | of which prefetched | median load s "
+        "| load ahead s, median / 90th percentile | outputs |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         closed = "-" if r["gap_closed"] is None else f"{r['gap_closed']:.2f}"
+        spread = "-" if r["ahead_p50"] is None else f"{r['ahead_p50']:.2f} / {r['ahead_p90']:.2f}"
         lines.append(
             f"| {r['case']} ({r['filler_seconds']:g} s filler) | {r['mode']} | "
             f"{r['wall_seconds']:.2f} | {r['vs_two']:.2f} | {closed} | {r['loads']:g} | "
-            f"{r['prefetches']:g} | {r['load_seconds']:.2f} | "
+            f"{r['prefetches']:g} | {r['load_seconds']:.2f} | {spread} | "
             f"{'identical' if r['identical'] else 'DIFFER'} |"
         )
     OUT.mkdir(parents=True, exist_ok=True)
@@ -610,16 +639,28 @@ def contention_main(argv: list[str]) -> None:
     path = cost_checkpoints(args.dir)["b"]
     touched = touch(2 * path.stat().st_size)
     iters = calibrate(args.seconds)
-    rows = []
-    for nice, threads in ((0, 4), (BACKGROUND_NICE, 4), (BACKGROUND_NICE, 2), (BACKGROUND_NICE, 1)):
-        load = from_safetensors(
-            lambda: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]), path, threads=threads
-        )
-        alone, beside, loads = [], [], []
-        for _ in range(args.runs):
+    import stageload.load.weights as weights
+
+    # (nice, reader threads, destination pages): the load as on demand, then as ahead.
+    variants = [
+        (0, 4, "thp"),
+        (BACKGROUND_NICE, 4, "thp"),
+        (BACKGROUND_NICE, 4, "plain"),
+        (BACKGROUND_NICE, 2, "plain"),
+        (BACKGROUND_NICE, 1, "plain"),
+    ]
+    build = lambda: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])  # noqa: E731
+    samples: dict[tuple[int, int, str], list[tuple[float, float, float]]] = {
+        v: [] for v in variants
+    }
+    for run in range(args.runs):
+        # Variants interleaved within a run (rotated per run), so drift hits them alike.
+        for nice, threads, pages in variants[run % 5 :] + variants[: run % 5]:
+            load = from_safetensors(build, path, threads=threads)
+            weights._ALLOC = pages
             start = time.perf_counter()
             filler(iters)
-            alone.append(time.perf_counter() - start)
+            alone = time.perf_counter() - start
             drop_cache(path)
             took: list[float] = []
 
@@ -634,21 +675,24 @@ def contention_main(argv: list[str]) -> None:
             start = time.perf_counter()
             thread.start()
             filler(iters)
-            beside.append(time.perf_counter() - start)
+            beside = time.perf_counter() - start
             thread.join()
-            loads.append(took[0])
-        med = statistics.median
-        rows.append(
-            {
-                "nice": nice,
-                "threads": threads,
-                "alone": med(alone),
-                "beside": med(beside),
-                "taken": med(b - a for a, b in zip(alone, beside, strict=True)),
-                "load": med(loads),
-            }
-        )
-        print(rows[-1], flush=True)
+            samples[(nice, threads, pages)].append((alone, beside, took[0]))
+    med = statistics.median
+    rows = [
+        {
+            "nice": nice,
+            "threads": threads,
+            "pages": pages,
+            "alone": med(a for a, _, _ in got),
+            "beside": med(b for _, b, _ in got),
+            "taken": med(b - a for a, b, _ in got),
+            "load": med(t for _, _, t in got),
+        }
+        for (nice, threads, pages), got in samples.items()
+    ]
+    for r in rows:
+        print(r, flush=True)
     lines = [
         f"# What a cold background load takes from the compute beside it ({args.runs} pairs)",
         "",
@@ -658,13 +702,14 @@ def contention_main(argv: list[str]) -> None:
         f"back to back, medians. Machine: {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f}; memory touched once before timing ({touched:.1f} s).",
         "",
-        "| load thread's nice | reader threads | filler alone s | filler beside the load s "
-        "| taken from the filler s (median of pairs) | the load s |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| load thread's nice | reader threads | destination pages | filler alone s "
+        "| filler beside the load s | taken from the filler s (median of pairs) | the load s |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
-            f"| +{r['nice']} | {r['threads']} | {r['alone']:.3f} | {r['beside']:.3f} | "
+            f"| +{r['nice']} | {r['threads']} | {PAGES[r['pages']]} | {r['alone']:.3f} | "
+            f"{r['beside']:.3f} | "
             f"{r['taken']:.3f} | {r['load']:.3f} |"
         )
     OUT.mkdir(parents=True, exist_ok=True)
