@@ -47,7 +47,8 @@ AHEAD = 0
 #: How much nicer than the computing threads a background load's threads run (Linux).
 #: ``bench/residency.py contention`` (a cold 128 MiB load with 4 readers beside 0.3 s of
 #: compute on one torch thread, 2 cores, medians of 7 pairs): at nice 0 it took 0.028-0.046 s
-#: from the compute, at +10 0.007-0.025 s (two runs each; a first run, 0.077 and 0.081 s).
+#: from the compute, at +10 0.007-0.025 s (two runs each; a first run, 0.077 and 0.081 s;
+#: a later one, variants interleaved, 0.010 and 0.015 s: not resolved there).
 #: Fewer readers took less still, but one read at a third of the speed when nothing computed
 #: beside it, and in the cost bench's stages prefetches with 1 or 2 readers took 0.35-0.99 s
 #: against 0.11-0.12 s with 4: the readers stay as many as on demand.
