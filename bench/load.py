@@ -256,7 +256,8 @@ def hand_case(ckpt: Path, threads: int = 4) -> Callable[[], tuple[int, Any]]:
     preadv chunks from a pool of ``threads`` on one descriptor)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from stageload.load.reader import advise_huge_pages, memory
+    from stageload.hooks.release import advise_huge_pages
+    from stageload.load.reader import memory
 
     with open(ckpt, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
@@ -351,7 +352,7 @@ def measure_raw(files: list[Path]) -> dict[str, float]:
 def fresh_case(gb: float, advise: bool) -> Callable[[], tuple[int, Any]]:
     """No file at all: allocate fresh memory and write every byte once (torch, 2 threads).
     The ceiling for any loader that leaves the weights in fresh process memory."""
-    from stageload.load.reader import advise_huge_pages
+    from stageload.hooks.release import advise_huge_pages
 
     def run() -> tuple[int, Any]:
         t = torch.empty(int(gb * GIB), dtype=torch.uint8)

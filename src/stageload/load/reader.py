@@ -1,5 +1,4 @@
-"""Positioned reads into tensor memory, the threads that run them, and huge pages for
-fresh destinations (Linux).
+"""Positioned reads into tensor memory, and the threads that run them.
 
 Nothing here knows about modules: ``weights`` plans a load and hands the chunks here.
 """
@@ -8,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import os
 import sys
 import threading
@@ -22,9 +20,6 @@ from .checkpoint import CheckpointError
 
 if TYPE_CHECKING:
     import torch
-
-_HUGE = 2 << 20  # x86-64 and arm64 transparent huge page size
-_MADV_HUGEPAGE = 14
 
 # Cold reads: three ways to help the disk were measured against the reader as it was (cold,
 # each beside a raw read, medians of 7 pairs, bench/results/load/cold-*.md); none beat it
@@ -54,23 +49,32 @@ AHEAD = 0
 #: against 0.11-0.12 s with 4: the readers stay as many as on demand.
 BACKGROUND_NICE = 10
 
+_thread = threading.local()  # .background: set by background_thread()
+
 
 def background_thread() -> None:
     """Make this thread one that only loads ahead: lower its CPU priority by
     :data:`BACKGROUND_NICE` (Linux; elsewhere unchanged), so a load beside a computing stage
-    leaves it the cores.
+    leaves it the cores, and mark it (:func:`in_background`): its loads fill plain pages,
+    not huge ones, whose faults may stop to compact memory (see ``weights._destination``).
 
     The initializer of the prefetch and stream threads. The readers it starts inherit the
     priority (Linux threads take their creator's nice value). An unprivileged thread
     cannot raise its priority back, so only threads that do nothing else call this. macOS
     threads keep their priority: thread QoS is not reachable from Python's ``os``.
     """
+    _thread.background = True
     if sys.platform != "linux":
         return
     tid = threading.get_native_id()
     with contextlib.suppress(OSError):  # a seccomp profile may forbid it: load at par
         now = os.getpriority(os.PRIO_PROCESS, tid)
         os.setpriority(os.PRIO_PROCESS, tid, min(19, now + BACKGROUND_NICE))
+
+
+def in_background() -> bool:
+    """Whether this thread only loads ahead (:func:`background_thread` ran on it)."""
+    return getattr(_thread, "background", False)
 
 
 def memory(t: torch.Tensor, at: int, n: int) -> memoryview:
@@ -95,35 +99,6 @@ def _preadv(fd: int, buf: memoryview, offset: int) -> int:
     data = os.pread(fd, len(buf), offset)  # Windows: one copy more, still positioned
     buf[: len(data)] = data
     return len(data)
-
-
-@functools.cache
-def _madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def advise_huge_pages(ptr: int, nbytes: int) -> None:
-    """Ask for transparent huge pages on the 2 MiB-aligned inside of a fresh allocation.
-
-    One fault then maps 2 MiB instead of 4 KiB. torch does the same under
-    ``THP_MEM_ALLOC_ENABLE=1``, which a library cannot set for its users. Harmless where
-    THP is off (the call fails and is ignored) and for memory that is already touched.
-    """
-    madvise = _madvise()
-    if madvise is None:
-        return
-    start = (ptr + _HUGE - 1) & ~(_HUGE - 1)
-    end = (ptr + nbytes) & ~(_HUGE - 1)
-    if end - start >= _HUGE:
-        madvise(start, end - start, _MADV_HUGEPAGE)
 
 
 def run_chunks(

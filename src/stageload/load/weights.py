@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._external import non_persistent_buffers
-from ..hooks.release import release, unmark_released
+from ..hooks.release import advise_huge_pages, release, unmark_released
 from .checkpoint import (
     DTYPES,
     CheckpointError,
@@ -34,7 +34,7 @@ from .checkpoint import (
     read_entries,
 )
 from .progress import progress as progress_bar
-from .reader import advise_huge_pages, run_chunks
+from .reader import in_background, run_chunks
 
 if TYPE_CHECKING:
     import torch
@@ -377,7 +377,13 @@ def _destination(
         raw = torch.empty(nbytes + 64, dtype=torch.uint8)
         shift = (misalign - raw.data_ptr()) % 64
         dst = raw[shift : shift + nbytes].view(dtype).view(old.shape)
-    if device.type == "cpu" and _ALLOC == "thp":
+    # Not for a load ahead: a huge-page fault may stop to compact memory, and on this VM a
+    # third of the loads ahead then took over 0.25 s (90th percentile 0.40 s, plain: 1 %,
+    # 0.17 s), longer than the stage they were to hide behind, and the cost model, timing
+    # them, skipped prefetches that paid (bench/results/residency/tail.md). On demand the
+    # load is what the caller waits for, and huge pages made a warm 1 GiB load 1.25x faster
+    # (3.17 against 2.52 GB/s, bench/results/load/warm-thp-vs-plain.md).
+    if device.type == "cpu" and _ALLOC == "thp" and not in_background():
         advise_huge_pages(dst.data_ptr(), dst.nbytes)
     return dst
 
