@@ -36,6 +36,10 @@ contention``: the filler alone, then beside a cold load on another thread, pairs
 back: at nice 0 and at the prefetch thread's priority (``BACKGROUND_NICE``), with 4, 2 or 1
 readers, into huge-page-advised or plain destinations.
 
+The slow tail of loads ahead, ``python bench/residency.py tail``: the long cold case
+prefetching at every stage, each run in a fresh process, with loads ahead into huge pages or
+plain ones, and huge-page advice taken back on release or left on freed memory.
+
 The first call under a budget (issue 22), ``python bench/residency.py first-call``: the same
 three modules, a budget for two, no ``sizes=``: models and bytes held while each stage's
 code runs, with the release after a load (``after_load``) and without it (the rule before).
@@ -445,6 +449,8 @@ def cost_main(argv: list[str]) -> None:
     p.add_argument("--short", type=float, default=0.02)
     p.add_argument("--dir", type=Path, default=Path("/tmp/stageload-bench-cost"))
     p.add_argument("--cache", nargs="+", choices=("cold", "warm"), default=["cold", "warm"])
+    p.add_argument("--stages", nargs="+", choices=("long", "short"), default=["long", "short"])
+    p.add_argument("--out", type=Path, default=OUT, help="folder for the tables and JSON")
     args = p.parse_args(argv)
     # One compute thread: with two, an OpenMP barrier waits on a thread that other
     # processes' jobs have descheduled, and the same filler took from 0.05 to 1 s per stage.
@@ -453,7 +459,7 @@ def cost_main(argv: list[str]) -> None:
     for path in paths.values():
         path.read_bytes()  # page cache warm: this bench times the policy, not the disk
     touched = touch(2 * sum(p.stat().st_size for p in paths.values()))
-    iters = {"long": calibrate(args.long), "short": calibrate(args.short)}
+    iters = {c: calibrate(args.long if c == "long" else args.short) for c in args.stages}
     cases = {f"{c}, {cache}": (iters[c], cache == "cold") for cache in args.cache for c in iters}
     runs: list[dict[str, Any]] = []
     raw: list[float] = []
@@ -524,9 +530,9 @@ def cost_main(argv: list[str]) -> None:
             f"{r['prefetches']:g} | {r['load_seconds']:.2f} | {spread} | "
             f"{'identical' if r['identical'] else 'DIFFER'} |"
         )
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "cost.json").write_text(json.dumps({"runs": runs, "rows": rows}, indent=2) + "\n")
-    (OUT / "cost.md").write_text("\n".join(lines) + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cost.json").write_text(json.dumps({"runs": runs, "rows": rows}, indent=2) + "\n")
+    (args.out / "cost.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     for path in paths.values():
         path.unlink()
@@ -717,6 +723,108 @@ def contention_main(argv: list[str]) -> None:
     print("\n".join(lines))
 
 
+# -- the slow tail of loads ahead -------------------------------------------------------------
+TAIL_VARIANTS = {
+    "now": "plain pages ahead, huge-page advice taken back on release",
+    "huge pages ahead": "loads ahead advise huge pages too (as before)",
+    "advice kept on release": "plain pages ahead, advice left on freed memory (as before)",
+}
+
+
+def tail_worker(
+    variant: str, calls: int, seconds: float, folder: Path, warmup: int
+) -> dict[str, Any]:
+    """One process: a run loading on demand (huge pages, as any process that loaded before),
+    then the measured run, prefetching at every stage; the loads ahead's times."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _touch import touch
+
+    import stageload.hooks.release as release
+    import stageload.load.weights as weights
+
+    if variant == "huge pages ahead":
+        weights.in_background = lambda: False
+    elif variant == "advice kept on release":
+        release.forget_huge_pages = lambda ptr, nbytes: None
+    torch.set_num_threads(1)
+    paths = cost_checkpoints(folder)
+    touch(2 * sum(p.stat().st_size for p in paths.values()))
+    iters = calibrate(seconds)
+    cost_run(paths, "two", iters, warmup, cold=True)
+    got = cost_run(paths, "two+prefetch, cost model off", iters, calls, cold=True)
+    return {"variant": variant, "wall_seconds": got["wall_seconds"], "ahead": got["ahead_seconds"]}
+
+
+def tail_main(argv: list[str]) -> None:
+    """Loads ahead's times in the cost bench's long cold case, prefetching at every stage,
+    with huge pages ahead or not and the advice taken back on release or not; each run in a
+    fresh process (advice on freed memory outlives a run), variants interleaved."""
+    p = argparse.ArgumentParser(description="the slow tail of loads ahead")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--calls", type=int, default=12)
+    p.add_argument("--seconds", type=float, default=0.3, help="filler seconds per stage")
+    p.add_argument("--warmup", type=int, default=3, help="calls loading on demand first")
+    p.add_argument("--name", default="tail", help="the table's file name, without .md")
+    p.add_argument("--dir", type=Path, default=Path("/tmp/stageload-bench-cost"))
+    args = p.parse_args(argv)
+    names = list(TAIL_VARIANTS)
+    runs: list[dict[str, Any]] = []
+    for rep in range(args.repeats):
+        for variant in names[rep % 3 :] + names[: rep % 3]:
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "tail-worker",
+                    variant,
+                    str(args.calls),
+                    str(args.seconds),
+                    str(args.dir),
+                    str(args.warmup),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            ahead = sorted(runs[-1]["ahead"])
+            print(
+                f"r{rep} {variant:24s} wall {runs[-1]['wall_seconds']:.2f} s, loads ahead "
+                f"median {statistics.median(ahead):.3f} s, over 0.25 s: "
+                f"{sum(t > 0.25 for t in ahead)} of {len(ahead)}",
+                flush=True,
+            )
+    lines = [
+        f"# The slow tail of loads ahead ({args.repeats} runs per variant, {args.calls} calls)",
+        "",
+        f"The cost bench's long cold case (three modules of 96, 128 and 96 MiB, a budget for two, "
+        f"{args.seconds:g} s of filler per stage on one torch thread, each checkpoint dropped "
+        f"from the page cache before its load), prefetching at every stage. Each run in a "
+        f"fresh process, after a run of {args.warmup} calls loading on demand with huge pages; "
+        f"variants "
+        f"interleaved. Loads ahead pooled over the runs. Machine: {os.cpu_count()} CPUs, load "
+        f"average {os.getloadavg()[0]:.1f} at the end.",
+        "",
+        "| variant | what | wall s (median) | loads ahead | median s | 90th percentile s "
+        "| over 0.25 s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for variant in names:
+        mine = [r for r in runs if r["variant"] == variant]
+        ahead = sorted(t for r in mine for t in r["ahead"])
+        lines.append(
+            f"| {variant} | {TAIL_VARIANTS[variant]} | "
+            f"{statistics.median(r['wall_seconds'] for r in mine):.2f} | {len(ahead)} | "
+            f"{statistics.median(ahead):.3f} | {ahead[int(0.9 * (len(ahead) - 1))]:.3f} | "
+            f"{sum(t > 0.25 for t in ahead) / len(ahead):.0%} |"
+        )
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     global OUT  # --out moves the tables and traces
     if len(sys.argv) > 1 and sys.argv[1] == "first-call":
@@ -727,6 +835,14 @@ def main() -> None:
         return
     if len(sys.argv) > 1 and sys.argv[1] == "contention":
         contention_main(sys.argv[2:])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "tail":
+        tail_main(sys.argv[2:])
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "tail-worker":
+        variant, calls, seconds, folder, warmup = sys.argv[2:7]
+        got = tail_worker(variant, int(calls), float(seconds), Path(folder), int(warmup))
+        print(json.dumps(got))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         workload, mode, n, which, trace, result = sys.argv[2:8]
