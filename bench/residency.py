@@ -303,6 +303,20 @@ def table(rows: list[dict[str, Any]]) -> str:
 COST_MODES = ("roomy", "two", "two+prefetch", "two+prefetch, cost model off")
 LOAD_KINDS = ("load", "reload", "prefetch")
 PAGES = {"thp": "huge pages advised", "plain": "plain"}
+
+
+def p90(sorted_values: list[float]) -> float:
+    """The 90th percentile (nearest rank below) of values already sorted."""
+    return sorted_values[int(0.9 * (len(sorted_values) - 1))]
+
+
+def publish(path: Path, lines: list[str]) -> None:
+    """Write a results table (markdown lines) and print it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 COST_SIZES = {"a": 6, "b": 8, "c": 6}  # Linear(2048, 2048) layers: 16 MiB each
 
 
@@ -500,7 +514,7 @@ def cost_main(argv: list[str]) -> None:
                     "prefetches": med(r["prefetches"] for r in cell[m]),
                     "load_seconds": med(med(r["load_seconds"]) for r in cell[m]),
                     "ahead_p50": med(ahead) if ahead else None,
-                    "ahead_p90": ahead[int(0.9 * (len(ahead) - 1))] if ahead else None,
+                    "ahead_p90": p90(ahead) if ahead else None,
                     "identical": len(hashes) == 1,
                     "runs": len(cell[m]),
                 }
@@ -530,10 +544,8 @@ def cost_main(argv: list[str]) -> None:
             f"{r['prefetches']:g} | {r['load_seconds']:.2f} | {spread} | "
             f"{'identical' if r['identical'] else 'DIFFER'} |"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
+    publish(args.out / "cost.md", lines)
     (args.out / "cost.json").write_text(json.dumps({"runs": runs, "rows": rows}, indent=2) + "\n")
-    (args.out / "cost.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
     for path in paths.values():
         path.unlink()
     args.dir.rmdir()
@@ -612,10 +624,8 @@ def first_call_main() -> None:
             f"| {r['rule']} | {r['models_held_max']} | {r['bytes_held_max'] / r['budget']:.2f} | "
             f"{r['bytes_at_events_max'] / r['budget']:.2f} |"
         )
-    OUT.mkdir(parents=True, exist_ok=True)
+    publish(OUT / "first-call.md", lines)
     (OUT / "first-call.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (OUT / "first-call.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
     for path in paths.values():
         path.unlink()
     folder.rmdir()
@@ -718,9 +728,7 @@ def contention_main(argv: list[str]) -> None:
             f"{r['beside']:.3f} | "
             f"{r['taken']:.3f} | {r['load']:.3f} |"
         )
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"contention-{torch.get_num_threads()}t.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    publish(OUT / f"contention-{torch.get_num_threads()}t.md", lines)
 
 
 # -- the slow tail of loads ahead -------------------------------------------------------------
@@ -817,12 +825,10 @@ def tail_main(argv: list[str]) -> None:
         lines.append(
             f"| {variant} | {TAIL_VARIANTS[variant]} | "
             f"{statistics.median(r['wall_seconds'] for r in mine):.2f} | {len(ahead)} | "
-            f"{statistics.median(ahead):.3f} | {ahead[int(0.9 * (len(ahead) - 1))]:.3f} | "
+            f"{statistics.median(ahead):.3f} | {p90(ahead):.3f} | "
             f"{sum(t > 0.25 for t in ahead) / len(ahead):.0%} |"
         )
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    publish(OUT / f"{args.name}.md", lines)
 
 
 def main() -> None:
