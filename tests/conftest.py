@@ -24,3 +24,20 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# -- the Pixal3D stub port (tests/fixtures/pixal3d_stub), for the test_*pixal3d* modules ---------
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The stub port installed as ``Pixal3D-mac`` in a fresh folder, once per module."""
+    from fixtures.pixal3d_stub import install_stub
+
+    return install_stub(tmp_path_factory.mktemp("port") / "Pixal3D-mac")
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 48x48 noise PNG for the stub port, once per module."""
+    from fixtures.pixal3d_stub import write_image
+
+    return write_image(tmp_path_factory.mktemp("input") / "object.png")

@@ -8,15 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from fixtures.pixal3d_stub import install_stub
 from stageload.pixal3d import Pixal3DRun, import_port
 
 PIL = pytest.importorskip("PIL.Image")
-
-
-@pytest.fixture(scope="module")
-def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return install_stub(tmp_path_factory.mktemp("port") / "Pixal3D-mac")
 
 
 def test_reload_reads_the_file_and_equals_the_ports_from_pretrained(stub, tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures.pixal3d_stub import install_stub, port_args, write_image
+from fixtures.pixal3d_stub import install_stub, port_args
 from stageload import ReleasedModuleError, on_call
 from stageload.pixal3d import (
     PLAN_1024_CASCADE,
@@ -31,16 +31,6 @@ from stageload.pixal3d import (
 from stageload.pixal3d.cli import main
 
 pytest.importorskip("PIL.Image")
-
-
-@pytest.fixture(scope="module")
-def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return install_stub(tmp_path_factory.mktemp("port") / "Pixal3D-mac")
-
-
-@pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_image(tmp_path_factory.mktemp("input") / "object.png")
 
 
 @pytest.fixture(scope="module")

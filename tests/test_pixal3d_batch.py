@@ -9,18 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.pixal3d_stub import install_stub, write_image
+from fixtures.pixal3d_stub import write_image
 from stageload import ListSink
 from stageload.pixal3d import import_port, run
 from stageload.pixal3d.batch import run_many
 from stageload.pixal3d.cli import main
 
 pytest.importorskip("PIL.Image")
-
-
-@pytest.fixture(scope="module")
-def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return install_stub(tmp_path_factory.mktemp("port") / "Pixal3D-mac")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.pixal3d_stub import install_stub, port_args, write_image
+from fixtures.pixal3d_stub import port_args, write_image
 from stageload import ListSink
 from stageload.pixal3d import Pixal3DRun, import_port, run
 from stageload.pixal3d.cli import main
@@ -24,16 +24,6 @@ from stageload.stream import StreamError
 pytest.importorskip("PIL.Image")
 
 SS, SHAPE_1024 = "sparse_structure_flow_model", "shape_slat_flow_model_1024"
-
-
-@pytest.fixture(scope="module")
-def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return install_stub(tmp_path_factory.mktemp("port") / "Pixal3D-mac")
-
-
-@pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_image(tmp_path_factory.mktemp("input") / "object.png")
 
 
 @pytest.fixture(scope="module")
