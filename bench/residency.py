@@ -305,6 +305,17 @@ LOAD_KINDS = ("load", "reload", "prefetch")
 PAGES = {"thp": "huge pages advised", "plain": "plain"}
 
 
+def positive(text: str) -> int:
+    """A count flag (``--repeats``, ``--calls``, ``--runs``): a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def p90(sorted_values: list[float]) -> float:
     """The 90th percentile (nearest rank below) of values already sorted."""
     return sorted_values[int(0.9 * (len(sorted_values) - 1))]
@@ -457,8 +468,8 @@ def cost_main(argv: list[str]) -> None:
     from _touch import touch
 
     p = argparse.ArgumentParser(description="the prefetch cost model")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--calls", type=int, default=4)
+    p.add_argument("--repeats", type=positive, default=3)
+    p.add_argument("--calls", type=positive, default=4)
     p.add_argument("--long", type=float, default=0.3, help="filler seconds per stage")
     p.add_argument("--short", type=float, default=0.02)
     p.add_argument("--dir", type=Path, default=Path("/tmp/stageload-bench-cost"))
@@ -647,7 +658,7 @@ def contention_main(argv: list[str]) -> None:
     from stageload.load.weights import from_safetensors
 
     p = argparse.ArgumentParser(description="what a background load takes from compute")
-    p.add_argument("--runs", type=int, default=7)
+    p.add_argument("--runs", type=positive, default=7)
     p.add_argument("--seconds", type=float, default=0.3, help="filler seconds")
     p.add_argument("--dir", type=Path, default=Path("/tmp/stageload-bench-cost"))
     args = p.parse_args(argv)
@@ -770,10 +781,10 @@ def tail_main(argv: list[str]) -> None:
     with huge pages ahead or not and the advice taken back on release or not; each run in a
     fresh process (advice on freed memory outlives a run), variants interleaved."""
     p = argparse.ArgumentParser(description="the slow tail of loads ahead")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--calls", type=int, default=12)
+    p.add_argument("--repeats", type=positive, default=3)
+    p.add_argument("--calls", type=positive, default=12)
     p.add_argument("--seconds", type=float, default=0.3, help="filler seconds per stage")
-    p.add_argument("--warmup", type=int, default=3, help="calls loading on demand first")
+    p.add_argument("--warmup", type=positive, default=3, help="calls loading on demand first")
     p.add_argument("--name", default="tail", help="the table's file name, without .md")
     p.add_argument("--dir", type=Path, default=Path("/tmp/stageload-bench-cost"))
     args = p.parse_args(argv)
@@ -862,10 +873,10 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    p.add_argument("--ns", nargs="+", type=int, default=[1, 4, 8])
+    p.add_argument("--ns", nargs="+", type=positive, default=[1, 4, 8])
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--budgets", nargs="+", choices=BUDGETS, default=list(BUDGETS))
-    p.add_argument("--repeats", type=int, default=3, help="runs per cell; medians reported")
+    p.add_argument("--repeats", type=positive, default=3, help="runs per cell; medians reported")
     p.add_argument("--qwen-gb", type=float, default=0.25, help="GB per large Qwen model")
     p.add_argument("--out", type=Path, default=OUT, help="folder for tables and traces")
     args = p.parse_args()
