@@ -44,7 +44,8 @@ class PolicyView:
     #: measured them: the lower median of its last three.
     load_seconds: Mapping[str, float] = field(default_factory=dict)
     #: The same for its loads ahead (``prefetch``): at a lower priority
-    #: (``load.reader.BACKGROUND_NICE``), they may take longer than on demand.
+    #: (``load.reader.BACKGROUND_NICE``) and into plain pages, not huge ones
+    #: (``load.weights._destination``), they may take longer than on demand.
     prefetch_seconds: Mapping[str, float] = field(default_factory=dict)
     #: Seconds each stage computes: the shortest of its spans so far on the driving thread,
     #: less the time that thread spent loading or waiting for loads.
@@ -168,7 +169,7 @@ class FurthestNextUse:
         # Prefetches skipped in a row only for what loads ahead measured (a stage slower
         # beside one, a slow load ahead). Skipping takes no new measurement, so one slow
         # sample (another process, two reads at once) would decide every later call; after
-        # RETRY_AFTER of them, a trial.
+        # RETRY_AFTER of them (more after each trial, see _trials), a trial.
         self._background_skips = 0
         # Trials since a prefetch last paid: the next waits RETRY_AFTER * RETRY_BACKOFF**n
         # skips. A trial that only confirms the skip says the measurement was not stale,
