@@ -310,7 +310,10 @@ def main() -> None:
     )
     args = p.parse_args()
     if args.tables_only:
-        write([json.loads(f.read_text()) for f in sorted((OUT / "traces").glob("*.json"))])
+        runs = [json.loads(f.read_text()) for f in sorted((OUT / "traces").glob("*.json"))]
+        if not runs:  # traces/ is not committed (results.json holds every run): keep the tables
+            sys.exit(f"no runs in {OUT / 'traces'}: nothing to rebuild the tables from")
+        write(runs)
         return
     (OUT / "traces").mkdir(parents=True, exist_ok=True)
     if "qwen" in args.workloads:

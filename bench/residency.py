@@ -869,6 +869,8 @@ def main() -> None:
         # Tables from the runs that finished (traces/*.json), e.g. after a run cut short.
         folders = [Path(f) for f in sys.argv[2:]] or [OUT]
         runs = [json.loads(f.read_text()) for d in folders for f in sorted(d.glob("traces/*.json"))]
+        if not runs:  # traces/ is not committed (results.json holds every run): keep the tables
+            sys.exit(f"no runs in {[str(d / 'traces') for d in folders]}: nothing to summarize")
         write(runs)
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
