@@ -397,7 +397,8 @@ def test_the_runs_trace_receives_the_commands_own_events(
     [
         (["--lane", "a/b"], "invalid lane name 'a/b'"),
         (["--memory", "12Q"], "invalid --memory '12Q'"),
-        (["--who", ""], "invalid owner ''"),
+        (["--who", ""], "invalid --who ''"),
+        (["--owner", "x" * 65], "invalid --owner 'xxx"),
     ],
 )
 def test_bad_input_gives_one_clear_line(
