@@ -141,7 +141,8 @@ def learned_need(records: Sequence[Mapping[str, Any]], command: Sequence[str]) -
         for r in records
         if r.get("command") == argv
         # 0 is no reading: a command that ended before its first sample (a zombie holds 0)
-        and is_int(r.get("peak_footprint"), 1, SIZE_MAX)
+        and isinstance(r.get("peak_footprint"), int)
+        and r["peak_footprint"] > 0
     ]
     recent = peaks[-LEARN_RUNS:]
     return max(recent) if recent else None
