@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -27,10 +28,11 @@ import pytest
 
 from stageload.cli import main
 from stageload.guard.board import snapshot
-from stageload.guard.history import learned_need, read_records
+from stageload.guard.history import check_record, learned_need, read_history, read_records
 from stageload.guard.queue import Ticket, default_owner, resolve_owner
 from stageload.guard.rules import Running, decide, fair_order
 from stageload.memory import read_system
+from stageload.units import format_size
 
 PY = sys.executable
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -862,3 +864,162 @@ def test_the_version_is_above_the_earlier_packages_and_defined_once() -> None:
     expanded = read_configuration(root / "pyproject.toml", expand=True)
     assert expanded["project"]["version"] == stageload.__version__
     assert cli("--version").stdout.strip() == f"stageload {stageload.__version__}"
+
+
+# -- damaged state is data, not a code path (issue 33, item 5) -------------------------
+
+Q = "import stageload.guard.queue as q"
+H = "import stageload.guard.history as h"
+ACCEPT_ANY_LINE = f"{H}; h.check_record = lambda record, now=None: isinstance(record, dict)"
+
+
+def _history_line(**values: Any) -> str:
+    record = {
+        "command": ["true"], "owner": "z", "lane": "ram", "start": 1.0, "wait": 0.0,
+        "duration": 0.1, "peak_footprint": 1, "swap_growth": 0, "exit_code": 0,
+        "outcome": "exited", "need": None, "need_source": "unknown", "trace": None,
+    }  # fmt: skip
+    record.update(values)
+    return json.dumps(record) + "\n"
+
+
+def _hold_ticket(request: pytest.FixtureRequest, path: Path, ticket: dict[str, Any]) -> None:
+    """A live client's ticket, damaged: a real process holds its lock."""
+    path.write_text(json.dumps(ticket))
+    code = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, "
+    code += "fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()"
+    holder = subprocess.Popen(
+        [PY, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    request.addfinalizer(lambda: (holder.kill(), holder.wait(10)))
+    assert holder.stdout is not None and holder.stdout.readline() == b"locked\n"
+
+
+#: case -> (what to write into lane ram, the kind skipped, the patch that takes the check
+#: away for the control). Each writer gets the lane's folder and the request.
+DAMAGE: dict[str, tuple[Callable[[Path, pytest.FixtureRequest], None], str, str]] = {
+    "seq-of-400-digits": (
+        lambda d, r: (d / "seq").write_text("9" * 400),
+        "seq",
+        f"import re; {Q}; q._TICKET_NUMBER = re.compile('[0-9]+'); q.SEQ_MAX = 10**1000",
+    ),
+    "owners-nested-deeply": (
+        lambda d, r: (d / "owners.json").write_text("[" * 100_000 + "]" * 100_000),
+        "owners",
+        f"import json; {Q}; q.parse_json = json.loads",
+    ),
+    "peak-of-400-digits": (
+        lambda d, r: (
+            (d / "history.jsonl").open("a").write(_history_line(peak_footprint=int("9" * 400)))
+        ),
+        "history",
+        ACCEPT_ANY_LINE,
+    ),
+    "peak-not-a-number": (
+        lambda d, r: (d / "history.jsonl").open("a").write(_history_line(peak_footprint="x")),
+        "history",
+        ACCEPT_ANY_LINE,
+    ),
+    "start-1e300": (
+        lambda d, r: (d / "history.jsonl").open("a").write(_history_line(start=1e300)),
+        "history",
+        ACCEPT_ANY_LINE,
+    ),
+    "live-ticket-enqueued-1e300": (
+        lambda d, r: _hold_ticket(
+            r,
+            d / "tickets" / "000000000007.json",
+            {
+                "seq": 7,
+                "owner": "z",
+                "command": ["x"],
+                "need": 1,
+                "need_source": "declared",
+                "client_pid": 1,
+                "enqueued": 1e300,
+            },  # fmt: skip
+        ),
+        "tickets",
+        f"{Q}; q.Ticket._check = lambda self: None",
+    ),
+}
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["checked", "control-unchecked"])
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_state_is_skipped_and_counted_never_a_traceback(
+    case: str, control: bool, home: Path, request: pytest.FixtureRequest
+) -> None:
+    """Each damaged value once in lane ram: `stageload run` still runs (one warning line
+    counting what it skipped) and `stageload queue --history` still shows the lane, with the
+    count. Control: with that check taken away, one of them ends in a traceback (or, for
+    the live ticket, the run waits behind it until its --start-timeout)."""
+    assert cli("run", *FLAGS, "--who", "z", "--", "true").returncode == 0  # makes the lane
+    write, kind, patch = DAMAGE[case]
+    write(home / "lanes/ram", request)
+    prog = patched(patch) if control else None
+    board = cli("queue", "--history", "5", prog=prog)
+    doc = cli("queue", "--json", "--history", "5", prog=prog)
+    run = cli("run", *FLAGS, "--start-timeout", "5", "--", "true", prog=prog)  # rewrites owners
+    if control:
+        outcomes = [run.stderr, board.stderr, doc.stderr]
+        broken = any("Traceback" in text for text in outcomes) or run.returncode == 4
+        assert broken, outcomes
+        return
+    for proc in (run, board, doc):
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    noun = {"seq": "seq", "owners": "owners.json", "history": "history line", "tickets": "ticket"}
+    (warning,) = [line for line in run.stderr.splitlines() if "damaged" in line]
+    assert f"skipped: 1 {noun[kind]}" in warning, warning
+    (the_lane,) = json.loads(doc.stdout)["lanes"]
+    if kind != "seq":  # only queueing a command reads seq
+        assert the_lane["skipped"] == {kind: 1}
+        assert f"skipped as damaged: 1 {kind}" in board.stdout
+    assert all(check_record(record) for record in the_lane["history"])
+    assert read_records(home / "lanes/ram/history.jsonl")[-1]["owner"] == default_owner()
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["checked", "control-unchecked"])
+def test_a_start_of_1e300_in_owners_json_does_not_put_an_owner_last_forever(
+    control: bool, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Owner z 'started' at 1e300: the entry is skipped, so z (as never started) goes before
+    y, who started at 5. Control: unchecked, z would come after every real start forever."""
+    from stageload.guard import queue
+
+    if control:
+        monkeypatch.setattr(queue, "is_wall_time", lambda v, now=None: math.isfinite(v))
+    the_lane = queue.Lane(home, "ram").create()
+    (the_lane.dir / "owners.json").write_text('{"z": 1e300, "y": 5}')
+    with the_lane.locked():
+        starts = the_lane.owner_starts()
+    order = [t.owner for t in fair_order([_ticket(1, "y"), _ticket(2, "z")], starts)]
+    if control:
+        assert order == ["y", "z"] and starts["z"] == 1e300
+    else:
+        assert order == ["z", "y"] and starts == {"y": 5.0}
+        assert the_lane.skipped == {"owners": 1}
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["checked", "control-unchecked"])
+def test_a_learned_need_of_1e26_bytes_is_not_taken_as_real(control: bool, home: Path) -> None:
+    """History lines say the command peaked at 3 MiB, then at 10^26 bytes: the 10^26 line
+    is skipped (above SIZE_MAX) and the need learned is 3 MiB. Control: unchecked, the
+    run is admitted with a need of 10^26 bytes, shown as a figure."""
+    lane_dir = home / "lanes/ram"
+    assert cli("run", *FLAGS, "--", "true").returncode == 0
+    with (lane_dir / "history.jsonl").open("a") as f:
+        f.write(_history_line(peak_footprint=3 * MiB))
+        f.write(_history_line(peak_footprint=10**26))
+    # The control takes the ticket's range check away too: it would refuse its own need.
+    prog = patched(ACCEPT_ANY_LINE, f"{Q}; q.Ticket._check = lambda self: None")
+    run = cli("run", *FLAGS, "--", "true", prog=prog if control else None)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    last = read_history(lane_dir / "history.jsonl")
+    if control:
+        assert f"need {format_size(10**26)} (learned)" in run.stderr, run.stderr
+        written = (lane_dir / "history.jsonl").read_text().splitlines()[-1]
+        assert json.loads(written)["need"] == 10**26  # and recorded as if real
+        return
+    assert last.records[-1]["need"] == 3 * MiB and last.skipped == 1
+    assert "need 3.0 MiB (learned)" in run.stderr and "skipped: 1 history line" in run.stderr
