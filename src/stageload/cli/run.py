@@ -215,6 +215,7 @@ def _hand_over(args: argparse.Namespace) -> None:
     import tempfile
 
     options = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    fd = -1
     try:
         data = json.dumps(options).encode()
         with tempfile.TemporaryFile() as file:  # unlinked: nothing is left behind
@@ -229,6 +230,8 @@ def _hand_over(args: argparse.Namespace) -> None:
             [sys.executable, "-m", "stageload", "run", RESUME_FLAG, str(fd)],
         )
     except (OSError, TypeError, ValueError) as exc:
+        if fd >= 0:
+            os.close(fd)
         print(
             f"stageload run: warning: could not hide the command from --busy patterns "
             f"elsewhere ({exc}); running with it in this command line",

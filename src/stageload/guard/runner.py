@@ -82,7 +82,7 @@ class QueuedRun:
         """One line each time what the lane's reads skipped as damaged changes."""
         found = {k: n for k, n in self.lane.skipped.items() if n}
         if found and found != self._told:
-            what = ", ".join(f"{n} {_SKIPPED[k]}" for k, n in sorted(found.items()))
+            what = ", ".join(f"{n} {_SKIPPED[k][n != 1]}" for k, n in sorted(found.items()))
             self._say(
                 f"warning: lane {self.lane.name!r} holds damaged state, skipped: {what} "
                 f"(under {str(self.lane.dir)!r})"
@@ -223,11 +223,12 @@ class QueuedRun:
             self._say(f"warning: history not written ({exc.strerror or exc})")
 
 
+#: ``Lane.skipped``'s kinds, as a warning names one of them and several.
 _SKIPPED = {
-    "tickets": "ticket file(s)",
-    "owners": "owners.json entr(y/ies)",
-    "seq": "seq",
-    "history": "history line(s)",
+    "tickets": ("ticket file", "ticket files"),
+    "owners": ("owners.json entry", "owners.json entries"),
+    "seq": ("seq file", "seq files"),
+    "history": ("history line", "history lines"),
 }
 
 
