@@ -83,7 +83,8 @@ def spawn(request: pytest.FixtureRequest, home: Path) -> Callable[..., subproces
     return start
 
 
-def wait_until(check: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+def wait_until(check: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    """Poll ``check`` until it is true; ``timeout`` only bounds a hang (2 cores, ~7 helpers)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()

@@ -160,11 +160,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..guard import GuardSetupError
-    from ..guard.runner import run_queued
     from . import EXIT_USAGE
     from ._args import command_after_dashes
-    from .guard import config_from_args
 
     if args.resume_fd is not None:
         try:
@@ -175,12 +172,18 @@ def run(args: argparse.Namespace) -> int:
     command = command_after_dashes(args.command, "stageload run", "stageload run -- python run.py")
     if command is None:
         return EXIT_USAGE
+    if args.resume_fd is None and _shown_in_own_command_line(command):
+        # Before the guard's imports: the process handed over to imports them anyway, and
+        # checks the options (the same messages, from the same pid).
+        _hand_over(args)  # returns only if it could not
+    from ..guard import GuardSetupError
+    from ..guard.runner import run_queued
+    from .guard import config_from_args
+
     try:
         if not args.keep_trace and args.trace is not None:
             raise ValueError(f"--no-trace and --trace {args.trace!r} together: give one of them")
         config = config_from_args(args, command)
-        if args.resume_fd is None and _shown_in_own_command_line(command):
-            _hand_over(args)  # returns only if it could not
         result = run_queued(
             config,
             lane=args.lane,
