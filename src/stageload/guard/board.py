@@ -37,7 +37,6 @@ def lane_snapshot(lane: Lane, history: int = 0) -> dict[str, Any]:
             running.append(
                 {
                     "owner": t.owner,
-                    "who": t.who,
                     "command": t.command,
                     # "admitted": its guard still waits for room; "orphaned": its client
                     # died, the command runs on unguarded (its need still counts)
@@ -61,7 +60,6 @@ def lane_snapshot(lane: Lane, history: int = 0) -> dict[str, Any]:
                 {
                     "position": position,
                     "owner": t.owner,
-                    "who": t.who,
                     "command": t.command,
                     "since": finite(t.enqueued),
                     "seconds": finite(now - t.enqueued),

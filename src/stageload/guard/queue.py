@@ -263,9 +263,6 @@ class Ticket:
     pid_created: float | None = None  # the command's create time, against pid reuse
     #: Set when read: the client died while its command runs on (unguarded) in its session.
     orphaned: bool = False
-    #: ``--who`` (the owner is the part before its first dash unless given); None in tickets
-    #: of earlier versions.
-    who: str | None = None
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -307,7 +304,6 @@ class Ticket:
                 ("pid", self.pid is None or is_int(self.pid, 1, PID_MAX)),
                 ("pid_created", self.pid_created is None or when(self.pid_created)),
                 ("orphaned", isinstance(self.orphaned, bool)),
-                ("who", self.who is None or isinstance(self.who, str)),
             )
             if not ok
         ]  # fmt: skip
@@ -385,15 +381,15 @@ class Lane:
             os.close(fd)
 
     def enqueue(self, owner: str, command: Sequence[str], need: int | None,
-                need_source: NeedSource, who: str | None = None) -> HeldTicket:  # fmt: skip
+                need_source: NeedSource) -> HeldTicket:  # fmt: skip
         """*locked*: a new ticket at the end of the lane, locked by this process."""
         seq = self._next_seq()
         path = self.tickets_dir / f"{seq:012d}.json"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and ours: cannot be taken
-        ticket = Ticket(
-            seq, owner, list(command), need, need_source, os.getpid(), time.time(), who=who
-        )
+        # No new keys here: a client of an earlier version reads a ticket with an unknown
+        # key as not a ticket and would not count it (lanes are shared between venvs).
+        ticket = Ticket(seq, owner, list(command), need, need_source, os.getpid(), time.time())
         held = HeldTicket(path, fd, ticket)
         held.save()
         return held

@@ -161,9 +161,7 @@ class QueuedRun:
     def run(self) -> GuardResult:
         cfg = self.config
         with self.lane.locked():
-            self.held = self.lane.enqueue(
-                self.owner, cfg.command, self.need, self.need_source, who=self.who
-            )
+            self.held = self.lane.enqueue(self.owner, cfg.command, self.need, self.need_source)
         held = self.held
         try:
             t0 = time.monotonic()
