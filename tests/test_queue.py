@@ -8,13 +8,17 @@ tests order events by files, never by timing.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,10 +28,11 @@ import pytest
 
 from stageload.cli import main
 from stageload.guard.board import snapshot
-from stageload.guard.history import learned_need, read_records
-from stageload.guard.queue import Ticket
+from stageload.guard.history import check_record, learned_need, read_history, read_records
+from stageload.guard.queue import Ticket, default_owner, resolve_owner
 from stageload.guard.rules import Running, decide, fair_order
 from stageload.memory import read_system
+from stageload.units import format_size
 
 PY = sys.executable
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -53,11 +58,16 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def spawn(request: pytest.FixtureRequest, home: Path) -> Callable[..., subprocess.Popen[bytes]]:
     """Start ``stageload run ARGS`` as a real client; kill its whole session at teardown."""
 
-    def start(*args: str) -> subprocess.Popen[bytes]:
-        env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    def start(
+        *args: str, env: dict[str, str] | None = None, cli: list[str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """``env``: variables to add; ``cli``: the program instead of ``python -m stageload``
+        (e.g. ``patched(...)``, the CLI with a mechanism broken, for a control)."""
+        full = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        full.update(env or {})
         proc = subprocess.Popen(
-            [PY, "-m", "stageload", "run", *FLAGS, *args],
-            env=env,
+            [*(cli or [PY, "-m", "stageload"]), "run", *FLAGS, *args],
+            env=full,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
@@ -73,7 +83,8 @@ def spawn(request: pytest.FixtureRequest, home: Path) -> Callable[..., subproces
     return start
 
 
-def wait_until(check: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+def wait_until(check: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    """Poll ``check`` until it is true; ``timeout`` only bounds a hang (2 cores, ~7 helpers)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
@@ -397,7 +408,8 @@ def test_the_runs_trace_receives_the_commands_own_events(
     [
         (["--lane", "a/b"], "invalid lane name 'a/b'"),
         (["--memory", "12Q"], "invalid --memory '12Q'"),
-        (["--who", ""], "invalid owner ''"),
+        (["--who", ""], "invalid --who ''"),
+        (["--owner", "x" * 65], "invalid --owner 'xxx"),
     ],
 )
 def test_bad_input_gives_one_clear_line(
@@ -571,3 +583,452 @@ def test_an_empty_stageload_home_is_refused(
     assert len(err) == 2 and all("STAGELOAD_HOME is set but empty" in e for e in err), err
     assert "unset it to use ~/.stageload" in err[0]
     assert not ran.exists() and not (tmp_path / ".stageload").exists()
+
+
+# -- the earlier stageload's documented behaviour (issue 36) ---------------------------
+
+
+def cli(
+    *args: str, env: dict[str, str] | None = None, prog: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``stageload ARGS`` as a real process (or ``prog ARGS``), to its end."""
+    full = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    full.update(env or {})
+    return subprocess.run(
+        [*(prog or [PY, "-m", "stageload"]), *args],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def patched(*patch: str) -> list[str]:
+    """The ``stageload`` program with the Python lines ``patch`` run first, and the
+    hand-over off (its exec would start a fresh, unpatched process): for the controls."""
+    code = "\n".join(
+        [
+            "import sys",
+            "import stageload.cli.run as _run",
+            "_run._hand_over = lambda args: None",
+            *patch,
+            "from stageload.cli import main",
+            "sys.exit(main(sys.argv[1:]))",
+        ]
+    )
+    return [PY, "-c", code]
+
+
+class Lines:
+    """A running client's stderr, read line by line on a thread, so a test can wait for a
+    line (a state the client reports) instead of sleeping."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc, self.lines = proc, []
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            with self._cv:
+                self.lines.append(raw.decode())
+                self._cv.notify_all()
+
+    def wait_for(self, needle: str, timeout: float = 30.0) -> str:
+        with self._cv:
+            found = self._cv.wait_for(
+                lambda: next((line for line in self.lines if needle in line), None), timeout
+            )
+        assert found, f"no line with {needle!r} in {timeout} s: {self.lines}"
+        return found
+
+    def finish(self, timeout: float = 60.0) -> tuple[int, str]:
+        code = self.proc.wait(timeout)
+        self._thread.join(timeout)
+        text = "".join(self.lines)
+        assert "Traceback" not in text, text
+        return code, text
+
+
+def engine(request: pytest.FixtureRequest, mark: str, stop: Path) -> subprocess.Popen[bytes]:
+    """A process started outside the queue whose command line holds ``mark``, until ``stop``."""
+    proc = subprocess.Popen(["sh", "-c", f"while [ ! -e {stop} ]; do sleep 0.02; done", mark])
+    request.addfinalizer(lambda: (proc.poll() is None and proc.kill(), proc.wait(10)))
+    return proc
+
+
+def unique_mark() -> str:
+    return f"engine-{uuid.uuid4().hex[:12]}"  # matches nothing else on a shared machine
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["who-split", "control-owner-given"])
+def test_the_owner_is_the_part_of_who_before_its_first_dash(
+    split: bool, home: Path, tmp_path: Path, spawn: Spawn
+) -> None:
+    """sayu-ltx and sayu-rife are one owner, so haraiya-ltx goes between them. Control:
+    each given as its own --owner, three owners who never started go in ticket order."""
+    log, go = tmp_path / "log", tmp_path / "go"
+    held = spawn("--who", "c", *gate(log, "gate", go))
+    wait_until(lambda: log_lines(log) == ["gate"], "the gate to start")
+    clients = []
+    for n, (who, name) in enumerate(
+        [("sayu-ltx", "s1"), ("sayu-rife", "s2"), ("haraiya-ltx", "h1")], start=1
+    ):
+        owner = [] if split else ["--owner", who]
+        clients.append(spawn("--who", who, *owner, *echo(log, name)))
+        wait_until(lambda n=n: len(lane(home)["waiting"]) == n, f"{n} waiting")
+    go.touch()
+    for proc in [held, *clients]:
+        assert finish(proc)[0] == 0
+    records = read_records(home / "lanes/ram/history.jsonl")
+    if split:
+        assert log_lines(log) == ["gate", "gate-end", "s1", "h1", "s2"]
+        assert [(r["owner"], r["who"]) for r in records] == [
+            ("c", "c"), ("sayu", "sayu-ltx"), ("haraiya", "haraiya-ltx"), ("sayu", "sayu-rife")
+        ]  # fmt: skip
+    else:
+        assert log_lines(log) == ["gate", "gate-end", "s1", "s2", "h1"]
+        assert [r["owner"] for r in records] == ["c", "sayu-ltx", "sayu-rife", "haraiya-ltx"]
+
+
+def test_owner_and_who_come_from_the_variables_unless_given(
+    home: Path, spawn: Spawn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--owner, else STAGELOAD_OWNER, else --who's part before its dash; --who, else
+    STAGELOAD_WHO. Control: with neither, the whole user name is owner and who."""
+    monkeypatch.delenv("STAGELOAD_OWNER", raising=False)
+    monkeypatch.delenv("STAGELOAD_WHO", raising=False)
+    cases = [
+        ({"STAGELOAD_WHO": "sayu-ltx"}, [], ("sayu", "sayu-ltx")),
+        ({"STAGELOAD_WHO": "sayu-ltx", "STAGELOAD_OWNER": "team"}, [], ("team", "sayu-ltx")),
+        ({"STAGELOAD_OWNER": "team"}, ["--who", "x-y"], ("team", "x-y")),
+        ({"STAGELOAD_WHO": "a-b", "STAGELOAD_OWNER": "o"}, ["--who", "x-y", "--owner", "z"],
+         ("z", "x-y")),
+        ({}, ["--who=-lead"], ("-lead", "-lead")),  # nothing before the dash: all of it
+        ({}, [], (default_owner(), default_owner())),
+    ]  # fmt: skip
+    for env, flags, _ in cases:
+        assert finish(spawn(*flags, "--", "true", env=env))[0] == 0
+    records = read_records(home / "lanes/ram/history.jsonl")
+    assert [(r["owner"], r["who"]) for r in records] == [want for _, _, want in cases]
+    bad = finish(spawn("--", "true", env={"STAGELOAD_WHO": ""}))
+    assert bad[0] == 2 and "STAGELOAD_WHO is set but empty" in bad[1]
+
+
+def test_resolve_owner_in_the_library() -> None:
+    assert resolve_owner(None, None, {"STAGELOAD_WHO": "sayu-rife"}) == ("sayu", "sayu-rife")
+    assert resolve_owner("me", "sayu-rife", {"STAGELOAD_OWNER": "x"}) == ("me", "sayu-rife")
+    with pytest.raises(ValueError, match="invalid STAGELOAD_OWNER 'x{65}'"):
+        resolve_owner(None, None, {"STAGELOAD_OWNER": "x" * 65})
+
+
+def test_busy_txt_patterns_hold_every_run_of_the_ram_lane(
+    home: Path, tmp_path: Path, spawn: Spawn, request: pytest.FixtureRequest
+) -> None:
+    """A pattern in STAGELOAD_HOME/busy.txt holds a ram-lane run while a process it matches
+    runs, though the run gave no --busy. Control: a run in another lane starts beside it."""
+    mark, stop, log = unique_mark(), tmp_path / "stop", tmp_path / "log"
+    home.mkdir(parents=True)
+    (home / "busy.txt").write_text(f"# engines started by hand\n\n  {mark}  \n")
+    engine(request, mark, stop)
+    ram = Lines(spawn("--quiet-for", "0", *echo(log, "ram")))
+    ram.wait_for(f"busy {mark!r} running (pid")
+    assert finish(spawn("--lane", "other", "--quiet-for", "0", *echo(log, "other")))[0] == 0
+    assert log_lines(log) == ["other"]
+    stop.touch()
+    code, text = ram.finish()
+    assert code == 0 and f"busy.txt patterns '{mark}'" in text
+    assert log_lines(log) == ["other", "ram"]
+
+
+def test_a_bad_pattern_in_busy_txt_is_one_line_naming_file_and_line(
+    home: Path, tmp_path: Path, spawn: Spawn
+) -> None:
+    home.mkdir(parents=True)
+    (home / "busy.txt").write_text("# ok\n([\n")
+    ran = tmp_path / "ran"
+    code, err = finish(spawn("--", "touch", str(ran)))
+    assert code == 2 and not ran.exists()
+    (line,) = [line for line in err.splitlines() if line]
+    assert f"{home / 'busy.txt'}:2: invalid --busy pattern '(['" in line, line
+    # Control: another lane does not read busy.txt.
+    assert finish(spawn("--lane", "other", "--", "touch", str(ran)))[0] == 0 and ran.exists()
+
+
+@pytest.mark.parametrize("hidden", [True, False], ids=["handed-over", "control-visible"])
+def test_a_waiting_client_is_not_taken_for_the_engine(
+    hidden: bool, home: Path, tmp_path: Path, spawn: Spawn
+) -> None:
+    """A client waits in the queue with a command that holds MARK; `stageload guard --busy
+    MARK` elsewhere starts (0), since the client handed over to a process whose command
+    line does not hold it. Control: without the hand-over the guard takes the waiting
+    client for the engine and gives up (4), as in issue 36."""
+    mark, log, go = unique_mark(), tmp_path / "log", tmp_path / "go"
+    held = spawn(*gate(log, "held", go))
+    wait_until(lambda: log_lines(log) == ["held"], "the first to start")
+    waiter = spawn(*echo(log, mark), cli=None if hidden else patched())
+    wait_until(lambda: lane(home)["waiting"], "the client to queue")
+    assert (mark in " ".join(psutil.Process(waiter.pid).cmdline())) is not hidden
+    guard = ["guard", "--wait-free", "0", "--busy", mark, "--quiet-for", "0"]
+    probe = cli(*guard, "--start-timeout", "3", "--", "true")
+    assert probe.returncode == (0 if hidden else 4), probe.stderr
+    if not hidden:
+        assert f"busy {mark!r} running (pid {waiter.pid})" in probe.stderr
+    go.touch()
+    assert finish(held)[0] == 0 and finish(waiter)[0] == 0
+    assert log_lines(log) == ["held", "held-end", mark]
+
+
+@pytest.mark.parametrize("hidden", [True, False], ids=["handed-over", "control-visible"])
+def test_the_deadlock_of_a_busy_run_and_a_waiting_engine_is_gone(
+    hidden: bool, home: Path, tmp_path: Path, spawn: Spawn, request: pytest.FixtureRequest
+) -> None:
+    """Run a holds its turn and waits (its guard) for no MARK process; run b, queued behind
+    a, is the engine: its command holds MARK. Once the first engine stops, a starts, then b.
+    Control: without the hand-over a takes b's waiting client for the engine, and b waits
+    for a: a gives up at its --start-timeout (4), only then b runs."""
+    mark, stop, log = unique_mark(), tmp_path / "stop", tmp_path / "log"
+    engine(request, mark, stop)
+    timeout = [] if hidden else ["--start-timeout", "20"]
+    a = Lines(spawn("--who", "a", "--busy", mark, "--quiet-for", "0", *timeout, *echo(log, "a")))
+    a.wait_for(f"busy {mark!r} running (pid")
+    b = spawn("--who", "b", *echo(log, f"b-{mark}"), cli=None if hidden else patched())
+    wait_until(lambda: lane(home)["waiting"], "b to queue behind a")
+    stop.touch()
+    code, text = a.finish()
+    assert finish(b)[0] == 0
+    if hidden:
+        assert code == 0 and log_lines(log) == ["a", f"b-{mark}"]
+    else:
+        assert code == 4, text
+        assert log_lines(log) == [f"b-{mark}"]
+
+
+def test_no_trace_writes_no_trace(home: Path, spawn: Spawn) -> None:
+    """Control: the same run without --no-trace leaves its trace under traces/."""
+    assert finish(spawn("--no-trace", "--", "true"))[0] == 0
+    assert finish(spawn("--", "true"))[0] == 0
+    without, with_trace = read_records(home / "lanes/ram/history.jsonl")
+    assert without["trace"] is None and Path(with_trace["trace"]).is_file()
+    assert os.listdir(home / "lanes/ram/traces") == [Path(with_trace["trace"]).name]
+    code, err = finish(spawn("--no-trace", "--trace", str(home / "t.jsonl"), "--", "true"))
+    assert code == 2 and "--no-trace and --trace" in err
+
+
+def test_quiet_for_is_20_s_for_run_and_1_min_for_guard(home: Path) -> None:
+    """A --busy pattern nothing matches: run waits its 20 s quiet period (then its 1 s
+    --start-timeout ends it, 4). Controls: --quiet-for 0 starts; the guard's stays 1 min."""
+    mark = unique_mark()
+    waits = cli("run", *FLAGS, "--busy", mark, "--start-timeout", "1", "--", "true")
+    assert waits.returncode == 4 and "(need 20.0 s)" in waits.stderr, waits.stderr
+    assert cli("run", *FLAGS, "--busy", mark, "--quiet-for", "0", "--", "true").returncode == 0
+    guard = cli("guard", "--wait-free", "0", "--busy", mark, "--start-timeout", "1", "--", "true")
+    assert guard.returncode == 4 and "(need 1 min 00 s)" in guard.stderr, guard.stderr
+    assert "--quiet-for DURATION" in cli("run", "--help").stdout
+    assert "(default: 20 s)" in " ".join(cli("run", "--help").stdout.split())
+
+
+def test_an_unknown_flag_of_run_prints_runs_usage(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Control: with the subcommand parser's check taken away, the top level's usage."""
+    ran = tmp_path / "ran"
+    proc = cli("run", "--no-such-flag", "--", "touch", str(ran))
+    assert proc.returncode == 2 and not ran.exists()
+    assert proc.stderr.startswith("usage: stageload run ")
+    assert "stageload run: error: unrecognized arguments: --no-such-flag" in proc.stderr
+    from stageload import cli as cli_package
+
+    monkeypatch.setattr(
+        cli_package._CommandParser, "parse_known_args", argparse.ArgumentParser.parse_known_args
+    )
+    with pytest.raises(SystemExit):
+        main(["run", "--no-such-flag", "--", "touch", str(ran)])
+    assert capsys.readouterr().err.startswith("usage: stageload [-h]")
+
+
+def test_the_version_is_above_the_earlier_packages_and_defined_once() -> None:
+    """0.1.1 is the earlier package's; pip -U must not replace ours with it. The build
+    reads the version from stageload.__version__ (no second copy in pyproject.toml)."""
+    from packaging.version import Version
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    import stageload
+
+    assert Version(stageload.__version__) > Version("0.1.1")
+    root = Path(SRC).parent
+    config = read_configuration(root / "pyproject.toml", expand=False)
+    assert "version" not in config["project"] and "version" in config["project"]["dynamic"]
+    assert config["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "stageload.__version__"}
+    expanded = read_configuration(root / "pyproject.toml", expand=True)
+    assert expanded["project"]["version"] == stageload.__version__
+    assert cli("--version").stdout.strip() == f"stageload {stageload.__version__}"
+
+
+# -- damaged state is data, not a code path (issue 33, item 5) -------------------------
+
+Q = "import stageload.guard.queue as q"
+H = "import stageload.guard.history as h"
+ACCEPT_ANY_LINE = f"{H}; h.check_record = lambda record, now=None: isinstance(record, dict)"
+
+
+def _history_line(**values: Any) -> str:
+    record = {
+        "command": ["true"], "owner": "z", "lane": "ram", "start": 1.0, "wait": 0.0,
+        "duration": 0.1, "peak_footprint": 1, "swap_growth": 0, "exit_code": 0,
+        "outcome": "exited", "need": None, "need_source": "unknown", "trace": None,
+    }  # fmt: skip
+    record.update(values)
+    return json.dumps(record) + "\n"
+
+
+def _hold_ticket(request: pytest.FixtureRequest, path: Path, ticket: dict[str, Any]) -> None:
+    """A live client's ticket, damaged: a real process holds its lock."""
+    path.write_text(json.dumps(ticket))
+    code = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, "
+    code += "fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()"
+    holder = subprocess.Popen(
+        [PY, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    request.addfinalizer(lambda: (holder.kill(), holder.wait(10)))
+    assert holder.stdout is not None and holder.stdout.readline() == b"locked\n"
+
+
+#: case -> (what to write into lane ram, the kind skipped, the patch that takes the check
+#: away for the control). Each writer gets the lane's folder and the request.
+DAMAGE: dict[str, tuple[Callable[[Path, pytest.FixtureRequest], None], str, str]] = {
+    "seq-of-400-digits": (
+        lambda d, r: (d / "seq").write_text("9" * 400),
+        "seq",
+        f"import re; {Q}; q._TICKET_NUMBER = re.compile('[0-9]+'); q.SEQ_MAX = 10**1000",
+    ),
+    "owners-nested-deeply": (
+        lambda d, r: (d / "owners.json").write_text("[" * 100_000 + "]" * 100_000),
+        "owners",
+        f"import json; {Q}; q.parse_json = json.loads",
+    ),
+    "peak-of-400-digits": (
+        lambda d, r: (
+            (d / "history.jsonl").open("a").write(_history_line(peak_footprint=int("9" * 400)))
+        ),
+        "history",
+        ACCEPT_ANY_LINE,
+    ),
+    "peak-not-a-number": (
+        lambda d, r: (d / "history.jsonl").open("a").write(_history_line(peak_footprint="x")),
+        "history",
+        ACCEPT_ANY_LINE,
+    ),
+    "start-1e300": (
+        lambda d, r: (d / "history.jsonl").open("a").write(_history_line(start=1e300)),
+        "history",
+        ACCEPT_ANY_LINE,
+    ),
+    "live-ticket-enqueued-1e300": (
+        lambda d, r: _hold_ticket(
+            r,
+            d / "tickets" / "000000000007.json",
+            {
+                "seq": 7,
+                "owner": "z",
+                "command": ["x"],
+                "need": 1,
+                "need_source": "declared",
+                "client_pid": 1,
+                "enqueued": 1e300,
+            },  # fmt: skip
+        ),
+        "tickets",
+        f"{Q}; q.Ticket._check = lambda self: None",
+    ),
+}
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["checked", "control-unchecked"])
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_damaged_state_is_skipped_and_counted_never_a_traceback(
+    case: str, control: bool, home: Path, request: pytest.FixtureRequest
+) -> None:
+    """Each damaged value once in lane ram: `stageload run` still runs (one warning line
+    counting what it skipped) and `stageload queue --history` still shows the lane, with the
+    count. Control: with that check taken away, one of them ends in a traceback (or, for
+    the live ticket, the run waits behind it until its --start-timeout)."""
+    assert cli("run", *FLAGS, "--who", "z", "--", "true").returncode == 0  # makes the lane
+    write, kind, patch = DAMAGE[case]
+    write(home / "lanes/ram", request)
+    prog = patched(patch) if control else None
+    board = cli("queue", "--history", "5", prog=prog)
+    doc = cli("queue", "--json", "--history", "5", prog=prog)
+    run = cli("run", *FLAGS, "--start-timeout", "5", "--", "true", prog=prog)  # rewrites owners
+    if control:
+        outcomes = [run.stderr, board.stderr, doc.stderr]
+        broken = any("Traceback" in text for text in outcomes) or run.returncode == 4
+        assert broken, outcomes
+        return
+    for proc in (run, board, doc):
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    noun = {"seq": "seq", "owners": "owners.json", "history": "history line", "tickets": "ticket"}
+    (warning,) = [line for line in run.stderr.splitlines() if "damaged" in line]
+    assert f"skipped: 1 {noun[kind]}" in warning, warning
+    (the_lane,) = json.loads(doc.stdout)["lanes"]
+    if kind != "seq":  # only queueing a command reads seq
+        assert the_lane["skipped"] == {kind: 1}
+        assert f"skipped as damaged: 1 {kind}" in board.stdout
+    assert all(check_record(record) for record in the_lane["history"])
+    assert read_records(home / "lanes/ram/history.jsonl")[-1]["owner"] == default_owner()
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["checked", "control-unchecked"])
+def test_a_start_of_1e300_in_owners_json_does_not_put_an_owner_last_forever(
+    control: bool, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Owner z 'started' at 1e300: the entry is skipped, so z (as never started) goes before
+    y, who started at 5. Control: unchecked, z would come after every real start forever."""
+    from stageload.guard import queue
+
+    if control:
+        monkeypatch.setattr(queue, "is_wall_time", lambda v, now=None: math.isfinite(v))
+    the_lane = queue.Lane(home, "ram").create()
+    (the_lane.dir / "owners.json").write_text('{"z": 1e300, "y": 5}')
+    with the_lane.locked():
+        starts = the_lane.owner_starts()
+    order = [t.owner for t in fair_order([_ticket(1, "y"), _ticket(2, "z")], starts)]
+    if control:
+        assert order == ["y", "z"] and starts["z"] == 1e300
+    else:
+        assert order == ["z", "y"] and starts == {"y": 5.0}
+        assert the_lane.skipped == {"owners": 1}
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["checked", "control-unchecked"])
+def test_a_learned_need_of_1e26_bytes_is_not_taken_as_real(control: bool, home: Path) -> None:
+    """History lines say the command peaked at 3 MiB, then at 10^26 bytes: the 10^26 line
+    is skipped (above SIZE_MAX) and the need learned is 3 MiB. Control: unchecked, the
+    run is admitted with a need of 10^26 bytes, shown as a figure."""
+    lane_dir = home / "lanes/ram"
+    assert cli("run", *FLAGS, "--", "true").returncode == 0
+    with (lane_dir / "history.jsonl").open("a") as f:
+        f.write(_history_line(peak_footprint=3 * MiB))
+        f.write(_history_line(peak_footprint=10**26))
+    # The control takes the ticket's range check away too: it would refuse its own need.
+    prog = patched(ACCEPT_ANY_LINE, f"{Q}; q.Ticket._check = lambda self: None")
+    run = cli("run", *FLAGS, "--", "true", prog=prog if control else None)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    last = read_history(lane_dir / "history.jsonl")
+    if control:
+        assert f"need {format_size(10**26)} (learned)" in run.stderr, run.stderr
+        written = (lane_dir / "history.jsonl").read_text().splitlines()[-1]
+        assert json.loads(written)["need"] == 10**26  # and recorded as if real
+        return
+    assert last.records[-1]["need"] == 3 * MiB and last.skipped == 1
+    assert "need 3.0 MiB (learned)" in run.stderr and "skipped: 1 history line" in run.stderr
+
+
+def test_tickets_keep_the_keys_clients_of_0_1_0_read() -> None:
+    """A 0.1.0 client takes a ticket with a key it does not know for no ticket and would
+    not count it; lanes are shared between venvs, so 0.2.0 writes only 0.1.0's keys."""
+    keys_0_1_0 = {"seq", "owner", "command", "need", "need_source", "client_pid", "enqueued",
+                  "state", "admitted", "started", "pid", "pid_created", "orphaned"}  # fmt: skip
+    assert set(json.loads(_ticket(1, "a").to_bytes())) == keys_0_1_0

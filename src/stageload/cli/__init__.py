@@ -29,6 +29,19 @@ COMMANDS: dict[str, str] = {
 EXIT_USAGE = 2
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an unknown flag is reported here, with this command's usage,
+    rather than passed up to the top-level parser, which would print its own."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stageload",
@@ -39,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         "MemoryMeter, ...) is in the README.",
     )
     parser.add_argument("--version", action="version", version=f"stageload {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(f"stageload.cli.{module_name}")
         cmd = sub.add_parser(

@@ -71,7 +71,9 @@ def _regex(text: str) -> str:
     return text
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, quiet_for: float = 60.0) -> None:
+    """The guard's options; ``quiet_for`` is ``--quiet-for``'s default (``stageload run``'s
+    is shorter)."""
     admit = parser.add_argument_group("admission")
     admit.add_argument(
         "--wait-free",
@@ -100,9 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     admit.add_argument(
         "--quiet-for",
         type=duration,
-        default=60.0,
+        default=quiet_for,
         metavar="DURATION",
-        help="how long no --busy process must be seen before starting (default: 1m)",
+        help=f"how long no --busy process must be seen before starting (default: {quiet_for:g} s)",
     )
     admit.add_argument(
         "--start-timeout",

@@ -12,13 +12,14 @@ import time
 from typing import Any
 
 from ..units import format_duration, format_size
-from .history import read_records
+from .history import read_history
 from .queue import Lane, QueueSetupError, _folder_error, list_lanes, state_dir
 from .rules import decide, fair_order, finite, running_view
 
 
 def lane_snapshot(lane: Lane, history: int = 0) -> dict[str, Any]:
-    """One lane: ``running`` and ``waiting`` entries, available memory, ``history``."""
+    """One lane: ``running`` and ``waiting`` entries, available memory, ``history``, and
+    ``skipped``: what its reads skipped as damaged, by kind (``Lane.skipped``)."""
     from ..memory import read_system
 
     now = time.time()
@@ -69,13 +70,18 @@ def lane_snapshot(lane: Lane, history: int = 0) -> dict[str, Any]:
                     "detail": detail,
                 }
             )
+    records = []
+    if history:
+        read = read_history(lane.history_path, last=history)
+        records, lane.skipped["history"] = read.records, read.skipped
     return {
         "lane": lane.name,
         "available": system.available,
         "available_source": system.sources.get("available"),
         "running": running,
         "waiting": waiting,
-        "history": read_records(lane.history_path, last=history) if history else [],
+        "history": records,
+        "skipped": {k: n for k, n in sorted(lane.skipped.items()) if n},
     }
 
 
@@ -143,13 +149,18 @@ def format_text(doc: dict[str, Any]) -> str:
                 f"({format_duration(w['seconds'])})  {_need(w)}; "
                 f"{w['detail']}"
             )
+        if lane["skipped"]:
+            what = ", ".join(f"{n} {kind}" for kind, n in lane["skipped"].items())
+            lines.append(f"  skipped as damaged: {what}")
         if lane["history"]:
             lines.append(f"  last {len(lane['history'])} runs:")
         for h in lane["history"]:
             start = h.get("start")
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(start)) if start else "-"
+            who = h.get("who")
+            owner = h.get("owner") if who in (None, h.get("owner")) else f"{h.get('owner')} ({who})"
             lines.append(
-                f"    {when}  {h.get('owner')}  {_command(h.get('command') or [])}  "
+                f"    {when}  {owner}  {_command(h.get('command') or [])}  "
                 f"waited {format_duration(h.get('wait'))}, ran "
                 f"{format_duration(h.get('duration'))}, peak "
                 f"{format_size(h.get('peak_footprint'))}, exit {h.get('exit_code')}"

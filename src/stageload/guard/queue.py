@@ -11,6 +11,12 @@ There is no daemon. Each lane is a folder under the state directory (``~/.stagel
     lanes/<lane>/tickets/N.json one per client, flock'ed by that client while it lives
     lanes/<lane>/history.jsonl  one line per finished run (``history``)
     lanes/<lane>/traces/        the runs' meter traces
+    busy.txt                    --busy patterns added to every run of the ``ram`` lane
+
+Everything read from these files is data, checked before use (``Ticket._check``,
+``history.check_record``): a value out of range (a ``seq`` of 400 digits, a time of 1e300,
+a need above ``SIZE_MAX``) or a document nested too deeply is skipped and counted in
+``Lane.skipped``, never a traceback and never a figure.
 
 A client holds ``LOCK_EX`` on its own ticket's open file for as long as it lives; the
 kernel drops that lock when the process dies, however it dies. Whoever reads the lane
@@ -38,6 +44,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import StageloadError
+from ..units import SIZE_MAX
 
 #: Environment variable that moves the state directory from ``~/.stageload``.
 HOME_ENV = "STAGELOAD_HOME"
@@ -47,8 +54,26 @@ POLL_ENV = "STAGELOAD_QUEUE_POLL"
 POLL_DEFAULT = 0.5
 #: The lane ``stageload run`` joins unless told otherwise.
 DEFAULT_LANE = "ram"
+#: Environment variable for the owner of a run when ``--owner`` is not given.
+OWNER_ENV = "STAGELOAD_OWNER"
+#: Environment variable for ``--who`` when it is not given.
+WHO_ENV = "STAGELOAD_WHO"
+#: File in the state directory whose patterns join the ``--busy`` of every run in
+#: ``BUSY_LANE``: engines started outside the queue, that every session waits for.
+BUSY_FILE = "busy.txt"
+#: The lane ``BUSY_FILE`` applies to.
+BUSY_LANE = DEFAULT_LANE
+#: Ticket numbers are file names of 12 digits; a ``seq`` above this is damage.
+SEQ_MAX = 10**12 - 1
+#: Highest process id a ticket may name (``pid_t`` is 32-bit signed).
+PID_MAX = 2**31 - 1
+#: How far past now a recorded wall time may lie (clock steps) before it is damage.
+CLOCK_SLACK = 86400.0
 
 _LANE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# ASCII digits only: str.isdigit() also takes '²', which int() refuses.
+_TICKET_NUMBER = re.compile(r"[0-9]{1,12}")
+_TICKET_NAME = re.compile(r"([0-9]{1,12})\.json")
 
 NeedSource = Literal["declared", "learned", "unknown"]
 
@@ -67,13 +92,103 @@ def check_lane(name: str) -> str:
     return name
 
 
-def check_owner(name: str) -> str:
-    """``name`` if it is a usable owner name (printable, 1-64 characters), else ValueError."""
+def check_owner(name: str, what: str = "owner", example: str = "--who alice") -> str:
+    """``name`` if it is a usable owner name (printable, 1-64 characters), else ValueError
+    naming ``what`` was given (the flag or variable) and an ``example``."""
     if not isinstance(name, str) or not 0 < len(name) <= 64 or not name.isprintable():
-        raise ValueError(
-            f"invalid owner {name!r}: give 1-64 printable characters, e.g. --who alice"
-        )
+        raise ValueError(f"invalid {what} {name!r}: give 1-64 printable characters, e.g. {example}")
     return name
+
+
+def resolve_owner(
+    owner: str | None = None, who: str | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[str, str]:
+    """``(owner, who)`` of a run: ``who`` is ``who``, else ``$STAGELOAD_WHO``, else the user
+    name; the owner (who fairness counts) is ``owner``, else ``$STAGELOAD_OWNER``, else the
+    part of a given ``who`` before its first dash (``sayu-ltx`` and ``sayu-rife`` are one
+    owner, ``sayu``), else the whole user name. ``ValueError`` names a bad value's source;
+    a variable set but empty is an error, not a silent fallback."""
+    env = os.environ if environ is None else environ
+
+    def from_env(name: str) -> str | None:
+        value = env.get(name)
+        if value is not None and not value.strip():
+            raise ValueError(
+                f"{name} is set but empty ({value!r}); set it to a name, e.g. {name}=alice, "
+                "or unset it"
+            )
+        return value
+
+    who_what, who_example = "--who", "--who alice-ltx"
+    if who is None and (who := from_env(WHO_ENV)) is not None:
+        who_what, who_example = WHO_ENV, f"{WHO_ENV}=alice-ltx"
+    owner_what, owner_example = "--owner", "--owner alice"
+    if owner is None and (owner := from_env(OWNER_ENV)) is not None:
+        owner_what, owner_example = OWNER_ENV, f"{OWNER_ENV}=alice"
+    if who is None:
+        who = default_owner()
+        if owner is None:
+            owner = who  # a user name is one owner, dashes and all
+    elif owner is None:
+        owner = who.split("-", 1)[0] or who  # '-x' has no part before its dash
+    check_owner(who, who_what, who_example)
+    check_owner(owner, owner_what, owner_example)
+    return owner, who
+
+
+def busy_patterns(home: str | os.PathLike[str] | None = None) -> list[str]:
+    """The patterns in the state directory's ``busy.txt``, one a line (blank lines and
+    lines starting with ``#`` are left out); [] when there is no such file.
+
+    ``QueueSetupError`` naming the file and line when a pattern is not a regular
+    expression: a run that silently left it out would start beside the engine it names.
+    """
+    from .config import compile_busy
+
+    path = state_dir(home) / BUSY_FILE
+    patterns = []
+    for number, line in enumerate((_read_state(path) or "").splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            compile_busy(line)
+        except ValueError as exc:
+            raise QueueSetupError(
+                f"{path}:{number}: {exc}; fix or remove that line (it is added to the "
+                f"--busy of every run in lane {BUSY_LANE!r})"
+            ) from None
+        patterns.append(line)
+    return patterns
+
+
+def parse_json(data: str | bytes) -> object:
+    """``json.loads``, with nesting too deep for the parser a ``ValueError`` like any other
+    damage (a deeply nested state file must not end its readers in a ``RecursionError``)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def is_int(value: object, low: int, high: int) -> bool:
+    """Whether ``value`` is an int (not a bool) within ``low``..``high``."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def is_number(value: object, low: float, high: float) -> bool:
+    """Whether ``value`` is a finite int or float (not a bool) within ``low``..``high``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and low <= value <= high
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def is_wall_time(value: object, now: float | None = None) -> bool:
+    """Whether ``value`` can be a wall-clock time the queue wrote: from 0 to a day past now."""
+    return is_number(value, 0.0, (time.time() if now is None else now) + CLOCK_SLACK)
 
 
 def default_owner() -> str:
@@ -156,7 +271,7 @@ class Ticket:
     def from_bytes(cls, data: bytes) -> Ticket:
         """The ticket in ``data``; ``ValueError`` unless it is a ticket as ``to_bytes``
         writes it (a hand-edited or foreign file must not break the lane's readers)."""
-        fields = json.loads(data)
+        fields = parse_json(data)
         if not isinstance(fields, dict):
             raise ValueError(f"a ticket is a JSON object, got {type(fields).__name__}")
         try:
@@ -167,26 +282,28 @@ class Ticket:
         return ticket
 
     def _check(self) -> None:
-        def number(value: object) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
+        now = time.time()
+
+        def when(value: object) -> bool:
+            return is_wall_time(value, now)
 
         problems = [
             name
             for name, ok in (
-                ("seq", isinstance(self.seq, int) and not isinstance(self.seq, bool)),
+                ("seq", is_int(self.seq, 1, SEQ_MAX)),
                 ("owner", isinstance(self.owner, str)),
                 ("command", isinstance(self.command, list)
                  and all(isinstance(a, str) for a in self.command)),
-                ("need", self.need is None
-                 or (isinstance(self.need, int) and not isinstance(self.need, bool))),
+                ("need", self.need is None or is_int(self.need, 0, SIZE_MAX)),
                 ("need_source", self.need_source in ("declared", "learned", "unknown")),
-                ("client_pid", isinstance(self.client_pid, int)),
-                ("enqueued", number(self.enqueued)),
+                ("client_pid", is_int(self.client_pid, 1, PID_MAX)),
+                ("enqueued", when(self.enqueued)),
                 ("state", self.state in ("waiting", "admitted", "running")),
-                ("admitted", self.admitted is None or number(self.admitted)),
-                ("started", self.started is None or number(self.started)),
-                ("pid", self.pid is None or isinstance(self.pid, int)),
-                ("pid_created", self.pid_created is None or number(self.pid_created)),
+                ("admitted", self.admitted is None or when(self.admitted)),
+                ("started", self.started is None or when(self.started)),
+                ("pid", self.pid is None or is_int(self.pid, 1, PID_MAX)),
+                ("pid_created", self.pid_created is None or when(self.pid_created)),
+                ("orphaned", isinstance(self.orphaned, bool)),
             )
             if not ok
         ]  # fmt: skip
@@ -228,6 +345,10 @@ class Lane:
         self.tickets_dir = self.dir / "tickets"
         self.traces_dir = self.dir / "traces"
         self.history_path = self.dir / "history.jsonl"
+        #: What the latest read of each kind of state skipped as damaged: ``tickets``
+        #: (files that are not a ticket in range), ``owners`` (entries of owners.json),
+        #: ``seq`` (1 when it was out of range), ``history`` (lines); set by each read.
+        self.skipped: dict[str, int] = {}
 
     def create(self) -> Lane:
         """Make the lane's folders; ``QueueSetupError`` naming the folder if that fails."""
@@ -266,6 +387,8 @@ class Lane:
         path = self.tickets_dir / f"{seq:012d}.json"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and ours: cannot be taken
+        # No new keys here: a client of an earlier version reads a ticket with an unknown
+        # key as not a ticket and would not count it (lanes are shared between venvs).
         ticket = Ticket(seq, owner, list(command), need, need_source, os.getpid(), time.time())
         held = HeldTicket(path, fd, ticket)
         held.save()
@@ -278,6 +401,7 @@ class Lane:
         except FileNotFoundError:
             return []
         found = []
+        skipped = 0
         for name in names:
             path = self.tickets_dir / name
             try:
@@ -302,29 +426,38 @@ class Lane:
                         with contextlib.suppress(FileNotFoundError):
                             path.unlink()
             except (ValueError, OSError):
-                continue  # not a ticket of ours (or a folder in its place); leave it
+                skipped += 1  # not a ticket of ours in range (or a folder in its place): left
+                continue
             finally:
                 os.close(fd)
+        self.skipped["tickets"] = skipped
         return found
 
     def owner_starts(self) -> dict[str, float]:
         """*locked*: owner -> wall time of their latest start in this lane.
 
-        What cannot be read as that (torn or hand-edited: ``null``, a list, a string as a
-        time) counts as no start: the file only breaks ties in fairness, and the next start
-        rewrites it whole. A folder in its place is a ``QueueSetupError`` naming it.
+        What cannot be read as that (torn or hand-edited: ``null``, a list, nested too
+        deeply, a string or 1e300 as a time, an owner name no client could give) counts as
+        no start, and is counted in ``skipped["owners"]``: the file only breaks ties in
+        fairness, and the next start rewrites it whole. A folder in its place is a
+        ``QueueSetupError`` naming it.
         """
+        self.skipped["owners"] = 0
         try:
-            data = json.loads(_read_state(self.dir / "owners.json") or "{}")
+            data = parse_json(_read_state(self.dir / "owners.json") or "{}")
         except ValueError:
-            return {}
+            data = None
         if not isinstance(data, dict):
+            self.skipped["owners"] = 1
             return {}
-        return {
+        now = time.time()
+        starts = {
             k: float(v)
             for k, v in data.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if is_wall_time(v, now) and isinstance(k, str) and 0 < len(k) <= 64 and k.isprintable()
         }
+        self.skipped["owners"] = len(data) - len(starts)
+        return starts
 
     def record_start(self, owner: str, when: float) -> None:
         """*locked*: remember that ``owner`` started a command at ``when``."""
@@ -337,18 +470,24 @@ class Lane:
         in the lane, so a ``seq`` emptied or rolled back by hand neither reuses a live
         ticket's number nor puts the new ticket ahead of older ones."""
         path = self.dir / "seq"
-        try:
-            last = int(_read_state(path) or "0")
-        except ValueError:
-            last = 0  # emptied or garbled: the tickets still tell
+        text = (_read_state(path) or "0").strip() or "0"
+        # Emptied, garbled or out of range (400 digits): the tickets still tell.
+        good = _TICKET_NUMBER.fullmatch(text) is not None
+        last = int(text) if good else 0
+        self.skipped["seq"] = 0 if good else 1
         try:
             names = os.listdir(self.tickets_dir)
         except FileNotFoundError:
             names = []
         for name in names:
-            stem = name.removesuffix(".json")
-            if name.endswith(".json") and stem.isdigit():
-                last = max(last, int(stem))
+            match = _TICKET_NAME.fullmatch(name)
+            if match:
+                last = max(last, int(match[1]))
+        if last >= SEQ_MAX:
+            raise QueueSetupError(
+                f"ticket numbers of lane {self.name!r} are used up (a ticket numbered "
+                f"{last}); remove the lane's folder {str(self.dir)!r} while nothing runs in it"
+            )
         seq = last + 1
         _write_atomic(path, str(seq).encode())
         return seq

@@ -17,17 +17,19 @@ from typing import TextIO
 from ..units import format_duration, format_size, parse_size
 from . import EXIT_NO_ROOM, Guard
 from .config import GuardConfig, GuardResult, GuardSetupError
-from .history import append_record, learned_need, read_records
+from .history import append_record, learned_need, read_history
 from .process import CommandGroup
 from .queue import (
+    BUSY_FILE,
+    BUSY_LANE,
     DEFAULT_LANE,
     HeldTicket,
     Lane,
     NeedSource,
     QueueSetupError,
-    check_owner,
-    default_owner,
+    busy_patterns,
     poll_interval,
+    resolve_owner,
 )
 from .rules import Decision, decide, fair_order, finite, running_view
 from .watch import _SignalCatcher, _Status
@@ -43,7 +45,9 @@ def resolve_need(
     """The need in bytes (None: unknown) and where it comes from: ``memory`` as a size
     (declared), or with ``"auto"``/None the peak learned from the lane's history."""
     if memory is None or (isinstance(memory, str) and memory.strip().lower() == "auto"):
-        need = learned_need(read_records(lane.history_path), command)
+        history = read_history(lane.history_path)
+        lane.skipped["history"] = history.skipped
+        need = learned_need(history.records, command)
         return need, "unknown" if need is None else "learned"
     return parse_size(memory), "declared"
 
@@ -59,15 +63,31 @@ class QueuedRun:
         memory: int | str | None,
         poll: float,
         stderr: TextIO | None,
+        who: str | None = None,
+        keep_trace: bool = True,
     ) -> None:
         self.config, self.lane, self.owner, self.poll = config, lane, owner, poll
+        self.who = owner if who is None else who
+        self.keep_trace = keep_trace
         self.stderr = stderr
         self.status = _Status(stderr)
         self.need, self.need_source = resolve_need(memory, lane, list(config.command))
         self.held: HeldTicket | None = None
+        self._told: dict[str, int] = {}
 
     def _say(self, text: str) -> None:
         self.status.line(f"stageload run: {text}")
+
+    def _tell_skipped(self) -> None:
+        """One line each time what the lane's reads skipped as damaged changes."""
+        found = {k: n for k, n in self.lane.skipped.items() if n}
+        if found and found != self._told:
+            what = ", ".join(f"{n} {_SKIPPED[k][n != 1]}" for k, n in sorted(found.items()))
+            self._say(
+                f"warning: lane {self.lane.name!r} holds damaged state, skipped: {what} "
+                f"(under {str(self.lane.dir)!r})"
+            )
+        self._told = found
 
     def _look(self) -> Decision | None:
         """Under the lane lock: admit this ticket if it may start (None), else say why."""
@@ -77,6 +97,7 @@ class QueuedRun:
             tickets = self.lane.tickets()
             waiting = [t for t in tickets if t.state == "waiting"]
             order = fair_order(waiting, self.lane.owner_starts())
+            self._tell_skipped()
             mine = [i for i, t in enumerate(order) if t.seq == held.ticket.seq]
             if not mine:  # only a hand can remove a live ticket
                 raise QueueSetupError(f"ticket {str(held.path)!r} was removed while waiting")
@@ -159,7 +180,7 @@ class QueuedRun:
                 f"{format_duration(queued)} in the queue; {need}"
             )
             trace = cfg.trace
-            if trace is None:
+            if trace is None and self.keep_trace:
                 stamp = time.strftime("%Y%m%d-%H%M%S")
                 trace = self.lane.traces_dir / f"{stamp}-{held.ticket.seq}.jsonl"
             left = None
@@ -168,19 +189,20 @@ class QueuedRun:
             run_cfg = dataclasses.replace(cfg, trace=trace, start_timeout=left)
             result = Guard(run_cfg, stderr=self.stderr, on_start=self._on_start).run()
             if result.ran is not None:
-                self._record(result, str(trace))
+                self._record(result, None if trace is None else str(trace))
             return result
         finally:
             with self.lane.locked():
                 held.remove()
 
-    def _record(self, result: GuardResult, trace: str) -> None:
+    def _record(self, result: GuardResult, trace: str | None) -> None:
         t = self.held.ticket if self.held else None
         assert t is not None
         start = t.started if t.started is not None else time.time()
         record = {
             "command": list(self.config.command),
             "owner": self.owner,
+            "who": self.who,
             "lane": self.lane.name,
             "start": finite(start),
             "wait": finite(start - t.enqueued),
@@ -191,7 +213,7 @@ class QueuedRun:
             "outcome": result.outcome,
             "need": self.need,
             "need_source": self.need_source,
-            "trace": os.path.abspath(trace),
+            "trace": None if trace is None else os.path.abspath(trace),
         }
         try:
             append_record(self.lane.history_path, record)
@@ -199,19 +221,34 @@ class QueuedRun:
             self._say(f"warning: history not written ({exc.strerror or exc})")
 
 
+#: ``Lane.skipped``'s kinds, as a warning names one of them and several.
+_SKIPPED = {
+    "tickets": ("ticket file", "ticket files"),
+    "owners": ("owners.json entry", "owners.json entries"),
+    "seq": ("seq file", "seq files"),
+    "history": ("history line", "history lines"),
+}
+
+
 def run_queued(
     config: GuardConfig,
     *,
     lane: str = DEFAULT_LANE,
     owner: str | None = None,
+    who: str | None = None,
     memory: int | str | None = "auto",
     home: str | os.PathLike[str] | None = None,
     poll: float | None = None,
+    trace: bool = True,
     stderr: TextIO | None = sys.stderr,
 ) -> GuardResult:
     """Wait for a turn in ``lane``, then run ``config.command`` under the guard, metered.
 
-    ``owner`` defaults to the user name; ``memory`` is the command's need (a size), or
+    ``who`` defaults to ``$STAGELOAD_WHO``, else the user name; ``owner`` (who fairness
+    counts) to ``$STAGELOAD_OWNER``, else the part of ``who`` before its first dash, else
+    the user name (``resolve_owner``). In lane ``ram``, the patterns of the state
+    directory's ``busy.txt`` join ``config.busy``. ``trace=False`` writes no trace (the
+    history line's ``trace`` is null). ``memory`` is the command's need (a size), or
     ``"auto"`` to take the peak footprint learned from the lane's history (a command never
     seen runs alone). Fairness and the memory rule are in ``docs/queue.md``. The trace goes
     to ``config.trace`` or under the lane's ``traces/``; a run that started appends one
@@ -227,12 +264,28 @@ def run_queued(
         result = run_queued(GuardConfig(["python", "gen.py"]), memory="6G", owner="alice")
         sys.exit(result.exit_code)
     """
-    owner = check_owner(default_owner() if owner is None else owner)
+    owner, who = resolve_owner(owner, who)
     seconds = poll_interval() if poll is None else float(poll)
     if seconds <= 0:
         raise ValueError(f"poll must be above 0 seconds, got {poll!r}")
+    if not trace and config.trace is not None:
+        raise ValueError(
+            f"trace=False and a trace file ({str(config.trace)!r}) together: give one "
+            "(--no-trace or --trace FILE)"
+        )
     try:
         the_lane = Lane(home, lane).create()
-        return QueuedRun(config, the_lane, owner, memory, seconds, stderr).run()
+        if the_lane.name == BUSY_LANE:
+            extra = [p for p in busy_patterns(home) if p not in config.busy]
+            if extra:
+                config = dataclasses.replace(config, busy=(*config.busy, *extra))
+                if stderr is not None:
+                    print(
+                        f"stageload run: also waiting for {BUSY_FILE} patterns "
+                        f"{', '.join(map(repr, extra))} (lane {BUSY_LANE!r})",
+                        file=stderr,
+                    )
+        run = QueuedRun(config, the_lane, owner, memory, seconds, stderr, who, trace)
+        return run.run()
     except QueueSetupError as exc:
         raise QueueError(str(exc)) from None
