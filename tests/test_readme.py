@@ -29,9 +29,6 @@ PAGES = [
     ROOT / "tests" / "README.md",
     ROOT / "docs" / "staged.md",
 ]
-#: Pages the README links to that another branch is writing (issue 37). A link to one is
-#: checked once it exists; delete the entry when it has been merged.
-PENDING = {ROOT / "docs" / "migrating.md"}
 #: Issue 37: the README stays a front door a newcomer reads in five minutes.
 README_MAX_BYTES = 15 * 1024
 
@@ -323,8 +320,7 @@ def link_problems(page: Path, text: str) -> list[str]:
         file, _, fragment = target.partition("#")
         path = (page.parent / file).resolve() if file else page
         if not path.exists():
-            if path not in PENDING:
-                problems.append(f"{target}: no such file")
+            problems.append(f"{target}: no such file")
             continue
         if fragment and path.suffix == ".md":
             headings = {anchor(h) for h in re.findall(r"^#+ (.*)$", path.read_text(), re.M)}
@@ -346,7 +342,7 @@ def test_control_the_link_check_finds_a_missing_file_and_a_missing_heading():
 def test_readme_links_every_feature_page_in_docs():
     links = LINK.findall(prose(README.read_text()))
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in links}
-    pages = set((ROOT / "docs").glob("*.md")) | PENDING
+    pages = set((ROOT / "docs").glob("*.md"))
     assert sorted(p.name for p in pages - linked) == []
 
 
