@@ -50,6 +50,7 @@ from .hooks.registry import HookRegistry, ModuleHook
 from .hooks.release import release
 from .load.checkpoint import Entry, checkpoint_files, read_entries
 from .load.meta import build_on_meta
+from .load.placement import MAPPED, Placement
 from .load.reader import background_thread
 from .load.weights import Files, _default_threads, _install, _match, _read_all, _Target, _targets
 
@@ -130,8 +131,10 @@ class Stream:
         name: str,
         events: EventSink | None,
         threads: int,
+        placement: Placement = MAPPED,
     ) -> None:
         self.model = model
+        self.placement = placement
         self.name = name
         self.device = device
         self.dtype = dtype
@@ -203,7 +206,9 @@ class Stream:
         try:
             plan = _match(targets, self._rest, self.paths, strict=True)
             with torch.no_grad():
-                results, nbytes = _read_all(plan, self.device, self.dtype, self.threads, {})
+                results, nbytes = _read_all(
+                    plan, self.device, self.dtype, self.threads, self.placement
+                )
                 _install(self.model, targets, results, self.device, self.dtype, strict=True)
         except BaseException:
             release(self.model)
@@ -284,7 +289,7 @@ class Stream:
         targets, plan = planned
         start = time.perf_counter()
         with torch.no_grad():
-            results, nbytes = _read_all(plan, self.device, self.dtype, self.threads, {})
+            results, nbytes = _read_all(plan, self.device, self.dtype, self.threads, self.placement)
         return targets, results, nbytes, time.perf_counter() - start
 
     def _prefetch(self, index: int) -> None:
@@ -441,6 +446,7 @@ def streamed(
     name: str | None = None,
     events: EventSink | None = None,
     threads: int | None = None,
+    placement: Placement = MAPPED,
 ) -> nn.Module:
     """Build a model on ``meta`` and stream its blocks from ``files`` at each call.
 
@@ -465,6 +471,10 @@ def streamed(
         events: a sink for the ``block`` events (each block's read and compute); they
             also go to the outer trace under ``stageload meter``.
         threads: reader threads per read (default as ``load_weights``).
+        placement: where each block's tensors start, mod 64, as the loader the output is
+            compared with puts them (as ``load_weights``; :mod:`stageload.load.placement`):
+            ``MAPPED`` for ``from_pretrained`` or ``load_file``, ``COPIED`` for
+            ``load_state_dict`` into a module built on the CPU.
 
     Under :meth:`StagedModels.map <stageload.StagedModels.map>`, calls meet at each block,
     which is then read once for all of them. :func:`stream_of` returns the model's
@@ -497,6 +507,7 @@ def streamed(
         name=name or type(model).__name__,
         events=events,
         threads=threads or _default_threads(),
+        placement=placement,
     )
     stream.load_rest()
     HookRegistry.attach(model).add(STREAM, _ModelHook(stream))

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import DTYPES, read_entries
+from .placement import Placement
 from .weights import _load, _match, _targets, put
 
 if TYPE_CHECKING:
@@ -37,10 +38,10 @@ class Recipe:
     # Keyed by checkpoint key (a computed buffer: its first name in the module then).
     dtypes: dict[str, torch.dtype]  # each tensor's dtype after loading
     computed: dict[str, torch.Tensor]  # non-persistent buffers, on the CPU
-    # Address mod 64 of each CPU tensor: from_pretrained leaves unconverted weights in the
-    # file's mmap, and BLAS kernels (MKL's) may round differently for differently aligned
-    # inputs; a Flux transformer staged here differed from eager in the last bit without it.
-    alignment: dict[str, int]
+    # Where the reference put each tensor (address mod 64): kernels may round differently
+    # for differently aligned inputs; a Flux transformer staged here differed from eager in
+    # the last bit without it (stageload.load.placement).
+    placement: Placement
 
 
 def learn(
@@ -76,10 +77,8 @@ def learn(
     computed = {
         _key(t, names): t.tensor.detach().to("cpu", copy=True) for t in targets if not t.persistent
     }
-    alignment = {
-        _key(t, names): t.tensor.data_ptr() % 64 for t in targets if t.tensor.device.type == "cpu"
-    }
-    return Recipe(list(files), dtypes, computed, alignment)
+    placement = Placement.recorded({entry: target.tensor for target, entry in plan})
+    return Recipe(list(files), dtypes, computed, placement)
 
 
 def _key(target: Any, names: Mapping[str, str]) -> str:
@@ -121,7 +120,7 @@ def reload(
         module,
         recipe.files,
         device=device,
-        alignment=recipe.alignment,
+        placement=recipe.placement,
         names=names,
         only_empty=True,
         strict=True,

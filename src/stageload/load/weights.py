@@ -33,6 +33,7 @@ from .checkpoint import (
     checkpoint_files,
     read_entries,
 )
+from .placement import MAPPED, Placement, empty_at
 from .progress import progress as progress_bar
 from .reader import in_background, run_chunks
 
@@ -81,6 +82,7 @@ def load_weights(
     threads: int | None = None,
     name: str | None = None,
     progress: bool = True,
+    placement: Placement = MAPPED,
 ) -> int:
     """Fill every parameter and buffer of ``module`` from safetensors files; return the bytes.
 
@@ -99,6 +101,11 @@ def load_weights(
         progress: False never shows a bar. Otherwise a load of over a GiB shows one on
             stderr when it is a terminal or ``STAGELOAD_PROGRESS=1`` (``0``: never), except
             on the prefetch thread (``stageload.load.progress``).
+        placement: where each new CPU tensor starts, mod 64, as the loader you compare
+            with puts it (:mod:`stageload.load.placement`): ``MAPPED`` (default) as
+            safetensors' ``load_file`` and ``from_pretrained`` do, ``COPIED`` as
+            ``load_state_dict`` into a module built on the CPU. Kernels may round
+            differently for differently aligned inputs.
 
     Tied weights (one tensor under several names) stay one tensor. On failure ``module``
     is released, so it cannot be used half filled; the error names the file.
@@ -112,6 +119,7 @@ def load_weights(
         threads=threads,
         name=name,
         progress=progress,
+        placement=placement,
     )
 
 
@@ -123,7 +131,7 @@ def _load(
     dtype: torch.dtype | None = None,
     strict: bool = True,
     threads: int | None = None,
-    alignment: dict[str, int] | None = None,
+    placement: Placement = MAPPED,
     names: Mapping[str, str] | None = None,
     only_empty: bool = False,
     unused_ok: bool = False,
@@ -132,10 +140,8 @@ def _load(
 ) -> int:
     """:func:`load_weights`, plus what adapters that refill a module need.
 
-    ``alignment``: checkpoint key -> address mod 64 for its CPU tensor. Adapters that must
-    match another loader bit for bit use it: BLAS kernels (MKL's, for one) may round
-    differently for differently aligned inputs, and ``from_pretrained`` leaves unconverted
-    weights where the file's mmap puts them. ``names``: the tensors to fill (others
+    ``placement``: where the new CPU tensors start (:mod:`.placement`). ``names``: the
+    tensors to fill (others
     are left alone), each name -> its key in the checkpoint (peft moves ``to_q.weight``
     to ``to_q.base_layer.weight``). ``only_empty``: fill only the tensors on ``meta``; the
     others (a user's changes, kept in memory) stay as they are. ``unused_ok``: checkpoint
@@ -158,18 +164,13 @@ def _load(
         if names is not None:  # the others are the caller's own (a LoRA's): left alone
             targets = [t for t in targets if not t.persistent or names.keys() & set(t.names)]
         plan = _match(targets, entries, paths, strict, names, only_empty, unused_ok)
-        if names and alignment:  # _read_all looks alignment up by the module's names
-            alignment = {
-                **alignment,
-                **{n: alignment[k] for n, k in names.items() if k in alignment},
-            }
         with torch.no_grad():
             results, nbytes = _read_all(
                 plan,
                 target_device,
                 dtype,
                 threads or _default_threads(),
-                alignment or {},
+                placement,
                 (name or type(module).__name__, progress),
             )
             _install(module, targets, results, target_device, dtype, strict)
@@ -187,9 +188,9 @@ def from_safetensors(
     ``build()`` runs under ``torch.device("meta")``, so the structure costs no memory and
     its initialisers draw no random numbers; then :func:`load_weights` fills it from
     ``files`` (``kwargs``: ``device``, ``dtype``, ``strict``, ``threads``, ``name``,
-    ``progress``). Buffers that ``build`` computes rather than the checkpoint holding them
-    (non-persistent buffers) have no values on ``meta``: strict mode names them; build such
-    modules yourself and call :func:`load_weights`.
+    ``progress``, ``placement``). Buffers that ``build`` computes rather than the
+    checkpoint holding them (non-persistent buffers) have no values on ``meta``: strict
+    mode names them; build such modules yourself and call :func:`load_weights`.
 
     Example::
 
@@ -198,7 +199,15 @@ def from_safetensors(
     """
     if not callable(build):
         raise TypeError(f"build must be a callable that returns an nn.Module, got {build!r}")
-    unknown = set(kwargs) - {"device", "dtype", "strict", "threads", "name", "progress"}
+    unknown = set(kwargs) - {
+        "device",
+        "dtype",
+        "strict",
+        "threads",
+        "name",
+        "progress",
+        "placement",
+    }
     if unknown:
         raise TypeError(f"from_safetensors() got unexpected keyword(s) {sorted(unknown)!r}")
 
@@ -305,7 +314,7 @@ def _read_all(
     device: torch.device,
     dtype: torch.dtype | None,
     threads: int,
-    alignment: dict[str, int],
+    placement: Placement = MAPPED,
     bar: tuple[str, bool] = ("", False),
 ) -> tuple[dict[int, torch.Tensor], int]:
     """Allocate every destination and fill it; returns {id(target): tensor}, total bytes.
@@ -325,7 +334,7 @@ def _read_all(
             old = target.tensor
             want = dtype if dtype is not None and old.is_floating_point() else old.dtype
             src = getattr(torch, DTYPES[entry.dtype][0])
-            dst = _destination(old, want, device, alignment.get(target.names[0], 0))
+            dst = _destination(old, want, device, placement.misalign(entry, want, device))
             results[id(target)] = dst
             total += dst.nbytes
             if entry.file not in fds:
@@ -356,7 +365,8 @@ def _destination(
 ) -> torch.Tensor:
     """The tensor the bytes go into: ``old`` itself when it can be overwritten in place.
 
-    ``misalign``: the new tensor's address mod 64 on the CPU (see :func:`_load`).
+    ``misalign``: the new tensor's address mod 64 on the CPU (:mod:`.placement`); a
+    tensor overwritten in place stays where it is, as ``load_state_dict`` leaves it.
     """
     import torch
 
@@ -369,14 +379,10 @@ def _destination(
         and old.untyped_storage().nbytes() == old.nbytes
     ):
         return old.detach()
-    itemsize = dtype.itemsize
-    if device.type != "cpu" or misalign % itemsize or not 0 < misalign < 64:
+    if device.type != "cpu":
         dst = torch.empty(old.shape, dtype=dtype, device=device)
     else:
-        nbytes = old.numel() * itemsize
-        raw = torch.empty(nbytes + 64, dtype=torch.uint8)
-        shift = (misalign - raw.data_ptr()) % 64
-        dst = raw[shift : shift + nbytes].view(dtype).view(old.shape)
+        dst = empty_at(tuple(old.shape), dtype, misalign)
     # Not for a load ahead: a huge-page fault may stop to compact memory, and on this VM a
     # third of the loads ahead then took over 0.25 s (90th percentile 0.40 s, plain: 1 %,
     # 0.17 s), longer than the stage they were to hide behind, and the cost model, timing
