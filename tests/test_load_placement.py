@@ -2,9 +2,9 @@
 alignment (mod 64) that its reference loader gives it (stageload.load.placement).
 
 The direct checks compare ``data_ptr() % 64`` of every tensor with the reference's, so
-they hold or fail on any CPU. The paths: ``load_weights`` (reference: safetensors'
-``load_file``, or ``load_state_dict`` with ``placement=COPIED``), ``streamed`` blocks at
-their forward (``from_safetensors``, i.e. ``load_file``), the diffusers adapter's refills
+they hold or fail on any CPU. The paths: ``load_weights`` (reference: ``load_state_dict``
+into a module built on the CPU, or safetensors' ``load_file`` with ``placement=MAPPED``),
+``streamed`` blocks at their forward (the same two), the diffusers adapter's refills
 and streamed components (``from_pretrained``), the Pixal3D adapter's refills and streamed
 flow models (the port's ``from_pretrained``, a ``load_state_dict``). Each check runs a
 second time with the rule shifted by 16 bytes and must then fail: the controls.
@@ -33,7 +33,7 @@ from torch import nn  # noqa: E402
 
 from stageload import from_safetensors, load_weights, streamed  # noqa: E402
 from stageload.load import placement  # noqa: E402
-from stageload.load.placement import COPIED, Placement, misalignment  # noqa: E402
+from stageload.load.placement import MAPPED, Placement, misalignment  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -146,37 +146,58 @@ def odd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     return path
 
 
-def test_load_weights_places_each_tensor_as_load_file(odd: Path, rule: str) -> None:
-    want = {k: misalignment(t) for k, t in load_file(str(odd)).items()}
+def load_file_residues(path: Path) -> dict[str, int]:
+    """Where safetensors' ``load_file`` puts each tensor (in the file's mmap)."""
+    return {k: misalignment(t) for k, t in load_file(str(path)).items()}
+
+
+def load_state_dict_residues(path: Path) -> dict[str, int]:
+    """Where ``load_state_dict(load_file(...))`` into a module built on the CPU puts them."""
+    state = load_file(str(path))
+    reference = Odd().to(state["a.weight"].dtype)
+    reference.load_state_dict(state)
+    return residues(reference)
+
+
+def test_mapped_places_each_tensor_as_load_file(odd: Path, rule: str) -> None:
+    want = load_file_residues(odd)
     teeth(want)
     with torch.device("meta"):
         module = Odd().to(load_file(str(odd))["a.weight"].dtype)
-    load_weights(module, odd)
+    load_weights(module, odd, placement=MAPPED)
     verdict(rule, differences(residues(module), want))
 
 
 def test_a_converting_load_places_as_a_converted_load_file(odd: Path, rule: str) -> None:
     # from_pretrained(torch_dtype=) converts with .to(): fresh tensors, 64-byte aligned.
     want = {k: misalignment(t.to(torch.bfloat16)) for k, t in load_file(str(odd)).items()}
-    module = from_safetensors(Odd, odd, dtype=torch.bfloat16)()
+    module = from_safetensors(Odd, odd, dtype=torch.bfloat16, placement=MAPPED)()
     verdict(rule, differences(residues(module), want))
 
 
-def test_copied_places_as_load_state_dict(odd: Path, rule: str) -> None:
-    reference = Odd().to(load_file(str(odd))["a.weight"].dtype)
-    reference.load_state_dict(load_file(str(odd)))
-    module = from_safetensors(lambda: Odd().to(reference.a.weight.dtype), odd, placement=COPIED)()
-    verdict(rule, differences(residues(module), residues(reference)))
-
-
-def test_streamed_blocks_sit_where_load_file_puts_them(odd: Path, rule: str) -> None:
+def test_by_default_load_weights_places_as_load_state_dict(odd: Path, rule: str) -> None:
     dtype = load_file(str(odd))["a.weight"].dtype
-    want = {k: misalignment(t) for k, t in load_file(str(odd)).items()}
-    model = streamed(lambda: Odd().to(dtype), odd, blocks="blocks")
+    module = from_safetensors(lambda: Odd().to(dtype), odd)()
+    verdict(rule, differences(residues(module), load_state_dict_residues(odd)))
+
+
+@pytest.mark.parametrize("how", ["default", "mapped"])
+def test_streamed_blocks_sit_where_their_reference_puts_them(
+    odd: Path, rule: str, how: str
+) -> None:
+    """Reference: ``from_safetensors`` (default, as ``load_state_dict``) or ``load_file``
+    (``placement=MAPPED``), for every block's tensors at its forward and the rest."""
+    dtype = load_file(str(odd))["a.weight"].dtype
+    if how == "mapped":
+        model = streamed(lambda: Odd().to(dtype), odd, blocks="blocks", placement=MAPPED)
+        want = load_file_residues(odd)
+        teeth({k: v for k, v in want.items() if k.startswith("blocks.")})
+    else:
+        model = streamed(lambda: Odd().to(dtype), odd, blocks="blocks")
+        want = load_state_dict_residues(odd)
     with at_forward() as seen, torch.no_grad():
         model(torch.ones(2, 7, dtype=dtype))
     got = named(model, seen, "blocks.") | residues(model)  # the blocks, and the rest
-    teeth({k: v for k, v in want.items() if k.startswith("blocks.")})
     verdict(rule, differences(got, want))
 
 

@@ -50,7 +50,7 @@ from .hooks.registry import HookRegistry, ModuleHook
 from .hooks.release import release
 from .load.checkpoint import Entry, checkpoint_files, read_entries
 from .load.meta import build_on_meta
-from .load.placement import MAPPED, Placement
+from .load.placement import COPIED, Placement
 from .load.reader import background_thread
 from .load.weights import Files, _default_threads, _install, _match, _read_all, _Target, _targets
 
@@ -131,7 +131,7 @@ class Stream:
         name: str,
         events: EventSink | None,
         threads: int,
-        placement: Placement = MAPPED,
+        placement: Placement = COPIED,
     ) -> None:
         self.model = model
         self.placement = placement
@@ -446,7 +446,7 @@ def streamed(
     name: str | None = None,
     events: EventSink | None = None,
     threads: int | None = None,
-    placement: Placement = MAPPED,
+    placement: Placement = COPIED,
 ) -> nn.Module:
     """Build a model on ``meta`` and stream its blocks from ``files`` at each call.
 
@@ -473,8 +473,8 @@ def streamed(
         threads: reader threads per read (default as ``load_weights``).
         placement: where each block's tensors start, mod 64, as the loader the output is
             compared with puts them (as ``load_weights``; :mod:`stageload.load.placement`):
-            ``MAPPED`` for ``from_pretrained`` or ``load_file``, ``COPIED`` for
-            ``load_state_dict`` into a module built on the CPU.
+            ``COPIED`` (default) for ``from_safetensors`` or ``load_state_dict`` into a
+            module built on the CPU, ``MAPPED`` for ``from_pretrained`` or ``load_file``.
 
     Under :meth:`StagedModels.map <stageload.StagedModels.map>`, calls meet at each block,
     which is then read once for all of them. :func:`stream_of` returns the model's

@@ -33,7 +33,7 @@ from .checkpoint import (
     checkpoint_files,
     read_entries,
 )
-from .placement import MAPPED, Placement, empty_at
+from .placement import COPIED, Placement, empty_at
 from .progress import progress as progress_bar
 from .reader import in_background, run_chunks
 
@@ -82,7 +82,7 @@ def load_weights(
     threads: int | None = None,
     name: str | None = None,
     progress: bool = True,
-    placement: Placement = MAPPED,
+    placement: Placement = COPIED,
 ) -> int:
     """Fill every parameter and buffer of ``module`` from safetensors files; return the bytes.
 
@@ -102,10 +102,10 @@ def load_weights(
             stderr when it is a terminal or ``STAGELOAD_PROGRESS=1`` (``0``: never), except
             on the prefetch thread (``stageload.load.progress``).
         placement: where each new CPU tensor starts, mod 64, as the loader you compare
-            with puts it (:mod:`stageload.load.placement`): ``MAPPED`` (default) as
-            safetensors' ``load_file`` and ``from_pretrained`` do, ``COPIED`` as
-            ``load_state_dict`` into a module built on the CPU. Kernels may round
-            differently for differently aligned inputs.
+            with puts it (:mod:`stageload.load.placement`): ``COPIED`` (default) as
+            ``load_state_dict`` into a module built on the CPU, ``MAPPED`` as safetensors'
+            ``load_file`` and ``from_pretrained`` (up to 64 bytes more per tensor). Kernels
+            may round differently for differently aligned inputs.
 
     Tied weights (one tensor under several names) stay one tensor. On failure ``module``
     is released, so it cannot be used half filled; the error names the file.
@@ -131,7 +131,7 @@ def _load(
     dtype: torch.dtype | None = None,
     strict: bool = True,
     threads: int | None = None,
-    placement: Placement = MAPPED,
+    placement: Placement = COPIED,
     names: Mapping[str, str] | None = None,
     only_empty: bool = False,
     unused_ok: bool = False,
@@ -314,7 +314,7 @@ def _read_all(
     device: torch.device,
     dtype: torch.dtype | None,
     threads: int,
-    placement: Placement = MAPPED,
+    placement: Placement = COPIED,
     bar: tuple[str, bool] = ("", False),
 ) -> tuple[dict[int, torch.Tensor], int]:
     """Allocate every destination and fill it; returns {id(target): tensor}, total bytes.
