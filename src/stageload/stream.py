@@ -52,7 +52,7 @@ from .load.checkpoint import Entry, checkpoint_files, read_entries
 from .load.meta import build_on_meta
 from .load.placement import COPIED, Placement
 from .load.reader import background_thread
-from .load.weights import Files, _default_threads, _install, _match, _read_all, _Target, _targets
+from .load.weights import Files, LoadPlan, default_threads, install, plan, read, targets
 
 if TYPE_CHECKING:
     import torch
@@ -105,7 +105,7 @@ class _Block:
         self.prefetched = False
 
 
-_Read = tuple[list["_Target"], dict[int, "torch.Tensor"], int, float]
+_Read = tuple[LoadPlan, dict[int, "torch.Tensor"], int, float]  # plan, tensors, bytes, s
 
 
 class _Pending:
@@ -184,7 +184,7 @@ class Stream:
     # -- building -------------------------------------------------------------------------
     def _check_ties(self, prefixes: list[str]) -> None:
         """A tensor shared across a block's edge would be freed under its other users."""
-        for target in _targets(self.model):
+        for target in targets(self.model):
             owners = {
                 next((k for k, p in enumerate(prefixes) if n.startswith(p)), -1)
                 for n in target.names
@@ -202,14 +202,14 @@ class Stream:
         import torch
 
         prefixes = tuple(f"{b.path}." for b in self.blocks)
-        targets = [t for t in _targets(self.model) if not t.names[0].startswith(prefixes)]
+        rest = [t for t in targets(self.model) if not t.names[0].startswith(prefixes)]
         try:
-            plan = _match(targets, self._rest, self.paths, strict=True)
+            planned = plan(rest, self._rest, self.paths)
             with torch.no_grad():
-                results, nbytes = _read_all(
-                    plan, self.device, self.dtype, self.threads, self.placement
+                results, nbytes = read(
+                    planned, self.device, self.dtype, self.threads, self.placement
                 )
-                _install(self.model, targets, results, self.device, self.dtype, strict=True)
+                install(self.model, planned, results, self.device, self.dtype, strict=True)
         except BaseException:
             release(self.model)
             raise
@@ -248,23 +248,23 @@ class Stream:
         if pending is not None:
             self._pending = None
             try:
-                targets, results, nbytes, seconds = pending.future.result()
+                planned, results, nbytes, seconds = pending.future.result()
             except Exception as exc:
                 raise StreamError(
                     f"reading block {block.path!r} of {self.name!r} from "
                     f"{', '.join(str(p) for p in self.paths)} failed: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
-            if not all(getattr(s, k) is t.tensor for t in targets for s, k in t.places):
-                targets, results, nbytes, seconds = self._read(self._plan(block))  # replaced
+            if not all(getattr(s, k) is t.tensor for t in planned.targets for s, k in t.places):
+                planned, results, nbytes, seconds = self._read(self._plan(block))  # replaced
             block.prefetched = True
         else:
-            targets, results, nbytes, seconds = self._read(self._plan(block))
+            planned, results, nbytes, seconds = self._read(self._plan(block))
             block.prefetched = False
         self.stats.wait_seconds += time.perf_counter() - start
         try:
             with torch.no_grad():
-                _install(block.module, targets, results, self.device, self.dtype, strict=True)
+                install(block.module, planned, results, self.device, self.dtype, strict=True)
         except BaseException:
             release(block.module)
             raise
@@ -274,23 +274,20 @@ class Stream:
         self.stats.bytes_read += nbytes
         self.stats.read_seconds += seconds
 
-    def _plan(self, block: _Block) -> tuple[list[_Target], list[tuple[_Target, Entry]]]:
-        targets = _targets(block.module)
+    def _plan(self, block: _Block) -> LoadPlan:
         try:
-            plan = _match(targets, block.entries, self.paths, strict=True)
+            return plan(targets(block.module), block.entries, self.paths)
         except ValueError as exc:
             raise StreamError(f"block {block.path!r} of {self.name!r}: {exc}") from None
-        return targets, plan
 
-    def _read(self, planned: tuple[list[_Target], list[tuple[_Target, Entry]]]) -> _Read:
+    def _read(self, planned: LoadPlan) -> _Read:
         """Read a planned block into fresh tensors (any thread; touches no module)."""
         import torch
 
-        targets, plan = planned
         start = time.perf_counter()
         with torch.no_grad():
-            results, nbytes = _read_all(plan, self.device, self.dtype, self.threads, self.placement)
-        return targets, results, nbytes, time.perf_counter() - start
+            results, nbytes = read(planned, self.device, self.dtype, self.threads, self.placement)
+        return planned, results, nbytes, time.perf_counter() - start
 
     def _prefetch(self, index: int) -> None:
         if index >= len(self.blocks) or self.blocks[index].resident or self._pending is not None:
@@ -506,7 +503,7 @@ def streamed(
         prefetch=prefetch,
         name=name or type(model).__name__,
         events=events,
-        threads=threads or _default_threads(),
+        threads=threads or default_threads(),
         placement=placement,
     )
     stream.load_rest()

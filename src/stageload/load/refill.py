@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from .checkpoint import DTYPES, read_entries
 from .placement import Placement
-from .weights import _load, _match, _targets, put
+from .weights import fill, plan, put, targets
 
 if TYPE_CHECKING:
     import torch
@@ -57,27 +57,27 @@ def learn(
     """
     try:
         entries = read_entries(files)
-        targets = _targets(module)
+        found = targets(module)
         if names is not None:
-            targets = [t for t in targets if not t.persistent or set(t.names) & names.keys()]
+            found = [t for t in found if not t.persistent or set(t.names) & names.keys()]
         names = names or {}
-        plan = _match(targets, entries, files, True, names)
+        planned = plan(found, entries, files, names=names)
     except ValueError as exc:
         first = str(exc).splitlines()[1:3]
         return "its keys differ from the checkpoint's (renamed on load?): " + "; ".join(
             s.strip() for s in first
         )
-    for target, entry in plan:
+    for target, entry in planned.reads:
         tensor = target.tensor
         if tensor.is_meta or not _same_start(tensor, entry):
             return f"{target.names[0]!r} differs from the file's (converted on load?)"
-    if any(not t.persistent and t.tensor.is_meta for t in targets):
+    if any(not t.persistent and t.tensor.is_meta for t in found):
         return "it has computed buffers on meta"
-    dtypes = {_key(t, names): t.tensor.dtype for t in targets}
+    dtypes = {_key(t, names): t.tensor.dtype for t in found}
     computed = {
-        _key(t, names): t.tensor.detach().to("cpu", copy=True) for t in targets if not t.persistent
+        _key(t, names): t.tensor.detach().to("cpu", copy=True) for t in found if not t.persistent
     }
-    placement = Placement.recorded({entry: target.tensor for target, entry in plan})
+    placement = Placement.recorded({entry: target.tensor for target, entry in planned.reads})
     return Recipe(list(files), dtypes, computed, placement)
 
 
@@ -104,7 +104,7 @@ def reload(
     import torch
 
     with torch.no_grad():
-        for target in _targets(module):
+        for target in targets(module):
             key = _key(target, names or {})  # not `name`: that is the model's, for the bar
             old = target.tensor
             if not old.is_meta:
@@ -116,7 +116,7 @@ def reload(
             else:
                 continue
             put(target, new)
-    _load(
+    fill(
         module,
         recipe.files,
         device=device,

@@ -41,7 +41,21 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["CheckpointError", "checkpoint_bytes", "from_safetensors", "load_weights"]
+__all__ = [
+    "CheckpointError",
+    "LoadPlan",
+    "Target",
+    "checkpoint_bytes",
+    "default_threads",
+    "fill",
+    "from_safetensors",
+    "install",
+    "load_weights",
+    "plan",
+    "put",
+    "read",
+    "targets",
+]
 
 Files = str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
 
@@ -56,14 +70,15 @@ BOUNCE_BUDGET = 64 << 20
 _ALLOC = "plain" if os.environ.get("STAGELOAD_HUGE_PAGES") == "0" else "thp"
 
 
-def _default_threads() -> int:
+def default_threads() -> int:
+    """Reader threads per load when the caller names none."""
     # Cold reads want several requests in flight; warm ones are bound by page faults and
     # copies, which scale with cores. 4 was best on the 2-core bench machine.
     return max(4, min(8, os.cpu_count() or 4))
 
 
 @dataclass
-class _Target:
+class Target:
     """One tensor of the module (all the names it goes by, tied ones included)."""
 
     tensor: torch.Tensor
@@ -110,7 +125,7 @@ def load_weights(
     Tied weights (one tensor under several names) stay one tensor. On failure ``module``
     is released, so it cannot be used half filled; the error names the file.
     """
-    return _load(
+    return fill(
         module,
         files,
         device=device,
@@ -123,7 +138,7 @@ def load_weights(
     )
 
 
-def _load(
+def fill(
     module: nn.Module,
     files: Files,
     *,
@@ -138,7 +153,7 @@ def _load(
     name: str | None = None,
     progress: bool = True,
 ) -> int:
-    """:func:`load_weights`, plus what adapters that refill a module need.
+    """:func:`load_weights`, plus what adapters that refill a module need (``load.refill``).
 
     ``placement``: where the new CPU tensors start (:mod:`.placement`). ``names``: the
     tensors to fill (others
@@ -160,20 +175,28 @@ def _load(
     paths = checkpoint_files(files)
     try:
         entries = read_entries(paths)
-        targets = _targets(module)
+        found = targets(module)
         if names is not None:  # the others are the caller's own (a LoRA's): left alone
-            targets = [t for t in targets if not t.persistent or names.keys() & set(t.names)]
-        plan = _match(targets, entries, paths, strict, names, only_empty, unused_ok)
+            found = [t for t in found if not t.persistent or names.keys() & set(t.names)]
+        planned = plan(
+            found,
+            entries,
+            paths,
+            strict=strict,
+            names=names,
+            only_empty=only_empty,
+            unused_ok=unused_ok,
+        )
         with torch.no_grad():
-            results, nbytes = _read_all(
-                plan,
+            results, nbytes = read(
+                planned,
                 target_device,
                 dtype,
-                threads or _default_threads(),
+                threads or default_threads(),
                 placement,
                 (name or type(module).__name__, progress),
             )
-            _install(module, targets, results, target_device, dtype, strict)
+            install(module, planned, results, target_device, dtype, strict)
     except BaseException:
         release(module)
         raise
@@ -231,8 +254,9 @@ def from_safetensors(
 
 
 # -- planning ---------------------------------------------------------------------------------
-def _targets(module: nn.Module) -> list[_Target]:
-    by_id: dict[int, _Target] = {}
+def targets(module: nn.Module) -> list[Target]:
+    """Every tensor of ``module`` once, with all its names (tied ones share a target)."""
+    by_id: dict[int, Target] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         computed = non_persistent_buffers(sub)
         own = [
@@ -240,7 +264,7 @@ def _targets(module: nn.Module) -> list[_Target]:
             *sub.named_buffers(recurse=False, remove_duplicate=False),
         ]
         for key, t in own:
-            target = by_id.setdefault(id(t), _Target(t))
+            target = by_id.setdefault(id(t), Target(t))
             target.places.append((sub, key))
             target.names.append(f"{prefix}.{key}" if prefix else key)
             if key in computed:
@@ -248,18 +272,31 @@ def _targets(module: nn.Module) -> list[_Target]:
     return list(by_id.values())
 
 
-def _match(
-    targets: list[_Target],
+@dataclass
+class LoadPlan:
+    """One load, planned from the headers: the module's targets, and those to read, each
+    with the checkpoint entry it reads from. :func:`plan` makes it, :func:`read` reads
+    it into fresh tensors (any thread: it touches no module), :func:`install` puts them in
+    (the thread that owns the module)."""
+
+    targets: list[Target]
+    reads: list[tuple[Target, Entry]]
+
+
+def plan(
+    targets: list[Target],
     entries: dict[str, Entry],
     paths: list[Path],
-    strict: bool,
+    *,
+    strict: bool = True,
     names: Mapping[str, str] | None = None,
     only_empty: bool = False,
     unused_ok: bool = False,
-) -> list[tuple[_Target, Entry]]:
-    """Each target with the checkpoint entry it loads from (see :func:`_load` for ``names``
-    and ``only_empty``)."""
-    plan: list[tuple[_Target, Entry]] = []
+) -> LoadPlan:
+    """Each of ``targets`` (from :func:`targets`) with the checkpoint entry it loads from;
+    missing, unexpected and mismatched keys raise one ``ValueError`` naming ``paths`` (see
+    :func:`fill` for ``names``, ``only_empty`` and ``unused_ok``)."""
+    reads: list[tuple[Target, Entry]] = []
     used: set[str] = set()
     missing: list[str] = []
     mismatched: list[str] = []
@@ -281,7 +318,7 @@ def _match(
                 f"{list(target.tensor.shape)} in the module"
             )
             continue
-        plan.append((target, entry))
+        reads.append((target, entry))
     unexpected = [f"{k} ({e.file.name})" for k, e in entries.items() if k not in used]
     problems = []
     if mismatched:
@@ -298,7 +335,7 @@ def _match(
             + "\nbuild the module with the checkpoint's config, or pass strict=False to skip "
             "missing and unexpected keys"
         )
-    return plan
+    return LoadPlan(targets, reads)
 
 
 def _listing(what: str, names: list[str], limit: int = 20) -> str:
@@ -309,28 +346,29 @@ def _listing(what: str, names: list[str], limit: int = 20) -> str:
 
 
 # -- reading ----------------------------------------------------------------------------------
-def _read_all(
-    plan: list[tuple[_Target, Entry]],
+def read(
+    planned: LoadPlan,
     device: torch.device,
     dtype: torch.dtype | None,
     threads: int,
     placement: Placement = COPIED,
     bar: tuple[str, bool] = ("", False),
 ) -> tuple[dict[int, torch.Tensor], int]:
-    """Allocate every destination and fill it; returns {id(target): tensor}, total bytes.
+    """Allocate every destination of ``planned`` and fill it; returns {id(target): tensor}
+    and the bytes. Touches no module: a read ahead runs it on its own thread.
 
     ``bar``: the model's name and whether a progress bar may show (:mod:`.progress`).
     """
     import torch
 
-    threads = min(threads, max(1, sum(-(-e.nbytes // CHUNK) for _, e in plan)))
+    threads = min(threads, max(1, sum(-(-e.nbytes // CHUNK) for _, e in planned.reads)))
     bounce = min(CHUNK, max(1 << 20, BOUNCE_BUDGET // threads))
     fds: dict[Path, int] = {}
     results: dict[int, torch.Tensor] = {}
     jobs: list[tuple[int, Path, int, int, torch.Tensor, int, torch.dtype | None]] = []
     total = 0
     try:
-        for target, entry in plan:
+        for target, entry in planned.reads:
             old = target.tensor
             want = dtype if dtype is not None and old.is_floating_point() else old.dtype
             src = getattr(torch, DTYPES[entry.dtype][0])
@@ -395,7 +433,7 @@ def _destination(
 
 
 # -- installing -------------------------------------------------------------------------------
-def put(target: _Target, new: torch.Tensor) -> None:
+def put(target: Target, new: torch.Tensor) -> None:
     """Give ``target``'s tensor object the contents of ``new``, under every name it has.
 
     The module keeps its own tensor objects (tied weights stay tied, and an adapter can
@@ -419,18 +457,19 @@ def put(target: _Target, new: torch.Tensor) -> None:
         target.tensor = value
 
 
-def _install(
+def install(
     module: nn.Module,
-    targets: list[_Target],
+    planned: LoadPlan,
     results: dict[int, torch.Tensor],
     device: torch.device,
     dtype: torch.dtype | None,
     strict: bool,
 ) -> None:
-    """Put the loaded tensors into the module; one object per tied group keeps it tied."""
+    """Put the tensors :func:`read` returned into ``module`` (the planned targets'); one
+    object per tied group keeps it tied. A released module filled again is live again."""
 
     unfilled: list[str] = []
-    for target in targets:
+    for target in planned.targets:
         old = target.tensor
         new = results.get(id(target))
         if new is None:
