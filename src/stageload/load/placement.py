@@ -10,15 +10,17 @@ refills, streamed blocks, the adapters' loads) puts each CPU tensor at the addre
 alignment (mod :data:`ALIGN`) that the *reference loader of that path* gives it. A
 :class:`Placement` says what that reference does:
 
-- :data:`MAPPED`: safetensors' own readers (``load_file``, ``safe_open``) and the
-  ``from_pretrained`` of diffusers and transformers, which keep its tensors: a tensor
-  whose bytes are the file's (CPU, dtype unchanged) sits in the file's page-aligned mmap,
-  so at its file offset mod 64; a converted one is a fresh allocation, 64-byte aligned
-  (torch's CPU allocator, ``c10::alloc_cpu``).
-- :data:`COPIED`: ``module.load_state_dict(load_file(...))`` into a module built on the
-  CPU (the Pixal3D port): every tensor is the module's own allocation, 64-byte aligned.
-- :meth:`Placement.recorded`: measured on a reference load (``load.refill.learn``); a
-  tensor recorded there sits where the reference put it, whatever the rule says.
+- :data:`MAPPED`: safetensors' own readers (``load_file``, ``safe_open``) and diffusers'
+  ``from_pretrained``, which keeps their tensors (measured: every tensor of a Flux
+  transformer at its file offset mod 64): a tensor whose bytes are the file's (CPU, dtype
+  unchanged) sits in the file's page-aligned mmap, so at its file offset mod 64; a
+  converted one is a fresh allocation, 64-byte aligned (torch's CPU allocator). The
+  diffusers adapter streams with it. Costs up to 64 bytes more per tensor.
+- :data:`COPIED` (the default of ``load_weights``, ``from_safetensors``, ``streamed``):
+  ``module.load_state_dict(load_file(...))`` into a module built on the CPU (the Pixal3D
+  port does this): every tensor is the module's own allocation, 64-byte aligned.
+- :meth:`Placement.recorded`: measured on a reference load (``load.refill.learn``, for the
+  adapters' refills); a tensor recorded there sits where the reference put it.
 
 The residue is taken mod 64 (a cache line, and the widest vector load, AVX-512's): what
 the kernels can see. Accelerator tensors are left to their allocator.
