@@ -37,6 +37,9 @@ def blocks(sink: ListSink) -> list[Any]:
 
 @pytest.mark.parametrize(("family", "name"), [("flux", "transformer"), ("sd", "unet")])
 def test_a_streamed_component_equals_eager(root: Path, family: str, name: str) -> None:
+    """Reference: the pipeline's own ``from_pretrained`` (weights left in the file's mmap; the
+    stream places its blocks alike, ``placement=MAPPED``), in this process, torch on one
+    thread."""
     fam = FAMILIES[family]
     path = folder(fam, root)
     expected = fam.load(path)(**fam.call(0))[0]
@@ -53,6 +56,7 @@ def test_a_streamed_component_equals_eager(root: Path, family: str, name: str) -
 
 
 def test_a_batch_reads_each_block_once_per_step(root: Path) -> None:
+    """Reference: the same call streamed alone, in this process, torch on one thread."""
     fam = FAMILIES["flux"]
     path = folder(fam, root)
     one, two = ListSink(), ListSink()

@@ -76,6 +76,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @pytest.mark.parametrize("file_dtype", DTYPES)
 @pytest.mark.parametrize("want", (None, *DTYPES))
 def test_bit_identical_to_load_file(files, file_dtype, want):
+    """Reference: safetensors' ``load_file`` (converted with ``.to`` where a dtype is asked).
+    Values, not outputs: no kernel runs, so any CPU and thread count."""
     expected = load_file(str(files[file_dtype]))
     module = from_safetensors(lambda: Net(file_dtype), files[file_dtype], dtype=want, threads=3)()
     got = module.state_dict()
@@ -90,6 +92,7 @@ def test_bit_identical_to_load_file(files, file_dtype, want):
 @pytest.mark.parametrize("ahead", (0, 8192))
 @pytest.mark.parametrize("want", (None, torch.bfloat16))
 def test_every_read_layout_is_bit_identical(files, monkeypatch, layout, ahead, want):
+    """Reference: ``load_file``, for every read layout. Values only: any CPU and thread count."""
     monkeypatch.setattr(reader, "LAYOUT", layout)
     monkeypatch.setattr(reader, "AHEAD", ahead)
     expected = load_file(str(files[torch.float16]))
@@ -245,6 +248,8 @@ def test_loads_in_place_into_a_materialised_module(files):
 
 
 def test_refills_a_released_module(files):
+    """Reference: the same module's first load (``from_safetensors``, placed as
+    ``load_state_dict`` would) in this process, same torch threads, before and after."""
     module = from_safetensors(Net, files[torch.float32])()
     x = torch.randn(2, 33)
     expected = module.proj(x)
@@ -360,6 +365,7 @@ def test_weights_land_in_anonymous_memory_and_release_returns_it(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("want", (None, torch.bfloat16))
 def test_loads_to_cuda_through_pinned_buffers(files, want):
+    """Reference: ``load_file`` moved to the device. Values only."""
     module = from_safetensors(Net, files[torch.float16], device="cuda", dtype=want)()
     for key, ref in load_file(str(files[torch.float16])).items():
         got = module.state_dict()[key]

@@ -36,6 +36,8 @@ def eager(stub: Path, image: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_streamed_flow_models_give_the_eager_glb_and_latents(stub, image, tmp_path, eager):
+    """Reference: the port's own loading (``load_state_dict``; the stream places as it,
+    ``COPIED``) in this process, same torch threads; GLB bytes and latent sha256."""
     port = import_port(stub)
     sink = ListSink()
     args = port_args(port, image, tmp_path / "streamed.glb")

@@ -57,7 +57,14 @@ def x_of(i: int, rows: int = 4) -> torch.Tensor:
 
 
 def resident_bytes(model: nn.Module) -> int:
-    return sum(t.nbytes for t in model.state_dict().values() if not t.is_meta)
+    """The memory the model's tensors hold: their storages' bytes (a tensor placed at its
+    file offset mod 64, stageload.load.placement, sits in up to 64 bytes more)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in model.state_dict().values()
+        if not t.is_meta
+    }
+    return sum(storages.values())
 
 
 # -- one call ----------------------------------------------------------------------------
@@ -66,6 +73,8 @@ def resident_bytes(model: nn.Module) -> int:
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 def test_streamed_output_is_bit_identical_to_eager(stack: Path, prefetch, dtype) -> None:
+    """Reference: ``from_safetensors`` (every tensor placed as ``load_state_dict`` puts it, as
+    the stream does) in this process, with this process's torch threads on both sides."""
     eager = from_safetensors(build, stack, dtype=dtype)()
     model = streamed(build, stack, prefetch=prefetch, dtype=dtype)
     x = x_of(0).to(dtype or torch.float32)
@@ -298,6 +307,8 @@ def rope_eager(path: Path) -> RopeStack:
 
 
 def test_computed_buffers_are_built_for_real_and_stream_bit_identical(rope: Path) -> None:
+    """Reference: the model built on the CPU and filled by ``load_weights``, in this process,
+    same torch threads."""
     eager = rope_eager(rope)
     model = streamed(RopeStack, rope, prefetch=False)
     x = x_of(0, rows=3)[:, :16]
@@ -392,6 +403,8 @@ def staged(stack: Path, sink: ListSink) -> StagedModels:
 
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs /proc/self/io")
 def test_a_batch_reads_each_block_once_per_step(stack: Path) -> None:
+    """Reference: each call streamed alone (``StagedModels`` without ``map``), in this process,
+    same torch threads."""
     per_block = block_bytes(WIDTH)
     # Separate runs: the reference outputs, and the control for what N calls read.
     sink = ListSink()
@@ -454,6 +467,9 @@ def test_a_batch_with_uneven_calls_serves_blocks_before_the_next_stage(stack: Pa
 
 def run_child(cg, mode: str, checkpoint: Path, out: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # The outputs of two processes are compared: the same torch thread count in both, on
+    # any machine (a kernel's reduction order may follow the thread count).
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     args = [PY, "-m", "stageload.testing.blocks", mode, str(checkpoint), str(out)]
     return cg.run(args, timeout=300, env=env)
 
@@ -462,6 +478,8 @@ def run_child(cg, mode: str, checkpoint: Path, out: Path) -> subprocess.Complete
 def test_a_model_larger_than_its_cgroup_runs_streamed_where_eager_is_oom_killed(
     tmp_path: Path,
 ) -> None:
+    """Reference: ``from_safetensors`` in a child process without the limit. Both children run
+    torch on one thread (``OMP_NUM_THREADS=1``): outputs cross processes."""
     width, depth = 2048, 12  # 12 blocks of 32 MiB: 384 MiB of weights
     checkpoint = tmp_path / "big.safetensors"
     save_block_stack(checkpoint, width=width, depth=depth, features=64, seed=0)

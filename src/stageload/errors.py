@@ -25,3 +25,17 @@ class StageloadError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self.args, dict(vars(self))))
+
+
+class CheckpointError(StageloadError, ValueError):
+    """A checkpoint file that cannot be read as safetensors: truncated, corrupt, missing, or
+    with a header that safetensors itself rejects. ``path`` names the file and ``tensor``
+    the tensor the problem is with (None when it is the file's: its length, its header)."""
+
+    def __init__(self, path: object, problem: str, tensor: str | None = None) -> None:
+        self.path = str(path)
+        self.problem = problem
+        self.tensor = tensor
+        super().__init__(
+            f"{self.path}: {problem}; the file is damaged or incomplete, download or save it again"
+        )

@@ -609,6 +609,7 @@ def _stream_component(
     name: str,
 ) -> nn.Module:
     """``name`` built on meta and streamed block by block from its checkpoint files."""
+    from ..load.placement import MAPPED
     from ..stream import streamed
 
     files = checkpoint_of(folder, {k: v for k, v in kwargs.items() if k in _MODEL_KWARGS})
@@ -621,6 +622,7 @@ def _stream_component(
         device=device,
         name=name,
         events=events,
+        placement=MAPPED,  # as from_pretrained leaves them: in the file's mmap
     )
 
 

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import StageloadError
+from ..errors import CheckpointError
 
 INDEX_SUFFIX = ".index.json"
 # A header larger than this is not a safetensors header (the format caps it at 100 MB).
 _MAX_HEADER = 100_000_000
+# Offsets, dimensions and sizes are a Rust ``usize`` in safetensors: below 2**64.
+_LIMIT = 1 << 64
 
 #: safetensors dtype code -> (torch dtype name, bytes per element, is floating point).
 DTYPES: dict[str, tuple[str, int, bool]] = {
@@ -40,17 +42,6 @@ DTYPES: dict[str, tuple[str, int, bool]] = {
     "U8": ("uint8", 1, False),
     "BOOL": ("bool", 1, False),
 }
-
-
-class CheckpointError(StageloadError, ValueError):
-    """A checkpoint file that cannot be read as safetensors: truncated, corrupt or missing."""
-
-    def __init__(self, path: Path | str, problem: str) -> None:
-        self.path = str(path)
-        self.problem = problem
-        super().__init__(
-            f"{self.path}: {problem}; the file is damaged or incomplete, download or save it again"
-        )
 
 
 @dataclass(frozen=True)
@@ -73,7 +64,16 @@ class Entry:
 
 
 def read_header(path: Path) -> dict[str, Entry]:
-    """The tensors of one safetensors file, checked against the file's real size."""
+    """The tensors of one safetensors file, validated as safetensors validates them.
+
+    The header is a JSON object of at most 100 MB inside the file; each tensor has a known
+    dtype, a shape and two offsets that are non-negative integers below 2**64 (no floats,
+    no ``1e400``), and a byte range of exactly dtype x shape; sorted by offset, the ranges
+    start at 0, follow each other with no gap or overlap, and end where the file does.
+    Anything else raises :class:`CheckpointError` naming the file and the tensor, before a
+    byte of tensor data is trusted: a shifted or overlapping range would fill a module with
+    another tensor's bytes.
+    """
     try:
         size = os.stat(path).st_size
         with open(path, "rb") as f:
@@ -83,43 +83,124 @@ def read_header(path: Path) -> dict[str, Entry]:
             length = int.from_bytes(head, "little")
             if length > min(_MAX_HEADER, size - 8):
                 raise CheckpointError(
-                    path, f"header length {length} exceeds the file's {size} bytes"
+                    path,
+                    f"header length {length} exceeds the file's {size} bytes"
+                    if length <= _MAX_HEADER
+                    else f"header length {length} exceeds safetensors' limit of {_MAX_HEADER}",
                 )
             raw = f.read(length)
     except FileNotFoundError:
         raise FileNotFoundError(f"no checkpoint file at {str(path)!r}") from None
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(path, f"unreadable header ({exc})") from None
-    start = 8 + length
+    header = _parse(path, raw)
     entries: dict[str, Entry] = {}
     for name, info in header.items():
         if name == "__metadata__":
+            _check_metadata(path, info)
             continue
-        try:
-            code = info["dtype"]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-            itemsize = DTYPES[code][1]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(path, f"bad header entry for {name!r}: {info!r}") from None
-        numel = 1
-        for d in shape:
-            numel *= d
-        if end - begin != numel * itemsize or begin < 0:
-            raise CheckpointError(
-                path, f"tensor {name!r}: byte range {begin}..{end} does not hold {shape} {code}"
-            )
-        if start + end > size:
+        entries[name] = _entry(path, name, info, 8 + length)
+    _check_ranges(path, entries, 8 + length, size - 8 - length)
+    return entries
+
+
+def _parse(path: Path, raw: bytes) -> dict[str, Any]:
+    """The header's JSON object; numbers JSON cannot hold exactly and nesting past the
+    parser's depth are errors naming the file, not ``OverflowError``/``RecursionError``."""
+
+    def constant(word: str) -> Any:
+        raise ValueError(f"{word} is not a JSON number")
+
+    try:
+        header = json.loads(raw, parse_constant=constant)
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except RecursionError:
+        raise CheckpointError(path, "unreadable header (nested too deeply)") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(path, f"unreadable header ({exc})") from None
+    return header
+
+
+def _check_metadata(path: Path, info: Any) -> None:
+    if not isinstance(info, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in info.items()
+    ):
+        raise CheckpointError(
+            path, f"bad __metadata__ (safetensors allows strings to strings): {_short(info)}"
+        )
+
+
+def _uint(value: Any) -> bool:
+    """An integer safetensors can hold (a ``usize``): not a bool, not a float."""
+    return type(value) is int and 0 <= value < _LIMIT
+
+
+def _entry(path: Path, name: str, info: Any, start: int) -> Entry:
+    """One tensor's header entry, checked; ``start``: where the data begins in the file."""
+    ok = (
+        isinstance(info, dict)
+        and info.get("dtype") in DTYPES
+        and isinstance(info.get("shape"), list)
+        and all(_uint(d) for d in info["shape"])
+        and isinstance(info.get("data_offsets"), list)
+        and len(info["data_offsets"]) == 2
+        and all(_uint(x) for x in info["data_offsets"])
+    )
+    if not ok:
+        raise CheckpointError(
+            path,
+            f"bad header entry for {name!r}: {_short(info)} (expected a known dtype, a shape "
+            f"and two data_offsets, each a non-negative integer below 2**64)",
+            name,
+        )
+    code, shape = info["dtype"], tuple(info["shape"])
+    begin, end = info["data_offsets"]
+    nbytes = DTYPES[code][1]
+    for d in shape:
+        nbytes *= d
+    if nbytes >= _LIMIT or end < begin or end - begin != nbytes:
+        raise CheckpointError(
+            path,
+            f"tensor {name!r}: byte range {begin}..{end} does not hold {list(shape)} {code}",
+            name,
+        )
+    return Entry(path, start + begin, nbytes, code, shape)
+
+
+def _check_ranges(path: Path, entries: dict[str, Entry], start: int, data: int) -> None:
+    """Sorted by offset, the byte ranges start at 0, follow one another and end at the
+    file's end: no tensor reads another's bytes, no byte belongs to none. ``start``: where
+    the data begins in the file; ``data``: its bytes."""
+    at, previous = 0, None
+    for name, e in sorted(entries.items(), key=lambda kv: (kv[1].offset, kv[1].nbytes)):
+        begin, end = e.offset - start, e.offset - start + e.nbytes
+        if begin != at:
+            after = f"after {previous!r}, which ends at byte {at}" if previous else "the first"
+            what = "overlaps the tensor before it" if begin < at else "leaves a gap"
             raise CheckpointError(
                 path,
-                f"truncated: tensor {name!r} ends at byte {start + end}, the file has {size}",
+                f"tensor {name!r}: byte range {begin}..{end} {what} ({after}); safetensors "
+                "stores tensors contiguously from byte 0",
+                name,
             )
-        entries[name] = Entry(path, start + begin, end - begin, code, shape)
-    return entries
+        at, previous = end, name
+    if at > data:
+        raise CheckpointError(
+            path,
+            f"truncated: tensor {previous!r} ends at byte {start + at}, the file has "
+            f"{start + data}",
+            previous,
+        )
+    if at < data:
+        raise CheckpointError(
+            path,
+            f"{data - at} bytes after the last tensor belong to none (safetensors: "
+            "incomplete metadata)",
+        )
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def checkpoint_files(

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import DTYPES, read_entries
-from .weights import _load, _match, _targets, put
+from .placement import Placement
+from .weights import fill, plan, put, targets
 
 if TYPE_CHECKING:
     import torch
@@ -37,10 +38,10 @@ class Recipe:
     # Keyed by checkpoint key (a computed buffer: its first name in the module then).
     dtypes: dict[str, torch.dtype]  # each tensor's dtype after loading
     computed: dict[str, torch.Tensor]  # non-persistent buffers, on the CPU
-    # Address mod 64 of each CPU tensor: from_pretrained leaves unconverted weights in the
-    # file's mmap, and BLAS kernels (MKL's) may round differently for differently aligned
-    # inputs; a Flux transformer staged here differed from eager in the last bit without it.
-    alignment: dict[str, int]
+    # Where the reference put each tensor (address mod 64): kernels may round differently
+    # for differently aligned inputs; a Flux transformer staged here differed from eager in
+    # the last bit without it (stageload.load.placement).
+    placement: Placement
 
 
 def learn(
@@ -56,30 +57,28 @@ def learn(
     """
     try:
         entries = read_entries(files)
-        targets = _targets(module)
+        found = targets(module)
         if names is not None:
-            targets = [t for t in targets if not t.persistent or set(t.names) & names.keys()]
+            found = [t for t in found if not t.persistent or set(t.names) & names.keys()]
         names = names or {}
-        plan = _match(targets, entries, files, True, names)
+        planned = plan(found, entries, files, names=names)
     except ValueError as exc:
         first = str(exc).splitlines()[1:3]
         return "its keys differ from the checkpoint's (renamed on load?): " + "; ".join(
             s.strip() for s in first
         )
-    for target, entry in plan:
+    for target, entry in planned.reads:
         tensor = target.tensor
         if tensor.is_meta or not _same_start(tensor, entry):
             return f"{target.names[0]!r} differs from the file's (converted on load?)"
-    if any(not t.persistent and t.tensor.is_meta for t in targets):
+    if any(not t.persistent and t.tensor.is_meta for t in found):
         return "it has computed buffers on meta"
-    dtypes = {_key(t, names): t.tensor.dtype for t in targets}
+    dtypes = {_key(t, names): t.tensor.dtype for t in found}
     computed = {
-        _key(t, names): t.tensor.detach().to("cpu", copy=True) for t in targets if not t.persistent
+        _key(t, names): t.tensor.detach().to("cpu", copy=True) for t in found if not t.persistent
     }
-    alignment = {
-        _key(t, names): t.tensor.data_ptr() % 64 for t in targets if t.tensor.device.type == "cpu"
-    }
-    return Recipe(list(files), dtypes, computed, alignment)
+    placement = Placement.recorded({entry: target.tensor for target, entry in planned.reads})
+    return Recipe(list(files), dtypes, computed, placement)
 
 
 def _key(target: Any, names: Mapping[str, str]) -> str:
@@ -105,7 +104,7 @@ def reload(
     import torch
 
     with torch.no_grad():
-        for target in _targets(module):
+        for target in targets(module):
             key = _key(target, names or {})  # not `name`: that is the model's, for the bar
             old = target.tensor
             if not old.is_meta:
@@ -117,11 +116,11 @@ def reload(
             else:
                 continue
             put(target, new)
-    _load(
+    fill(
         module,
         recipe.files,
         device=device,
-        alignment=recipe.alignment,
+        placement=recipe.placement,
         names=names,
         only_empty=True,
         strict=True,

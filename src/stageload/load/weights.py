@@ -33,6 +33,7 @@ from .checkpoint import (
     checkpoint_files,
     read_entries,
 )
+from .placement import COPIED, Placement, empty_at
 from .progress import progress as progress_bar
 from .reader import in_background, run_chunks
 
@@ -40,7 +41,21 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["CheckpointError", "checkpoint_bytes", "from_safetensors", "load_weights"]
+__all__ = [
+    "CheckpointError",
+    "LoadPlan",
+    "Target",
+    "checkpoint_bytes",
+    "default_threads",
+    "fill",
+    "from_safetensors",
+    "install",
+    "load_weights",
+    "plan",
+    "put",
+    "read",
+    "targets",
+]
 
 Files = str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
 
@@ -55,14 +70,15 @@ BOUNCE_BUDGET = 64 << 20
 _ALLOC = "plain" if os.environ.get("STAGELOAD_HUGE_PAGES") == "0" else "thp"
 
 
-def _default_threads() -> int:
+def default_threads() -> int:
+    """Reader threads per load when the caller names none."""
     # Cold reads want several requests in flight; warm ones are bound by page faults and
     # copies, which scale with cores. 4 was best on the 2-core bench machine.
     return max(4, min(8, os.cpu_count() or 4))
 
 
 @dataclass
-class _Target:
+class Target:
     """One tensor of the module (all the names it goes by, tied ones included)."""
 
     tensor: torch.Tensor
@@ -81,6 +97,7 @@ def load_weights(
     threads: int | None = None,
     name: str | None = None,
     progress: bool = True,
+    placement: Placement = COPIED,
 ) -> int:
     """Fill every parameter and buffer of ``module`` from safetensors files; return the bytes.
 
@@ -99,11 +116,16 @@ def load_weights(
         progress: False never shows a bar. Otherwise a load of over a GiB shows one on
             stderr when it is a terminal or ``STAGELOAD_PROGRESS=1`` (``0``: never), except
             on the prefetch thread (``stageload.load.progress``).
+        placement: where each new CPU tensor starts, mod 64, as the loader you compare
+            with puts it (:mod:`stageload.load.placement`): ``COPIED`` (default) as
+            ``load_state_dict`` into a module built on the CPU, ``MAPPED`` as safetensors'
+            ``load_file`` and ``from_pretrained`` (up to 64 bytes more per tensor). Kernels
+            may round differently for differently aligned inputs.
 
     Tied weights (one tensor under several names) stay one tensor. On failure ``module``
     is released, so it cannot be used half filled; the error names the file.
     """
-    return _load(
+    return fill(
         module,
         files,
         device=device,
@@ -112,10 +134,11 @@ def load_weights(
         threads=threads,
         name=name,
         progress=progress,
+        placement=placement,
     )
 
 
-def _load(
+def fill(
     module: nn.Module,
     files: Files,
     *,
@@ -123,19 +146,17 @@ def _load(
     dtype: torch.dtype | None = None,
     strict: bool = True,
     threads: int | None = None,
-    alignment: dict[str, int] | None = None,
+    placement: Placement = COPIED,
     names: Mapping[str, str] | None = None,
     only_empty: bool = False,
     unused_ok: bool = False,
     name: str | None = None,
     progress: bool = True,
 ) -> int:
-    """:func:`load_weights`, plus what adapters that refill a module need.
+    """:func:`load_weights`, plus what adapters that refill a module need (``load.refill``).
 
-    ``alignment``: checkpoint key -> address mod 64 for its CPU tensor. Adapters that must
-    match another loader bit for bit use it: BLAS kernels (MKL's, for one) may round
-    differently for differently aligned inputs, and ``from_pretrained`` leaves unconverted
-    weights where the file's mmap puts them. ``names``: the tensors to fill (others
+    ``placement``: where the new CPU tensors start (:mod:`.placement`). ``names``: the
+    tensors to fill (others
     are left alone), each name -> its key in the checkpoint (peft moves ``to_q.weight``
     to ``to_q.base_layer.weight``). ``only_empty``: fill only the tensors on ``meta``; the
     others (a user's changes, kept in memory) stay as they are. ``unused_ok``: checkpoint
@@ -154,25 +175,28 @@ def _load(
     paths = checkpoint_files(files)
     try:
         entries = read_entries(paths)
-        targets = _targets(module)
+        found = targets(module)
         if names is not None:  # the others are the caller's own (a LoRA's): left alone
-            targets = [t for t in targets if not t.persistent or names.keys() & set(t.names)]
-        plan = _match(targets, entries, paths, strict, names, only_empty, unused_ok)
-        if names and alignment:  # _read_all looks alignment up by the module's names
-            alignment = {
-                **alignment,
-                **{n: alignment[k] for n, k in names.items() if k in alignment},
-            }
+            found = [t for t in found if not t.persistent or names.keys() & set(t.names)]
+        planned = plan(
+            found,
+            entries,
+            paths,
+            strict=strict,
+            names=names,
+            only_empty=only_empty,
+            unused_ok=unused_ok,
+        )
         with torch.no_grad():
-            results, nbytes = _read_all(
-                plan,
+            results, nbytes = read(
+                planned,
                 target_device,
                 dtype,
-                threads or _default_threads(),
-                alignment or {},
+                threads or default_threads(),
+                placement,
                 (name or type(module).__name__, progress),
             )
-            _install(module, targets, results, target_device, dtype, strict)
+            install(module, planned, results, target_device, dtype, strict)
     except BaseException:
         release(module)
         raise
@@ -187,9 +211,9 @@ def from_safetensors(
     ``build()`` runs under ``torch.device("meta")``, so the structure costs no memory and
     its initialisers draw no random numbers; then :func:`load_weights` fills it from
     ``files`` (``kwargs``: ``device``, ``dtype``, ``strict``, ``threads``, ``name``,
-    ``progress``). Buffers that ``build`` computes rather than the checkpoint holding them
-    (non-persistent buffers) have no values on ``meta``: strict mode names them; build such
-    modules yourself and call :func:`load_weights`.
+    ``progress``, ``placement``). Buffers that ``build`` computes rather than the
+    checkpoint holding them (non-persistent buffers) have no values on ``meta``: strict
+    mode names them; build such modules yourself and call :func:`load_weights`.
 
     Example::
 
@@ -198,7 +222,15 @@ def from_safetensors(
     """
     if not callable(build):
         raise TypeError(f"build must be a callable that returns an nn.Module, got {build!r}")
-    unknown = set(kwargs) - {"device", "dtype", "strict", "threads", "name", "progress"}
+    unknown = set(kwargs) - {
+        "device",
+        "dtype",
+        "strict",
+        "threads",
+        "name",
+        "progress",
+        "placement",
+    }
     if unknown:
         raise TypeError(f"from_safetensors() got unexpected keyword(s) {sorted(unknown)!r}")
 
@@ -222,8 +254,9 @@ def from_safetensors(
 
 
 # -- planning ---------------------------------------------------------------------------------
-def _targets(module: nn.Module) -> list[_Target]:
-    by_id: dict[int, _Target] = {}
+def targets(module: nn.Module) -> list[Target]:
+    """Every tensor of ``module`` once, with all its names (tied ones share a target)."""
+    by_id: dict[int, Target] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         computed = non_persistent_buffers(sub)
         own = [
@@ -231,7 +264,7 @@ def _targets(module: nn.Module) -> list[_Target]:
             *sub.named_buffers(recurse=False, remove_duplicate=False),
         ]
         for key, t in own:
-            target = by_id.setdefault(id(t), _Target(t))
+            target = by_id.setdefault(id(t), Target(t))
             target.places.append((sub, key))
             target.names.append(f"{prefix}.{key}" if prefix else key)
             if key in computed:
@@ -239,18 +272,31 @@ def _targets(module: nn.Module) -> list[_Target]:
     return list(by_id.values())
 
 
-def _match(
-    targets: list[_Target],
+@dataclass
+class LoadPlan:
+    """One load, planned from the headers: the module's targets, and those to read, each
+    with the checkpoint entry it reads from. :func:`plan` makes it, :func:`read` reads
+    it into fresh tensors (any thread: it touches no module), :func:`install` puts them in
+    (the thread that owns the module)."""
+
+    targets: list[Target]
+    reads: list[tuple[Target, Entry]]
+
+
+def plan(
+    targets: list[Target],
     entries: dict[str, Entry],
     paths: list[Path],
-    strict: bool,
+    *,
+    strict: bool = True,
     names: Mapping[str, str] | None = None,
     only_empty: bool = False,
     unused_ok: bool = False,
-) -> list[tuple[_Target, Entry]]:
-    """Each target with the checkpoint entry it loads from (see :func:`_load` for ``names``
-    and ``only_empty``)."""
-    plan: list[tuple[_Target, Entry]] = []
+) -> LoadPlan:
+    """Each of ``targets`` (from :func:`targets`) with the checkpoint entry it loads from;
+    missing, unexpected and mismatched keys raise one ``ValueError`` naming ``paths`` (see
+    :func:`fill` for ``names``, ``only_empty`` and ``unused_ok``)."""
+    reads: list[tuple[Target, Entry]] = []
     used: set[str] = set()
     missing: list[str] = []
     mismatched: list[str] = []
@@ -272,7 +318,7 @@ def _match(
                 f"{list(target.tensor.shape)} in the module"
             )
             continue
-        plan.append((target, entry))
+        reads.append((target, entry))
     unexpected = [f"{k} ({e.file.name})" for k, e in entries.items() if k not in used]
     problems = []
     if mismatched:
@@ -289,7 +335,7 @@ def _match(
             + "\nbuild the module with the checkpoint's config, or pass strict=False to skip "
             "missing and unexpected keys"
         )
-    return plan
+    return LoadPlan(targets, reads)
 
 
 def _listing(what: str, names: list[str], limit: int = 20) -> str:
@@ -300,32 +346,33 @@ def _listing(what: str, names: list[str], limit: int = 20) -> str:
 
 
 # -- reading ----------------------------------------------------------------------------------
-def _read_all(
-    plan: list[tuple[_Target, Entry]],
+def read(
+    planned: LoadPlan,
     device: torch.device,
     dtype: torch.dtype | None,
     threads: int,
-    alignment: dict[str, int],
+    placement: Placement = COPIED,
     bar: tuple[str, bool] = ("", False),
 ) -> tuple[dict[int, torch.Tensor], int]:
-    """Allocate every destination and fill it; returns {id(target): tensor}, total bytes.
+    """Allocate every destination of ``planned`` and fill it; returns {id(target): tensor}
+    and the bytes. Touches no module: a read ahead runs it on its own thread.
 
     ``bar``: the model's name and whether a progress bar may show (:mod:`.progress`).
     """
     import torch
 
-    threads = min(threads, max(1, sum(-(-e.nbytes // CHUNK) for _, e in plan)))
+    threads = min(threads, max(1, sum(-(-e.nbytes // CHUNK) for _, e in planned.reads)))
     bounce = min(CHUNK, max(1 << 20, BOUNCE_BUDGET // threads))
     fds: dict[Path, int] = {}
     results: dict[int, torch.Tensor] = {}
     jobs: list[tuple[int, Path, int, int, torch.Tensor, int, torch.dtype | None]] = []
     total = 0
     try:
-        for target, entry in plan:
+        for target, entry in planned.reads:
             old = target.tensor
             want = dtype if dtype is not None and old.is_floating_point() else old.dtype
             src = getattr(torch, DTYPES[entry.dtype][0])
-            dst = _destination(old, want, device, alignment.get(target.names[0], 0))
+            dst = _destination(old, want, device, placement.misalign(entry, want, device))
             results[id(target)] = dst
             total += dst.nbytes
             if entry.file not in fds:
@@ -356,7 +403,8 @@ def _destination(
 ) -> torch.Tensor:
     """The tensor the bytes go into: ``old`` itself when it can be overwritten in place.
 
-    ``misalign``: the new tensor's address mod 64 on the CPU (see :func:`_load`).
+    ``misalign``: the new tensor's address mod 64 on the CPU (:mod:`.placement`); a
+    tensor overwritten in place stays where it is, as ``load_state_dict`` leaves it.
     """
     import torch
 
@@ -369,14 +417,10 @@ def _destination(
         and old.untyped_storage().nbytes() == old.nbytes
     ):
         return old.detach()
-    itemsize = dtype.itemsize
-    if device.type != "cpu" or misalign % itemsize or not 0 < misalign < 64:
+    if device.type != "cpu":
         dst = torch.empty(old.shape, dtype=dtype, device=device)
     else:
-        nbytes = old.numel() * itemsize
-        raw = torch.empty(nbytes + 64, dtype=torch.uint8)
-        shift = (misalign - raw.data_ptr()) % 64
-        dst = raw[shift : shift + nbytes].view(dtype).view(old.shape)
+        dst = empty_at(tuple(old.shape), dtype, misalign)
     # Not for a load ahead: a huge-page fault may stop to compact memory, and on this VM a
     # third of the loads ahead then took over 0.25 s (90th percentile 0.40 s, plain: 1 %,
     # 0.17 s), longer than the stage they were to hide behind, and the cost model, timing
@@ -389,7 +433,7 @@ def _destination(
 
 
 # -- installing -------------------------------------------------------------------------------
-def put(target: _Target, new: torch.Tensor) -> None:
+def put(target: Target, new: torch.Tensor) -> None:
     """Give ``target``'s tensor object the contents of ``new``, under every name it has.
 
     The module keeps its own tensor objects (tied weights stay tied, and an adapter can
@@ -413,18 +457,19 @@ def put(target: _Target, new: torch.Tensor) -> None:
         target.tensor = value
 
 
-def _install(
+def install(
     module: nn.Module,
-    targets: list[_Target],
+    planned: LoadPlan,
     results: dict[int, torch.Tensor],
     device: torch.device,
     dtype: torch.dtype | None,
     strict: bool,
 ) -> None:
-    """Put the loaded tensors into the module; one object per tied group keeps it tied."""
+    """Put the tensors :func:`read` returned into ``module`` (the planned targets'); one
+    object per tied group keeps it tied. A released module filled again is live again."""
 
     unfilled: list[str] = []
-    for target in targets:
+    for target in planned.targets:
         old = target.tensor
         new = results.get(id(target))
         if new is None:

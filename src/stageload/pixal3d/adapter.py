@@ -41,6 +41,7 @@ from ..hooks.on_call import on_call
 from ..hooks.registry import patch
 from ..hooks.share import share
 from ..load.meta import build_on_meta
+from ..load.placement import COPIED
 from ..stream import Stream, StreamError, find_blocks, stream_of, streamed
 from ._fill import FastReload
 from ._parts import ExtractorRecipe, Holder, LazyEntry, NafRecipe, Unloaded, build_on_device
@@ -367,7 +368,10 @@ class Pixal3DRun:
         previous = self._streams.pop(name, None)
         if previous is not None:
             previous.close()
-        model = streamed(build, file, device=self.device, name=name, events=self.events)
+        # The port fills its models with load_state_dict: every tensor 64-byte aligned.
+        model = streamed(
+            build, file, device=self.device, name=name, events=self.events, placement=COPIED
+        )
         stream = stream_of(model)
         if stream is not None:  # always, from streamed()
             self._streams[name] = stream
