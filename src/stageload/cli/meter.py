@@ -207,9 +207,16 @@ def run(args: argparse.Namespace) -> int:
                     end["signal"] = f"SIG{-proc.returncode}"
             meter.stop(**end)
     elapsed = time.monotonic() - started
+    if meter.failure is not None:  # said on stderr when it happened
+        figures = f"trace incomplete ({meter.failure})"
+    else:
+        try:
+            figures = summary_line(load_summary(output))
+        except (OSError, ValueError) as exc:  # removed or damaged meanwhile: CMD's code stands
+            figures = f"trace unreadable ({getattr(exc, 'strerror', None) or exc})"
     print(
         f"stageload meter: exit {code} after {format_duration(elapsed)}; "
-        f"{summary_line(load_summary(output))}; {meter.samples} samples in {str(output)}",
+        f"{figures}; {meter.samples} samples in {str(output)}",
         file=sys.stderr,
     )
     return code
