@@ -343,7 +343,9 @@ class Guard:
         """After the command exited by itself: how many processes of its group it left
         running, and how many that left the group; stopped as a supervisor would unless
         ``leave_group``; (in the group, left running, escaped)."""
-        count, escaped = len(group.members()), len(group.escaped())
+        count, escaped = len(group.members()), len(group.escaped_settled())
+        if not (count or escaped) and group.anything_left():
+            escaped = 1  # a listing missed it (it forked meanwhile); the cgroup did not
         if (count or escaped) and not self.config.leave_group:
             self._emit(
                 f"stop: the command exited, leaving {count} processes in its group and "
