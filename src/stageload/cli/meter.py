@@ -208,9 +208,7 @@ def run(args: argparse.Namespace) -> int:
             proc = subprocess.Popen(command, env=command_env(output, events=args.events))
         except OSError as exc:
             meter.cancel()  # nothing ran: no trace, and an older one at the path stays whole
-            print(
-                f"stageload meter: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr
-            )
+            print(f"stageload meter: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
             return EXIT_CANNOT_START
         forwarder.proc = proc
         meter.pid = proc.pid
