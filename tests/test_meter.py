@@ -287,7 +287,7 @@ def test_meter_of_another_process_measures_that_process(tmp_path: Path) -> None:
     try:
         assert child.stdout is not None and child.stdout.readline() == "1\n"
         with MemoryMeter(tmp_path / "run.jsonl", 0.02, pid=child.pid, tree=False) as meter:
-            time.sleep(0.1)
+            _wait_samples(meter.path, 2)
     finally:
         child.kill()
         child.wait()
