@@ -245,13 +245,23 @@ def _metered_growth(path: str) -> None:
     """Meter this process while it takes 4 x 32 MiB (run inside a cgroup by ``call``)."""
     from stageload.meter import MemoryMeter
 
+    def samples() -> int:
+        with open(path, "rb") as f:
+            return f.read().count(b'{"type":"sample"')
+
+    def two_more() -> None:  # a state to wait for: two samples after this point
+        goal, deadline = samples() + 2, time.monotonic() + 30
+        while samples() < goal:
+            assert time.monotonic() < deadline, "the meter stopped sampling"
+            time.sleep(0.01)
+
     held = []
     with MemoryMeter(path, 0.05, meta={"label": "growth"}) as meter:
-        time.sleep(0.2)
+        two_more()
         for step in range(4):
             held.append(bytearray(32 * MiB))
             meter.mark(f"+{32 * (step + 1)} MiB")
-            time.sleep(0.2)
+            two_more()
 
 
 def _trace(path: Path) -> tuple[dict, list[dict]]:

@@ -118,6 +118,23 @@ def wait_for(path: Path, timeout: float = 15.0) -> str:
     raise AssertionError(f"{path} was not written within {timeout} s")
 
 
+def wait_line(proc: subprocess.Popen[bytes], text: str, timeout: float = 30.0) -> bytes:
+    """Read ``proc``'s stderr until a line holds ``text``; what was read. A state to wait
+    for (the guard said it), never a sleep for a guess."""
+    assert proc.stderr is not None
+    fd, seen = proc.stderr.fileno(), b""
+    deadline = time.monotonic() + timeout
+    while text.encode() not in seen:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AssertionError(f"no line with {text!r} within {timeout} s: {seen!r}")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise AssertionError(f"stderr closed before a line with {text!r}: {seen!r}")
+        seen += chunk
+    return seen
+
+
 def gone(pid: int) -> bool:
     """True when ``pid`` no longer runs (exited, or a zombie waiting for its reaper)."""
     try:
@@ -467,36 +484,32 @@ def test_leave_group_keeps_what_the_command_left_running(
 
 def test_busy_pattern_waits_for_the_process_then_for_quiet(
     tmp_path: Path,
-    capfd: pytest.CaptureFixture[str],
     spawn: Callable[..., subprocess.Popen[bytes]],
 ) -> None:
     """The guard waits while a real process whose command line matches --busy runs, and
     starts the command only once that process has been gone for --quiet-for."""
     marker = f"stageload-busy-{uuid.uuid4().hex[:8]}"
     busy = spawn([PY, "-c", "import time; time.sleep(60)", marker])
-    gone_at: list[float] = []
-
-    def end_busy() -> None:
-        time.sleep(1.0)
-        busy.terminate()
-        busy.wait(10)
-        gone_at.append(time.monotonic())
-
-    ender = threading.Thread(target=end_busy, daemon=True)
-    ender.start()
     started = tmp_path / "started"
-    code = main(
-        ["guard", "--wait-free", "0", "--busy", marker, "--quiet-for", "1s", "--poll", "0.1s",
-         "--start-timeout", "30s", "--", PY, "-c",
-         f"import time; open({str(started)!r}, 'w').write(repr(time.monotonic()))"]
+    guard = spawn(
+        guard_cli("--wait-free", "0", "--busy", marker, "--quiet-for", "1s", "--poll", "0.1s",
+                  "--start-timeout", "60s", "--", PY, "-c",
+                  f"import time; open({str(started)!r}, 'w').write(repr(time.monotonic()))"),
+        env=guard_env(),
+        stderr=subprocess.PIPE,
     )  # fmt: skip
-    ender.join(10)
-    err = capfd.readouterr().err
+    # The guard has seen it running (a state it says), then it goes.
+    seen = wait_line(guard, f"busy {marker!r} running")
+    busy.terminate()
+    busy.wait(10)
+    gone_at = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process here
+    _, rest = guard.communicate(timeout=60)
+    err = (seen + rest).decode()
     no_traceback(err)
-    assert code == 0, err
+    assert guard.returncode == 0, err
     start_time = float(started.read_text())
     # Last seen at most one poll (0.1 s) before it was gone, then 1 s of quiet.
-    assert start_time >= gone_at[0] + 1.0 - 0.1 - 0.02
+    assert start_time >= gone_at + 1.0 - 0.1 - 0.02
     running = [line for line in err.splitlines() if f"busy {marker!r} running" in line]
     # Not a terminal: one line per change of state, not one per poll.
     assert len(running) == 1, err
@@ -788,17 +801,22 @@ def test_second_signal_sends_sigkill_at_once(
     pidfile = tmp_path / "pid"
     guard, child = _start_guard(spawn, track, pidfile, "ignore-term", "--grace", "60s")
     guard.send_signal(signal.SIGINT)
-    time.sleep(0.3)  # the guard has sent SIGTERM and waits out the grace
+    # The guard says when it starts the stop: from then on a signal is the second one,
+    # however busy the machine (two SIGINTs both pending would merge into one).
+    seen = wait_line(guard, "stageload guard: stopping: guard got SIGINT")
     assert not gone(child)
     guard.send_signal(signal.SIGINT)
-    _, err = guard.communicate(timeout=20)  # far less than the 60 s grace
+    _, err = guard.communicate(timeout=60)  # far less than the 60 s grace from its start
+    err = seen + err
     no_traceback(err.decode())
     assert guard.returncode == 128 + signal.SIGINT == 130
     assert wait_gone(child)
     assert "SIGKILL at once on a second signal" in err.decode()
 
 
+@pytest.mark.parametrize("paused", [False, True], ids=["sent", "pending-together"])
 def test_two_signals_back_to_back_send_sigkill_at_once(
+    paused: bool,
     tmp_path: Path,
     spawn: Callable[..., subprocess.Popen[bytes]],
     track: Callable[[int], None],
@@ -809,15 +827,59 @@ def test_two_signals_back_to_back_send_sigkill_at_once(
     SIGINT then SIGTERM: two SIGINTs this close may be merged into one by the kernel (a
     standard signal pending twice is delivered once), and one signal is not two."""
     pidfile = tmp_path / "pid"
+    # The command wrote its pid: the guard started it, so its handlers are in (they are
+    # installed before the command starts); whether its loop has begun does not matter.
     guard, child = _start_guard(spawn, track, pidfile, "ignore-term", "--grace", "60s")
-    time.sleep(0.2)  # the guard is in its watch loop
+    if paused:  # the closest two can come: both pending when the guard next runs
+        os.kill(guard.pid, signal.SIGSTOP)
     os.kill(guard.pid, signal.SIGINT)
     os.kill(guard.pid, signal.SIGTERM)
-    _, err = guard.communicate(timeout=20)  # far less than the 60 s grace
+    if paused:
+        os.kill(guard.pid, signal.SIGCONT)
+    _, err = guard.communicate(timeout=50)  # less than the 60 s grace
     no_traceback(err.decode())
     assert guard.returncode == 128 + signal.SIGINT == 130
     assert wait_gone(child)
     assert "SIGKILL at once on a second signal" in err.decode()
+
+
+# Puts back the race the guard avoids: the signals counted when the wind-down begins,
+# not when the stop was decided, so a second signal already in is taken for the first.
+LATE_COUNT = """
+import sys
+from stageload.guard import Guard
+_wind_down = Guard._wind_down
+Guard._wind_down = lambda self, group, before: _wind_down(
+    self, group, len(self._signals.received))
+from stageload.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_control_signals_counted_late_miss_the_second_of_two_back_to_back(
+    tmp_path: Path,
+    spawn: Callable[..., subprocess.Popen[bytes]],
+    track: Callable[[int], None],
+) -> None:
+    """Control for the test above: counting at the wind-down instead of at the decision,
+    two signals already in read as one, and the grace (2 s here) runs out instead."""
+    pidfile = tmp_path / "pid"
+    guard = spawn(
+        [PY, "-c", LATE_COUNT, "guard", "--wait-free", "0", "--grace", "2s", "--",
+         PY, "-c", SLEEPER, str(pidfile), "ignore-term"],
+        env=guard_env(),
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    track(int(wait_for(pidfile)))
+    # Both in before the guard acts on the first: stop the guard between the two sends.
+    os.kill(guard.pid, signal.SIGSTOP)
+    os.kill(guard.pid, signal.SIGINT)
+    os.kill(guard.pid, signal.SIGTERM)
+    os.kill(guard.pid, signal.SIGCONT)
+    _, err = guard.communicate(timeout=60)
+    no_traceback(err.decode())
+    assert guard.returncode == 130
+    assert "SIGKILL after 2.0 s grace" in err.decode(), err.decode()
 
 
 def test_a_guard_killed_with_sigkill_takes_its_command_group_with_it(
@@ -849,6 +911,7 @@ def test_a_guard_killed_with_sigkill_takes_its_command_group_with_it(
     assert wait_gone(child, 5.0), "the command's group outlived its guard"
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
 def test_signal_ignored_at_start_stays_ignored(
     tmp_path: Path,
     spawn: Callable[..., subprocess.Popen[bytes]],
@@ -869,14 +932,24 @@ def test_signal_ignored_at_start_stays_ignored(
         stderr=subprocess.PIPE,
     )
     track(int(wait_for(pidfile)))
-    time.sleep(0.2)  # nohup has exec'd the guard, which is watching
+    # The command runs, so the guard (nohup exec'd it) has set up its signals. SIGHUP is
+    # still ignored there, which the kernel says: an ignored signal is dropped when sent,
+    # so the SIGHUP below can neither stop the command nor end the guard, at any delay.
+    assert _sig_mask(guard.pid, "SigIgn") & (1 << (signal.SIGHUP - 1))
+    assert not _sig_mask(guard.pid, "SigCgt") & (1 << (signal.SIGHUP - 1))
     guard.send_signal(signal.SIGHUP)
-    time.sleep(0.3)
-    assert guard.poll() is None, "the guard died from an ignored SIGHUP"
     (tmp_path / "pid.go").touch()
     _, err = guard.communicate(timeout=20)
     no_traceback(err.decode())
     assert guard.returncode == 5
+
+
+def _sig_mask(pid: int, field: str) -> int:
+    """A signal mask of ``pid`` from /proc/PID/status (SigIgn, SigCgt, ...)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
 # -- swap growth -----------------------------------------------------------------------

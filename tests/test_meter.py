@@ -50,6 +50,14 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
+def _wait_samples(path: Path, n: int, timeout: float = 30.0) -> None:
+    """Wait until the trace at ``path`` holds ``n`` sample records."""
+    deadline = time.monotonic() + timeout
+    while path.read_bytes().count(b'{"type":"sample"') < n:
+        assert time.monotonic() < deadline, f"fewer than {n} samples in {timeout} s"
+        time.sleep(0.01)
+
+
 def _tiny_staged(tmp_path: Path, meter: MemoryMeter):
     from fixtures.tiny import load_block, save_block
     from stageload.core.staged import StagedModels
@@ -77,7 +85,7 @@ def test_meter_records_samples_events_marks_and_end(tmp_path: Path, sampler: str
         models.enter("decode")
         models["decoder"](torch.ones(2, 32))
         meter.mark("decoded")
-        time.sleep(0.1)
+        _wait_samples(path, 2)  # a state, not a sleep: the stop adds the third
     models.close()  # after the meter stopped: its events are dropped, not an error
     records = read_records(path)
     start, end = records[0], records[-1]
@@ -279,7 +287,7 @@ def test_meter_of_another_process_measures_that_process(tmp_path: Path) -> None:
     try:
         assert child.stdout is not None and child.stdout.readline() == "1\n"
         with MemoryMeter(tmp_path / "run.jsonl", 0.02, pid=child.pid, tree=False) as meter:
-            time.sleep(0.1)
+            _wait_samples(meter.path, 2)
     finally:
         child.kill()
         child.wait()
@@ -453,8 +461,8 @@ def test_meter_command_forwards_signals_to_the_command(tmp_path: Path, sig: int)
         start_new_session=True,  # the child of `meter` gets the signal only if forwarded
     )
     try:
+        # The command runs, so meter's forwarder is in (installed before it starts).
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-        time.sleep(0.2)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
     finally:
@@ -527,8 +535,7 @@ def test_ctrl_c_in_a_terminal_reaches_the_command_once(tmp_path: Path) -> None:
         deadline = time.monotonic() + 60
         while b"ready" not in output and time.monotonic() < deadline:
             output += os.read(fd, 1024)
-        assert b"ready" in output, output
-        time.sleep(0.2)
+        assert b"ready" in output, output  # the command runs: meter's handlers are in
         os.write(fd, b"\x03")  # Ctrl-C, turned into SIGINT by the terminal driver
         while True:
             try:

@@ -65,13 +65,17 @@ def test_a_second_meter_on_the_same_trace_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     # The first run's command appends an event of its own (stageload.core.outer) while the
     # first meter holds the lock: such appenders are part of the run, not a second writer.
+    # It runs until the test says go (a file), not for a guessed time: the second meter
+    # must meet the first one still running however slow the machine is.
+    go = tmp_path / "go"
     child = (
-        "import time\n"
+        "import os, time\n"
         "from stageload.core.events import Event\n"
         "from stageload.core.outer import emit_outer\n"
-        "time.sleep(1.0)\n"
         "emit_outer(Event('note', note='from the command'))\n"
-        "time.sleep(1.5)\n"
+        "deadline = time.monotonic() + 120\n"
+        f"while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
     )
     first = subprocess.Popen(
         [sys.executable, "-m", "stageload", "meter", "-o", str(path), "--label", "first",
@@ -89,6 +93,7 @@ def test_a_second_meter_on_the_same_trace_is_refused(tmp_path: Path) -> None:
         assert second.returncode == 2
         assert "-o" in second.stderr and "another run" in second.stderr
         assert "Traceback" not in second.stderr
+        go.touch()
         _, err = first.communicate(timeout=120)
     finally:
         if first.poll() is None:

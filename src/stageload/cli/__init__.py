@@ -28,6 +28,13 @@ COMMANDS: dict[str, str] = {
 #: Exit code for bad command-line usage, as argparse uses.
 EXIT_USAGE = 2
 
+# Commands whose output is the point: a reader that went away (`stageload report | head`)
+# took what it wanted, so a broken pipe is a success for them and for them only.
+_OUTPUT_COMMANDS = frozenset({"report", "queue"})
+# Commands that run a command and exit with its code: their stderr never fails them
+# (`stageload guard -- CMD 2>&1 | true` exits with CMD's code, not 0 or 1).
+_COMMAND_RUNNERS = frozenset({"guard", "meter", "run"})
+
 
 class _CommandParser(argparse.ArgumentParser):
     """A subcommand's parser: an unknown flag is reported here, with this command's usage,
@@ -62,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(cmd)
-        cmd.set_defaults(_run=module.run)
+        cmd.set_defaults(_run=module.run, _name=name)
     return parser
 
 
@@ -73,17 +80,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    stderr = sys.stderr
+    if args._name in _COMMAND_RUNNERS:
+        from ._stderr import QuietStream
+
+        sys.stderr = QuietStream(stderr)  # type: ignore[assignment]
     try:
         return int(args._run(args))
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        # The reader went away (`stageload report --json | head`): not an error of ours.
-        # Point stdout at devnull so the interpreter's final flush does not fail again.
+        # The reader went away (`stageload report --json | head`). Point stdout at devnull
+        # so the interpreter's final flush does not fail again.
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return 0 if args._name in _OUTPUT_COMMANDS else 1
+    finally:
+        sys.stderr = stderr
 
 
 if __name__ == "__main__":

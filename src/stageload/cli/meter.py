@@ -108,21 +108,44 @@ def _in_terminal_foreground() -> bool:
 
 
 class _Forwarder:
-    """Passes SIGINT and SIGTERM on to the command while it runs; restores handlers after."""
+    """Passes SIGINT and SIGTERM on to the command while it runs; restores handlers after.
+
+    Installed before the command starts (``proc`` is set once it has): a signal that comes
+    as the command starts is held and passed on then, never taken for one to this process
+    (a KeyboardInterrupt, or death by SIGTERM) while the command runs on."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        self.proc = proc
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._held: list[int] = []
         self.previous: dict[int, Any] = {}
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self._proc
+
+    @proc.setter
+    def proc(self, proc: subprocess.Popen[bytes]) -> None:
+        self._proc = proc
+        held, self._held = self._held, []
+        for signum in held:
+            self._pass(signum)
 
     def _handle(self, signum: int, frame: object) -> None:
         # A terminal's Ctrl-C already reached the command (same process group); sending it
         # again could interrupt the command's own clean-up. Anything else is passed on.
         if signum == signal.SIGINT and _in_terminal_foreground():
             return
+        if self._proc is None:
+            self._held.append(signum)
+            return
+        self._pass(signum)
+
+    def _pass(self, signum: int) -> None:
+        assert self._proc is not None
         with contextlib.suppress(OSError):
-            self.proc.send_signal(signum)
+            self._proc.send_signal(signum)
 
     def __enter__(self) -> _Forwarder:
         for sig in self.SIGNALS:
@@ -179,14 +202,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"stageload meter: error: -o {str(output)!r}: {exc.strerror}", file=sys.stderr)
         return EXIT_USAGE
     started = time.monotonic()
-    try:
-        proc = subprocess.Popen(command, env=command_env(output, events=args.events))
-    except OSError as exc:
-        meter.cancel()  # nothing ran: no trace, and an older one at the path stays whole
-        print(f"stageload meter: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
-        return EXIT_CANNOT_START
-    meter.pid = proc.pid
-    with _Forwarder(proc):
+    forwarder = _Forwarder()
+    with forwarder:
+        try:
+            proc = subprocess.Popen(command, env=command_env(output, events=args.events))
+        except OSError as exc:
+            meter.cancel()  # nothing ran: no trace, and an older one at the path stays whole
+            print(f"stageload meter: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
+            return EXIT_CANNOT_START
+        forwarder.proc = proc
+        meter.pid = proc.pid
         try:
             meter.start(command=command)
         except BaseException:
@@ -207,9 +232,16 @@ def run(args: argparse.Namespace) -> int:
                     end["signal"] = f"SIG{-proc.returncode}"
             meter.stop(**end)
     elapsed = time.monotonic() - started
+    if meter.failure is not None:  # said on stderr when it happened
+        figures = f"trace incomplete ({meter.failure})"
+    else:
+        try:
+            figures = summary_line(load_summary(output))
+        except (OSError, ValueError) as exc:  # removed or damaged meanwhile: CMD's code stands
+            figures = f"trace unreadable ({getattr(exc, 'strerror', None) or exc})"
     print(
         f"stageload meter: exit {code} after {format_duration(elapsed)}; "
-        f"{summary_line(load_summary(output))}; {meter.samples} samples in {str(output)}",
+        f"{figures}; {meter.samples} samples in {str(output)}",
         file=sys.stderr,
     )
     return code

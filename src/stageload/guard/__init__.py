@@ -202,6 +202,9 @@ class Guard:
 
     # watching --------------------------------------------------------------------------
 
+    def _trace_failed(self, message: str) -> None:
+        self.status.line(f"stageload guard: warning: {message}; still guarding")
+
     def _emit(self, note: str) -> None:
         if self._trace is not None:
             self._trace.event(Event(GUARD, note=note))
@@ -340,7 +343,9 @@ class Guard:
         """After the command exited by itself: how many processes of its group it left
         running, and how many that left the group; stopped as a supervisor would unless
         ``leave_group``; (in the group, left running, escaped)."""
-        count, escaped = len(group.members()), len(group.escaped())
+        count, escaped = len(group.members()), len(group.escaped_settled())
+        if not (count or escaped) and group.anything_left():
+            escaped = 1  # a listing missed it (it forked meanwhile); the cgroup did not
         if (count or escaped) and not self.config.leave_group:
             self._emit(
                 f"stop: the command exited, leaving {count} processes in its group and "
@@ -352,6 +357,13 @@ class Guard:
     def _stop(self, group: CommandGroup, why: str, signals_before: int) -> str:
         """Stop the group (``_wind_down``) and reap the command; the reason for the result."""
         self._emit(f"stop: {why}; SIGTERM to process group {group.pgid}")
+        # Said before the wait, so whoever watches (a user, a test) knows the stop began
+        # and that a signal from now on is the second one.
+        self.status.line(
+            f"stageload guard: stopping: {why}; SIGTERM to process group {group.pgid}, "
+            f"SIGKILL after {format_duration(self.config.grace)} or at once on a "
+            "further signal"
+        )
         killed = self._wind_down(group, signals_before)
         with contextlib.suppress(Exception):
             returncode = group.reap(timeout=_KILL_WAIT)
@@ -368,7 +380,8 @@ class Guard:
             # Opened before waiting: an unwritable path fails now, not after the command
             # started.
             try:
-                self._trace = TraceWriter(self.config.trace)
+                # A write that fails later (a full disk) stops the trace, never the guard.
+                self._trace = TraceWriter(self.config.trace, on_fail=self._trace_failed)
             except OSError as exc:
                 raise GuardSetupError(exc.strerror or str(exc)) from exc
         started = False

@@ -17,6 +17,12 @@ subreaper while a command runs (``PR_SET_CHILD_SUBREAPER``), so they are reparen
 when their parent exits rather than to init. They carry ``STAGELOAD_GUARD_ID`` in their
 environment, which tells them from other children of the guard's process; ``escaped()``
 lists them and ``wind_down`` stops them with the group.
+
+However they fork: where the guard may make a cgroup v2 (``contain``), the command starts
+inside one of its own, and everything it ever forks stays there; the stop ends with
+``cgroup.kill``, which leaves no window for a fork. Elsewhere the subreaper sweep is
+repeated until a round finds nothing alive and nothing that died since the round before
+(a death is the only way an orphan appears, so a listing that raced a fork shows up as one).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import psutil
 
 from ..errors import StageloadError
 from ..units import format_duration
+from .contain import CommandCgroup
 
 #: The command could not be started (not found, not executable), as a shell exits.
 EXIT_CANNOT_START = 127
@@ -50,7 +57,13 @@ GUARD_ID_ENV = "STAGELOAD_GUARD_ID"
 # The watchdog: "done" on its stdin lets it go; end of file (the guard died) SIGKILLs the
 # group $1. It ignores the signals a terminal or a "kill" sends, so only the guard's end
 # (or SIGKILL) ends it. $0 names it in ps.
-_WATCHDOG = "trap '' INT HUP TERM QUIT; read _ || kill -9 -\"$1\""
+# With a cgroup ($2) the watchdog empties it too, forks in flight included.
+_WATCHDOG = (
+    "trap '' INT HUP TERM QUIT; read _ || "
+    '{ kill -9 -"$1"; [ -z "$2" ] || echo 1 > "$2/cgroup.kill"; }'
+)
+# How long the subreaper sweep may take to settle before it says it could not.
+_SWEEP_SETTLE = 2.0
 
 _PR_SET_CHILD_SUBREAPER = 36
 _subreaper_lock = threading.Lock()
@@ -110,18 +123,20 @@ class CommandGroup:
     in it; ``leader_exited()`` tells whether the command has ended, without reaping it.
     """
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, argv: Sequence[str], env: Mapping[str, str] | None = None, *, contain: bool = True
+    ) -> None:
         if not argv:
             raise ValueError("empty command: give the command after '--', e.g. -- python run.py")
         self.guard_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         env = dict(os.environ if env is None else env)
         env[GUARD_ID_ENV] = self.guard_id
+        #: The cgroup v2 the command runs in (``contain``), or None: the subreaper sweep.
+        self.cgroup = CommandCgroup.create() if contain else None
         try:
-            # start_new_session: setsid() in the child, so pgid == sid == pid, the group gets
-            # no terminal signals (the guard relays them), and the group id cannot be joined
-            # from outside this session.
-            self.popen = subprocess.Popen(list(argv), start_new_session=True, env=env)
+            self.popen = self._start(list(argv), env)
         except OSError as exc:
+            self._drop_cgroup()
             raise CannotStartError(argv, exc) from exc
         self.argv = list(argv)
         self.pid = self.popen.pid
@@ -130,6 +145,11 @@ class CommandGroup:
         #: Pids of the processes seen outside the group with our guard id (``escaped()``).
         self.escapers: set[int] = set()
         self._reaped_escapers: set[int] = set()
+        # Sessions and groups of escapers seen alive (not the guard's own).
+        self._escaper_sids: set[int] = set()
+        self._escaper_groups: set[int] = set()
+        #: The last sweep could not settle (see ``escaped_settled``).
+        self.unsettled = False
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._watchdog_fd: int | None = None
         self._start_watchdog()
@@ -143,11 +163,35 @@ class CommandGroup:
             with contextlib.suppress(OSError):
                 self._pidfd = os.pidfd_open(self.pid)
 
+    def _start(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        # start_new_session: setsid() in the child, so pgid == sid == pid, the group gets
+        # no terminal signals (the guard relays them), and the group id cannot be joined
+        # from outside this session.
+        if self.cgroup is not None:
+            fd = self.cgroup.procs_fd()
+            try:
+                # In the child before exec: "0" moves the writer, so the command is in the
+                # cgroup before its first instruction, and so is all it forks.
+                return subprocess.Popen(
+                    argv, start_new_session=True, env=env, preexec_fn=lambda: os.write(fd, b"0")
+                )
+            except subprocess.SubprocessError:  # the move was refused: sweep instead
+                self._drop_cgroup()
+            finally:
+                os.close(fd)
+        return subprocess.Popen(argv, start_new_session=True, env=env)
+
+    def _drop_cgroup(self) -> None:
+        if self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
+
     def _start_watchdog(self) -> None:
         read_fd, write_fd = os.pipe()  # not inheritable: the command never holds the end
+        cgroup = "" if self.cgroup is None else str(self.cgroup.path)
         try:
             self._watchdog = subprocess.Popen(
-                ["/bin/sh", "-c", _WATCHDOG, "stageload-guard-watchdog", str(self.pgid)],
+                ["/bin/sh", "-c", _WATCHDOG, "stageload-guard-watchdog", str(self.pgid), cgroup],
                 stdin=read_fd,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -227,35 +271,101 @@ class CommandGroup:
         return found
 
     def escaped(self) -> list[psutil.Process]:
-        """Live processes that left the command's group but carry its guard id: reparented
-        to this (subreaper) process, and their descendants. Reaps those that ended."""
+        """Live processes that left the command's group: in its cgroup, or (without one)
+        carrying its guard id, reparented to this (subreaper) process, and their
+        descendants. Reaps those that ended. One listing: ``escaped_settled`` for the
+        answer to "is anything left"."""
         self._reap_escapers()
+        if self.cgroup is not None:
+            return self._escaped_in_cgroup()
         found: dict[int, psutil.Process] = {}
         skip = {self.pid, self.watchdog_pid}
-        try:
-            children = psutil.Process().children()
-        except psutil.Error:
-            return []
-        for child in children:
-            if child.pid in skip or child.pid in found:
+        for pid in child_pids(os.getpid()):
+            if pid in skip or pid in found:
                 continue
             try:
+                child = psutil.Process(pid)
                 if child.environ().get(GUARD_ID_ENV) != self.guard_id:
                     continue
-                tree = [child, *child.children(recursive=True)]
             except psutil.Error:
                 continue  # a zombie (reaped next time if it is ours) or gone
-            for proc in tree:
+            for tree_pid in [pid, *_descendants(pid)]:
                 try:
-                    if os.getpgid(proc.pid) == self.pgid:
+                    proc = child if tree_pid == pid else psutil.Process(tree_pid)
+                    if os.getpgid(tree_pid) == self.pgid:
                         continue  # still in the group: the group's stop reaches it
                     if proc.status() == psutil.STATUS_ZOMBIE:
                         continue
-                    self.escapers.add(proc.pid)
+                    self._note_escaper(tree_pid)
                 except (OSError, psutil.Error):
                     continue
-                found[proc.pid] = proc
+                found[tree_pid] = proc
         return list(found.values())
+
+    def _note_escaper(self, pid: int) -> None:
+        self.escapers.add(pid)
+        with contextlib.suppress(OSError):
+            if (sid := os.getsid(pid)) != os.getsid(0):
+                self._escaper_sids.add(sid)
+            if (group := os.getpgid(pid)) != os.getpgrp():
+                self._escaper_groups.add(group)
+
+    def _escaped_in_cgroup(self) -> list[psutil.Process]:
+        assert self.cgroup is not None
+        found = []
+        for pid in self.cgroup.pids():
+            if pid == self.pid:
+                continue
+            try:
+                if os.getpgid(pid) == self.pgid:
+                    continue  # still in the group: the group's stop reaches it
+                proc = psutil.Process(pid)
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+            except (OSError, psutil.Error):
+                continue  # gone while we looked
+            self._note_escaper(pid)
+            found.append(proc)
+        return found
+
+    def _deaths(self) -> tuple[frozenset[int], int]:
+        """What shows that a process of ours died: the zombie children of this process,
+        and how many escapers were reaped. Unchanged between two looks: nobody died."""
+        zombies = {pid for pid in child_pids(os.getpid()) if _state(pid) == "Z"}
+        return frozenset(zombies), len(self._reaped_escapers)
+
+    def escaped_settled(self) -> list[psutil.Process]:
+        """``escaped()``, listed again until it finds some, or until a round finds none and
+        nothing of ours died since the round before.
+
+        One listing of /proc is not atomic: an escapee that forks and exits while the
+        listing runs (one that forks itself anew every 20 ms) can be missed, its child
+        not yet listed and itself already a zombie. But an orphan only appears when a
+        process dies, and ours die as zombies of this (subreaper) process or reaped by
+        ``escaped()``: so a round with nothing alive and no new death means nothing is left.
+        In a cgroup one listing is the answer (nothing leaves it)."""
+        self.unsettled = False
+        if self.cgroup is not None:
+            return self.escaped()
+        before = self._deaths()
+        end = time.monotonic() + _SWEEP_SETTLE
+        while time.monotonic() < end:
+            found = self.escaped()
+            if found:
+                return found
+            after = self._deaths()
+            if after == before:
+                return []
+            before = after
+        self.unsettled = True  # deaths all along and nothing caught alive: not "none left"
+        return []
+
+    def anything_left(self) -> bool:
+        """Whether any process of the command still runs (the leader aside): in its
+        cgroup, or found by the group listing and the settled sweep."""
+        if self.cgroup is not None:
+            return self.cgroup.populated()
+        return bool(self.members() or self.escaped_settled() or self.unsettled)
 
     def _reap_escapers(self) -> None:
         """Release the pids of processes of the command reparented to us (a subreaper) that
@@ -263,16 +373,23 @@ class CommandGroup:
         while the leader is unreaped). Only ours: another child of this process may have a
         parent that wants its status."""
         zombies = set(self.escapers - self._reaped_escapers)
-        if not self._reaped:
-            with contextlib.suppress(psutil.Error):
-                for child in psutil.Process().children():
-                    with contextlib.suppress(OSError, psutil.Error):
-                        if (
-                            child.pid != self.pid
-                            and child.status() == psutil.STATUS_ZOMBIE
-                            and os.getpgid(child.pid) == self.pgid
-                        ):
-                            zombies.add(child.pid)
+        for pid in child_pids(os.getpid()):
+            if pid in (self.pid, self.watchdog_pid) or _state(pid) != "Z":
+                continue
+            # Ours by their group (while the leader is unreaped), by the session of an
+            # escaper seen alive (an escapee that forks itself anew leaves one zombie per
+            # generation, most never seen alive), or by the cgroup they died in.
+            try:
+                group = os.getpgid(pid)
+                ours = (
+                    (not self._reaped and group == self.pgid)
+                    or group in self._escaper_groups
+                    or os.getsid(pid) in self._escaper_sids
+                )
+            except OSError:
+                continue
+            if ours or (self.cgroup is not None and self.cgroup.holds(pid)):
+                zombies.add(pid)
         for pid in zombies:
             try:
                 done, _ = os.waitpid(pid, os.WNOHANG)
@@ -282,13 +399,13 @@ class CommandGroup:
                 self._reaped_escapers.add(pid)
 
     def _signal_escaped(self, sig: int) -> int:
-        """Send ``sig`` to each escaped process; how many it reached."""
+        """Send ``sig`` to each escaped process (``escaped_settled``); how many it reached."""
         count = 0
-        for proc in self.escaped():
+        for proc in self.escaped_settled():
             with contextlib.suppress(psutil.Error):
                 proc.send_signal(sig)  # psutil checks the create time: no reused pid
                 count += 1
-        return count
+        return count or int(self.unsettled)  # unsettled: maybe some left, look again
 
     def signal(self, sig: int) -> bool:
         """Send ``sig`` to the command's process group; False when there is nothing to signal."""
@@ -328,13 +445,15 @@ class CommandGroup:
 
         def remaining() -> bool:
             members = self.members()
-            escaped = self.escaped()
+            escaped = self.escaped_settled()
             for proc in escaped:
                 if proc.pid not in termed:
                     termed.add(proc.pid)
                     with contextlib.suppress(psutil.Error):
                         proc.send_signal(signal.SIGTERM)
-            return bool(members or escaped)
+            if self.cgroup is not None:  # the cgroup is the answer, not a listing
+                return self.cgroup.populated()
+            return bool(members or escaped or self.unsettled)
 
         deadline = clock() + grace
         killed = ""
@@ -351,6 +470,8 @@ class CommandGroup:
             return "", 0
         count = len(self.members()) + len(self.escaped())
         self.kill()
+        if self.cgroup is not None:  # the kernel kills all of it, forks in flight too
+            self.cgroup.kill(_KILL_WAIT)
         self._signal_escaped(signal.SIGKILL)
         end = clock() + _KILL_WAIT
         while (self.members() or self._signal_escaped(signal.SIGKILL)) and clock() < end:
@@ -373,10 +494,56 @@ class CommandGroup:
         """Close the exit descriptor and let the watchdog go: quietly once the command was
         reaped, else with a SIGKILL to the group (the guard is giving up on it)."""
         self._release_watchdog(done=self._reaped)
+        if self.cgroup is not None and not self.cgroup.populated():
+            self._drop_cgroup()  # one left populated (--leave-group) goes with a later sweep
         if self._pidfd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._pidfd)
             self._pidfd = None
+
+
+def child_pids(pid: int) -> list[int]:
+    """The children of ``pid`` (zombies included), from /proc/PID/task/*/children on Linux:
+    a read of a few bytes per thread, where psutil reads the stat file of every process on
+    the machine. A descendant that forks itself anew every 20 ms lives shorter than that
+    scan on a busy machine, and would be a zombie by the time it was looked at."""
+    tasks = f"/proc/{pid}/task"
+    try:
+        found: list[int] = []
+        for tid in os.listdir(tasks):
+            # FileNotFoundError: a thread ended meanwhile
+            with (
+                contextlib.suppress(FileNotFoundError),
+                open(f"{tasks}/{tid}/children", encoding="ascii") as f,
+            ):
+                found.extend(int(p) for p in f.read().split())
+        return found
+    except OSError:  # not Linux, or no CONFIG_PROC_CHILDREN
+        try:
+            return [c.pid for c in psutil.Process(pid).children()]
+        except psutil.Error:
+            return []
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], child_pids(pid)
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(child_pids(child))
+    return out
+
+
+def _state(pid: int) -> str:
+    """The one-letter state of ``pid`` from /proc/PID/stat ("Z": a zombie), "" if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        try:
+            return "Z" if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE else "R"
+        except psutil.Error:
+            return ""
 
 
 def exit_status(returncode: int) -> int:

@@ -234,29 +234,37 @@ class _Status:
         self._key: object = None
         self._open = False  # a TTY line without its newline yet
 
+    def _put(self, text: str) -> None:
+        # A stream nobody reads any more (a closed pipe, a full disk) is given up, never
+        # raised from: the guard's messages must not stop the command it guards.
+        if self.stream is None:
+            return
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):
+            self.stream = None
+
     def show(self, key: object, text: str) -> None:
         if self.stream is None:
             return
         if self.tty:
-            self.stream.write(f"\r\x1b[K{text}")
+            self._put(f"\r\x1b[K{text}")
             self._open = True
         elif key != self._key:
-            self.stream.write(text + "\n")
+            self._put(text + "\n")
         self._key = key
-        self.stream.flush()
 
     def line(self, text: str) -> None:
         """A line of its own, after ending any in-place line."""
         if self.stream is None:
             return
         self.end()
-        self.stream.write(text + "\n")
-        self.stream.flush()
+        self._put(text + "\n")
 
     def end(self) -> None:
-        if self._open and self.stream is not None:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._open:
+            self._put("\n")
         self._open = False
 
 

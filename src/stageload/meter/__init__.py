@@ -105,12 +105,25 @@ class MemoryMeter:
         self._prepared = False
         self._started = False
         self._why_not: str | None = None
+        self._failure: str | None = None
 
     # -- public ------------------------------------------------------------------------
 
     @property
     def running(self) -> bool:
         return self._started and self._writer is not None and not self._writer.closed
+
+    @property
+    def failure(self) -> str | None:
+        """Why the trace stopped being written (a full disk...), or None: the run went on,
+        the trace has only what was written until then."""
+        if self._failure is not None:
+            return self._failure
+        return None if self._writer is None else self._writer.failure
+
+    @failure.setter
+    def failure(self, value: str | None) -> None:
+        self._failure = value
 
     @property
     def samples(self) -> int | None:
@@ -202,7 +215,8 @@ class MemoryMeter:
             )
         if self._channel is not None:
             self._relay_device()
-            self._channel.send(Messages.go(writer.monotonic0, self.pid))
+            failed = writer.failure is not None
+            self._channel.send(Messages.go(writer.monotonic0, self.pid, failed=failed))
             reply = self._channel.receive(_START_TIMEOUT)
             if reply is None or Messages.READY not in reply:
                 # Started, then failed before its first sample: measure from here instead.
@@ -360,6 +374,11 @@ class MemoryMeter:
             self._writer.error("sampler", "the sampler process did not report at stop")
             self._kill_sampler()
             return _count_samples(self.path)
+        if reply.get("failure") and self._writer.failure is None:
+            # The sampler could not write the trace and said so on stderr: one line is
+            # enough. The end record is still tried (the disk may have room again).
+            self._writer.on_fail = _silent
+            self.failure = str(reply["failure"])
         return int(reply[Messages.SAMPLES])
 
     def _kill_sampler(self) -> None:
@@ -383,6 +402,10 @@ class MemoryMeter:
             now = time.monotonic()
             if next_tick <= now:  # fell behind (the GIL was held): skip the missed ticks
                 next_tick = now + self.interval
+
+
+def _silent(message: str) -> None:
+    """An ``on_fail`` that says nothing (someone said it already)."""
 
 
 def _create_time(pid: int) -> float | None:

@@ -90,8 +90,9 @@ class Messages:
         return {Messages.HELLO: pid}
 
     @staticmethod
-    def go(monotonic0: float, pid: int) -> dict[str, Any]:
-        return {Messages.GO: monotonic0, "pid": pid}
+    def go(monotonic0: float, pid: int, *, failed: bool = False) -> dict[str, Any]:
+        # failed: the parent could not write the trace (and said so): write nothing more.
+        return {Messages.GO: monotonic0, "pid": pid, "failed": failed}
 
     @staticmethod
     def ready() -> dict[str, Any]:
@@ -106,8 +107,9 @@ class Messages:
         return {Messages.STOP: True, "final": final}
 
     @staticmethod
-    def samples(n: int) -> dict[str, Any]:
-        return {Messages.SAMPLES: n}
+    def samples(n: int, failure: str | None = None) -> dict[str, Any]:
+        # failure: why the sampler stopped writing (it said so on stderr), or None.
+        return {Messages.SAMPLES: n, "failure": failure}
 
 
 # The fields of a SystemMemory that depend on the memory cgroup of the process asked about.
@@ -288,6 +290,8 @@ def run(args: argparse.Namespace) -> int:
         if go:
             break
     writer = TraceWriter(args.path, append=True, monotonic0=float(go[0][Messages.GO]))
+    if go[0].get("failed"):  # the trace cannot be written; the parent said so already
+        writer.failure = "the meter could not write the trace"
     # The parent (--watch) started the measured process, or is it: its cgroup stands in.
     sampler = Sampler(writer, int(go[0]["pid"]), tree=args.tree, starter=args.watch)
     device: dict[str, Any] = {}
@@ -312,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
                     if message.get("final"):
                         sampler.sample(device)
                     writer.close()
-                    _say(Messages.samples(writer.samples))
+                    _say(Messages.samples(writer.samples, writer.failure))
                     return 0
             if control.eof:  # the parent is gone (or closed the pipe): stop writing now
                 return 0

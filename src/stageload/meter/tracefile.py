@@ -18,6 +18,10 @@ several writers (threads, or a sampler process with its own ``TraceWriter(append
 never interleave parts of lines: on Linux and macOS an ``O_APPEND`` write of a regular file
 moves to the end and writes under the inode lock. The writer does not ``fsync``: a trace
 survives the death of the process, not the loss of the machine's power.
+
+Observation never kills what it observes: a write that fails (a full disk, a mount gone,
+a file too large) stops the writer, which writes nothing more and says so once through
+``on_fail`` (default: one line on stderr), instead of raising into the run it traces.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -80,11 +84,21 @@ class TraceWriter:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, append: bool = False, monotonic0: float | None = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        append: bool = False,
+        monotonic0: float | None = None,
+        on_fail: Callable[[str], None] | None = None,
     ) -> None:
         self.path = Path(path)
         self.monotonic0 = time.monotonic() if monotonic0 is None else float(monotonic0)
         self.samples = 0  # sample records written by this writer
+        self.records = 0  # records of any type written by this writer
+        #: Why writing stopped (``"No space left on device"``), or None while it works.
+        self.failure: str | None = None
+        #: Told once, with a one-line message, when a write fails and the writer stops.
+        self.on_fail: Callable[[str], None] = say_on_stderr if on_fail is None else on_fail
         self._failing: set[str] = set()  # fields with an error record and no recovery yet
         self._lock = threading.Lock()
         self._fd: int | None = None
@@ -140,7 +154,27 @@ class TraceWriter:
         """Empty the file of an older run's records now, ahead of the first record (which
         does it otherwise). Does nothing after the first time, and for ``append=True``."""
         with self._lock:
-            self._claim()
+            if self.failure is not None:
+                return
+            try:
+                self._claim()
+            except OSError as exc:
+                message = self._failed(exc)
+            else:
+                return
+        self._tell(message)
+
+    def _failed(self, exc: OSError) -> str:
+        """Stop writing for good (under the lock); the one-line message that says why."""
+        self.failure = exc.strerror or str(exc)
+        return (
+            f"trace {str(self.path)!r} is not written any more: {self.failure} "
+            f"(after {self.records} records); the run goes on without it"
+        )
+
+    def _tell(self, message: str) -> None:
+        with contextlib.suppress(Exception):  # a failing reporter must not fail the run
+            self.on_fail(message)
 
     def _claim(self) -> None:
         if self._fd is None:
@@ -149,17 +183,28 @@ class TraceWriter:
             os.ftruncate(self._fd, 0)
             self._unclaimed = False
 
-    def write(self, record: Mapping[str, Any]) -> None:
-        """Write one record as one line. Keys that are ``None`` are kept (as ``null``)."""
+    def write(self, record: Mapping[str, Any]) -> bool:
+        """Write one record as one line; False when it was not written because writing has
+        failed (``failure``). Keys that are ``None`` are kept (as ``null``)."""
         data = encode(record)
         with self._lock:
-            self._claim()
-            # One write call per line: with O_APPEND the kernel places it whole at the end.
-            # The loop only matters for a short write (disk full, huge line).
-            view = memoryview(data)
-            while view:
-                written = os.write(self._fd, view)
-                view = view[written:]
+            if self.failure is not None:
+                return False
+            try:
+                self._claim()
+                # One write call per line: with O_APPEND the kernel places it whole at the
+                # end. The loop only matters for a short write (disk full, huge line).
+                view = memoryview(data)
+                while view:
+                    written = os.write(self._fd, view)
+                    view = view[written:]
+            except OSError as exc:
+                message = self._failed(exc)
+            else:
+                self.records += 1
+                return True
+        self._tell(message)
+        return False
 
     @property
     def closed(self) -> bool:
@@ -236,8 +281,8 @@ class TraceWriter:
 
     def sample(self, values: Mapping[str, Any], *, t: float | None = None) -> None:
         """Write a sample; ``values`` maps sample keys (``footprint``, ...) to numbers."""
-        self.write({"type": SAMPLE, "t": self.t() if t is None else t, **values})
-        self.samples += 1
+        if self.write({"type": SAMPLE, "t": self.t() if t is None else t, **values}):
+            self.samples += 1
 
     def event(self, event: Event | Mapping[str, Any]) -> None:
         """Write an ``Event`` (or its dict); ``t`` comes from the event's own monotonic
@@ -303,6 +348,13 @@ class TraceWriter:
         record.update(extra)
         self.write(record)
         return record
+
+
+def say_on_stderr(message: str) -> None:
+    """``TraceWriter``'s default ``on_fail``: one warning line on stderr, never an error."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"stageload: warning: {message}\n")
+        sys.stderr.flush()
 
 
 def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
