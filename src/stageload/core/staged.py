@@ -52,11 +52,11 @@ from .events import (
     EventSink,
 )
 from .outer import outer_trace
+from .plan import Plan, check_plan
 from .policy import (
     PolicySteps,
     PolicyView,
     ResidencyPolicy,
-    check_plan,
     check_sizes,
     choose_policy,
     over_budget,
@@ -283,6 +283,12 @@ class StagedModels(Mapping[str, "nn.Module"]):
         """The stage plan: stage name -> model names, in pipeline order."""
         return dict(self._plan)
 
+    @property
+    def plan(self) -> Plan:
+        """The stage plan as a :class:`~stageload.core.plan.Plan`: ask it for the order,
+        the next stage (calls cycle) and a model's next use."""
+        return self._plan
+
     def replan(self, stages: Mapping[str, Iterable[str]]) -> None:
         """Replace the stage plan (an adapter that learns where models are used refines it
         as it goes). Nothing is loaded or released now; the current stage must remain."""
@@ -365,6 +371,9 @@ class StagedModels(Mapping[str, "nn.Module"]):
         # a call may ask the registry for a model.
         self._drain()
         with self._lock:
+            # The stage's span starts here: its releases (and their one collection) are
+            # not its compute, which the prefetch cost model weighs.
+            self._stage_start = time.perf_counter()
             self._check_budget(stage)
             ahead = [
                 n
@@ -373,8 +382,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
             ]
             jobs = []
             if self.prefetch:
-                order = list(self._plan)
-                purpose = order[(order.index(stage) + 1) % len(order)]
+                purpose = self._plan.next_stage(stage)
                 for name in ahead:
                     if name in self._prefetchable:
                         jobs.append(self._start(name, background=True, purpose=purpose))
