@@ -95,7 +95,7 @@ class ModuleHook:
 
 # One condition for the calls of every hooked module: a call counts itself in and out
 # under it, and quiesced() waits on it. Uncontended, it costs two lock round trips per call.
-_calls = threading.Condition()
+_calls = threading.Condition(threading.Lock())  # never taken twice by one thread
 # This thread's calls in flight, of all hooked modules (see in_call()).
 _depth = threading.local()
 # Threads whose call waits for a hold to end: they compute nothing until it does.

@@ -151,7 +151,7 @@ def collect_garbage() -> None:
     :func:`releasing` block (its cost: ``bench/results/release_gc/``).
     """
     gc.collect()
-    return_memory_to_os(("cpu",), collect=False)
+    return_memory_to_os(("cpu", "cuda", "mps"), collect=False)  # a cycle may hold any
 
 
 def release(
