@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+import stageload.hooks.release as release_module
 from fixtures.tiny import Block, load_block, save_block
 from stageload import ListSink, ModelLoadError, StagedModels, from_safetensors
 from stageload.core.policy import (
@@ -35,6 +36,15 @@ class Sized(nn.Module):
     def __init__(self, units: int) -> None:
         super().__init__()
         self.register_buffer("w", torch.zeros(units * KIB // 4))
+
+
+@pytest.fixture(autouse=True)
+def no_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests drive StagedModels through thousands of stage changes with KiB models to
+    count loads and victims. The one gc.collect() each enter() now runs (0.1-0.5 s in a
+    torch process here: bench/results/release_gc) would make them minutes long and change
+    no count; tests/test_release_gc.py checks the collection itself."""
+    monkeypatch.setattr(release_module, "collect_garbage", lambda: None)
 
 
 def sized_loaders(sizes: dict[str, int], counts: dict[str, int]) -> dict:

@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "StagedModels": "core.staged",
     "ModelLoadError": "core.staged",
     "BatchError": "core.batch",
+    "Plan": "core.plan",
     "ReleaseUnlisted": "core.policy",
     "ResidencyPolicy": "core.policy",
     "FurthestNextUse": "core.policy",
@@ -68,6 +69,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
     from .core.batch import BatchError
     from .core.events import Event, EventSink, ListSink, TeeSink
+    from .core.plan import Plan
     from .core.policy import FurthestNextUse, ReleaseUnlisted, ResidencyPolicy, rng_free
     from .core.rng import preserved_rng
     from .core.staged import ModelLoadError, StagedModels

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from .events import REASON_BUDGET, REASON_NOT_IN_PLAN
+from .plan import Plan
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -30,13 +31,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 class PolicyView:
     """What a residency policy may look at: the stage plan and what is known of the models.
 
-    ``stages`` is in pipeline order; calls cycle through it. ``sizes`` holds bytes per
+    ``stages`` is the :class:`~stageload.core.plan.Plan` (a mapping given here is made
+    one): in pipeline order, and calls cycle through it; ask it for the next stage and the
+    next use of a model. ``sizes`` holds bytes per
     model: measured at its last load, else given as ``StagedModels(sizes=...)``; a model
     missing from it has an unknown size. ``prefetchable`` names the models that may be
     loaded in the background.
     """
 
-    stages: Mapping[str, tuple[str, ...]]
+    stages: Plan
     pinned: frozenset[str]
     sizes: Mapping[str, int] = field(default_factory=dict)
     prefetchable: frozenset[str] = frozenset()
@@ -54,6 +57,10 @@ class PolicyView:
     #: beside it. The same statistic as ``compute_seconds``, so noise alone does not read
     #: as contention.
     contended_seconds: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stages, Plan):  # a policy's own view, built from a dict
+            object.__setattr__(self, "stages", Plan(self.stages))
 
 
 @dataclass(frozen=True)
@@ -231,8 +238,7 @@ class FurthestNextUse:
         early, names = self._prefetch_plan(stage, loaded, plan)
         if not names:
             return PrefetchDecision([], [])
-        order = list(plan.stages)
-        nxt = order[(order.index(stage) + 1) % len(order)]
+        nxt = plan.stages.next_stage(stage)
         what = f"prefetch {', '.join(map(repr, names))} for stage {nxt!r}"
         if not early:
             return PrefetchDecision([], names, f"{what}: made, it releases nothing early")
@@ -313,8 +319,6 @@ class FurthestNextUse:
         ahead takes as long as that model's loads ahead took (until one is timed, as on
         demand). Without it, both are taken as if free. A model never loaded takes its bytes
         at the mean speed of the measured loads."""
-        order = list(plan.stages)
-        start = order.index(stage)
         speeds = [
             plan.sizes[n] / s for n, s in plan.load_seconds.items() if s > 0 and n in plan.sizes
         ]
@@ -333,8 +337,7 @@ class FurthestNextUse:
 
         state = list(loaded)
         total = 0.0
-        for step in range(2 * len(order)):
-            s = order[(start + step) % len(order)]
+        for step, s in enumerate(plan.stages.cycle(stage, 2 * len(plan.stages))):
             if step:
                 gone = self.victims(s, state, plan)
                 state = [n for n in state if n not in gone]
@@ -354,8 +357,7 @@ class FurthestNextUse:
         return total
 
     def why(self, name: str, stage: str, plan: PolicyView) -> str:
-        listed = any(name in names for names in plan.stages.values())
-        return REASON_BUDGET if listed else REASON_NOT_IN_PLAN
+        return REASON_BUDGET if plan.stages.listed(name) else REASON_NOT_IN_PLAN
 
     # -- the rule ------------------------------------------------------------------------
     def victims(
@@ -373,9 +375,8 @@ class FurthestNextUse:
         if excess <= 0:
             return []
         keep = set(needed) | plan.pinned | protect
-        order = list(plan.stages)
         size = {n: plan.sizes.get(n, 0) for n in loaded}
-        far = {n: next_use(n, stage, plan.stages, order) for n in loaded if n not in keep}
+        far = {n: plan.stages.next_use(n, stage) for n in loaded if n not in keep}
         # Models no stage lists cost no reload: they go first of all.
         chosen = sorted((n for n in far if far[n] == float("inf")), key=lambda n: size[n])
         for name in list(chosen):
@@ -391,8 +392,7 @@ class FurthestNextUse:
         self, stage: str, loaded: Sequence[str], plan: PolicyView
     ) -> tuple[list[str], list[str]]:
         """(models to release early, models to prefetch) for the stage after ``stage``."""
-        order = list(plan.stages)
-        nxt = order[(order.index(stage) + 1) % len(order)]
+        nxt = plan.stages.next_stage(stage)
         current = plan.stages[stage]
         wanted = [
             n
@@ -453,20 +453,6 @@ def _fewest_furthest(
 _EXACT_UP_TO = 12
 
 
-def next_use(
-    name: str, stage: str, stages: Mapping[str, Sequence[str]], order: Sequence[str]
-) -> float:
-    """Stages from ``stage`` until ``name`` is used again, the plan taken as a cycle.
-
-    0 when ``stage`` lists it; ``inf`` when no stage does.
-    """
-    start = order.index(stage)
-    for step in range(len(order)):
-        if name in stages[order[(start + step) % len(order)]]:
-            return step
-    return float("inf")
-
-
 def _total(names: Sequence[str], sizes: Mapping[str, int]) -> int:
     return sum(sizes.get(n, 0) for n in names)
 
@@ -514,40 +500,6 @@ def prefetchable(
         if name not in loaders:
             raise ValueError(f"prefetch names {name!r}, which has no loader; models: {known}")
     return names
-
-
-def check_plan(
-    loaders: Mapping[str, Any], stages: Mapping[str, Iterable[str]], pinned: Iterable[str]
-) -> dict[str, tuple[str, ...]]:
-    """``StagedModels``' loaders, stages and pinned models checked; the plan as tuples."""
-    for name, loader in loaders.items():
-        if not callable(loader):
-            raise TypeError(
-                f"loader for {name!r} must be a zero-argument callable that returns an "
-                f"nn.Module, got {loader!r}"
-            )
-    if isinstance(stages, (str, bytes)) or not isinstance(stages, Mapping):
-        raise TypeError(
-            f"stages must map each stage name to the models it uses, e.g. "
-            f"{{'encode': ['text_encoder']}}; got {stages!r}"
-        )
-    plan: dict[str, tuple[str, ...]] = {}
-    for stage, names in stages.items():
-        if isinstance(names, str):
-            raise TypeError(f"stage {stage!r} lists {names!r} as a string; use a list: [{names!r}]")
-        plan[stage] = tuple(names)
-    known = ", ".join(sorted(loaders)) or "(none)"
-    for stage, names in plan.items():
-        for name in names:
-            if name not in loaders:
-                raise ValueError(
-                    f"stage {stage!r} lists model {name!r}, which has no loader; "
-                    f"models with loaders: {known}"
-                )
-    for name in pinned:
-        if name not in loaders:
-            raise ValueError(f"pinned model {name!r} has no loader; models with loaders: {known}")
-    return plan
 
 
 def choose_policy(

@@ -1,16 +1,24 @@
 """StagedModels: load a model when a stage first asks for it, release it when no longer planned.
 
 Threads: one thread drives the stages (``enter``, ``evict``, ``close``) and is the only one
-that releases; a running call's modules are therefore never released under it by another
-thread. Prefetch loads run on one background thread and never release. Every load, on any
-thread, goes through one future per model name, so a model is never loaded twice at once,
-and the registry's lock is never held while a loader runs.
+that releases. Other threads may call ``models[name]`` and the models it returns. Each
+model handed out counts its calls in flight (a hook of the one protocol, ``COUNTED``), and
+a release waits for them on another thread's behalf, without the registry's lock held (a
+call may itself ask ``models[...]``): a model is never released under a running call.
+``models[name]`` hands out only a model still resident as it returns; one released after
+(the driving thread entered a stage without it) raises ``ReleasedModuleError`` when
+called, never computes on freed memory. Prefetch loads run on one background thread and
+never release. Every load, on any thread, goes through one future per model name, so a
+model is never loaded twice at once, and the registry's lock is never held while a loader
+runs. A load interrupted (``KeyboardInterrupt``, ``SystemExit``, any ``BaseException``)
+leaves the registry as it was: the next access loads again.
 
 Under a budget, a load that reveals a size (the first load of a model without ``sizes=``)
 releases at once, on the driving thread, what the budget no longer holds (the policy's
 ``after_load``), before the stage's code gets the model. The entered stage's models, pinned
-ones, and every model handed out in this stage stay. A load on the prefetch thread only
-marks that check as due; the driving thread runs it at its next ``enter`` or ``models[...]``.
+ones, and every model handed out in this stage stay. A load on the prefetch thread, or on
+a thread other than the driving one, only marks that check as due; the driving thread
+runs it at its next ``enter`` or ``models[...]``.
 """
 
 from __future__ import annotations
@@ -19,15 +27,16 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from contextlib import nullcontext, suppress
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StageloadError
-from ..hooks.release import held_elsewhere, is_released, module_bytes, release
+from ..hooks.registry import HookRegistry, ModuleHook
+from ..hooks.release import held_elsewhere, is_released, module_bytes, release, releasing
 from ..load.progress import PREFETCH_THREAD
 from ..load.reader import background_thread
-from .batch import Batch
+from .batch import Batch, current_batch
 from .events import (
     LOAD,
     NOTE,
@@ -43,11 +52,11 @@ from .events import (
     EventSink,
 )
 from .outer import outer_trace
+from .plan import Plan, check_plan
 from .policy import (
     PolicySteps,
     PolicyView,
     ResidencyPolicy,
-    check_plan,
     check_sizes,
     choose_policy,
     over_budget,
@@ -68,6 +77,10 @@ Loader = Callable[[], "nn.Module"]
 #: loads: one slow read (two reads at once, another process on the disk) does not decide
 #: alone, even with only two timed.
 LOADS_WEIGHED = 3
+
+#: The hook every model handed out by a ``StagedModels`` carries: it changes nothing; a
+#: hooked module counts its calls in flight, which a release waits for (hooks/registry).
+COUNTED = "counted"
 
 
 class ModelLoadError(StageloadError, RuntimeError):
@@ -98,6 +111,18 @@ def _check_module(name: str, module: object) -> Exception | None:
             f"it must build a new module on every call instead of caching one"
         )
     return None
+
+
+class _Doomed:
+    """A model taken out of the registry (no longer handed out), to be released by the
+    thread that took it out, once no lock is held."""
+
+    def __init__(self, name: str, module: nn.Module, stage: str | None, reason: str | None):
+        self.name = name
+        self.module = module
+        self.stage = stage
+        self.reason = reason
+        self.thread = threading.get_ident()
 
 
 class _Job:
@@ -172,6 +197,8 @@ class StagedModels(Mapping[str, "nn.Module"]):
         self._noted: set[str] = set()
         self._over_noted = False  # the over-budget note was given in this stage
         self._jobs: dict[str, _Job] = {}  # loads in flight (or failed prefetches not yet seen)
+        self._doomed: list[_Doomed] = []  # taken out, to be released outside the lock
+        self._driver: int | None = None  # the thread that entered the current stage
         self._local = threading.local()  # .loading: this thread's nested loads, outermost first
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()
@@ -201,27 +228,34 @@ class StagedModels(Mapping[str, "nn.Module"]):
             raise KeyError(f"no model named {name!r}; known models: {', '.join(self._loaders)}")
         background = self._in_background()
         outermost = not self._loading()
-        with self._lock:
-            self._used.add(name)
-            if self._trim_due and not background:
-                self._trim(self._stage)
-            module = self._models.get(name)
-            job = None if module is not None else self._jobs.get(name)
-            run = False
-            if module is None and job is None:
-                job, run = self._start(name, background=background), True
-            elif job is not None and name in self._loading():
-                self._cycle_error(name)
-        if job is not None:
-            start = time.perf_counter()
-            if run:
-                self._run(job)
-            module = self._wait(job)
-            if outermost and not background:  # not compute: the cost model's inputs
-                self._blocked += time.perf_counter() - start
-        with self._lock:
-            self._note_unplanned(name)
-        return module
+        try:
+            while True:
+                with self._lock:
+                    self._used.add(name)
+                    if self._trim_due and self._drives():
+                        self._trim(self._stage)
+                    module = self._models.get(name)
+                    job = None if module is not None else self._jobs.get(name)
+                    run = False
+                    if module is None and job is None:
+                        job, run = self._start(name, background=background), True
+                    elif job is not None and name in self._loading():
+                        self._cycle_error(name)
+                if job is not None:
+                    start = time.perf_counter()
+                    if run:
+                        self._run(job)
+                    module = self._wait(job)
+                    if outermost and not background:  # not compute: the cost model's inputs
+                        self._blocked += time.perf_counter() - start
+                with self._lock:
+                    # Still resident: a load waited for may have been released since, by a
+                    # stage change on the driving thread; then it is loaded again.
+                    if self._models.get(name) is module:
+                        self._note_unplanned(name)
+                        return module
+        finally:
+            self._drain()  # what a trim took out above, now that no lock is held
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._loaders)
@@ -248,6 +282,12 @@ class StagedModels(Mapping[str, "nn.Module"]):
     def stages(self) -> dict[str, tuple[str, ...]]:
         """The stage plan: stage name -> model names, in pipeline order."""
         return dict(self._plan)
+
+    @property
+    def plan(self) -> Plan:
+        """The stage plan as a :class:`~stageload.core.plan.Plan`: ask it for the order,
+        the next stage (calls cycle) and a model's next use."""
+        return self._plan
 
     def replan(self, stages: Mapping[str, Iterable[str]]) -> None:
         """Replace the stage plan (an adapter that learns where models are used refines it
@@ -312,6 +352,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
                 self._compute[self._stage] = min(span, self._compute.get(self._stage, span))
         self._wait_background()
         with self._lock:
+            self._driver = threading.get_ident()
             self._stage = stage
             self._stage_start, self._blocked = time.perf_counter(), 0.0
             self._noted.clear()
@@ -326,6 +367,13 @@ class StagedModels(Mapping[str, "nn.Module"]):
                 self.emit(Event(NOTE, stage=stage, note=note))
             for name in steps.to_release(stage, list(self._models), plan):
                 self._release(name, stage, steps.why(name, stage, plan))
+        # Released without the lock: a release waits for the model's calls in flight, and
+        # a call may ask the registry for a model.
+        self._drain()
+        with self._lock:
+            # The stage's span starts here: its releases (and their one collection) are
+            # not its compute, which the prefetch cost model weighs.
+            self._stage_start = time.perf_counter()
             self._check_budget(stage)
             ahead = [
                 n
@@ -334,8 +382,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
             ]
             jobs = []
             if self.prefetch:
-                order = list(self._plan)
-                purpose = order[(order.index(stage) + 1) % len(order)]
+                purpose = self._plan.next_stage(stage)
                 for name in ahead:
                     if name in self._prefetchable:
                         jobs.append(self._start(name, background=True, purpose=purpose))
@@ -392,7 +439,8 @@ class StagedModels(Mapping[str, "nn.Module"]):
         with self._lock:
             if name not in self._models:
                 return 0
-            return self._release(name, self._stage, REASON_EVICT)
+            self._release(name, self._stage, REASON_EVICT)
+        return self._drain()
 
     def close(self) -> None:
         """Release every loaded model, most recently loaded first."""
@@ -402,6 +450,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
             for name in reversed(list(self._models)):
                 self._release(name, self._stage, REASON_CLOSE)
             executor, self._executor = self._executor, None
+        self._drain()
         if executor is not None:
             executor.shutdown(wait=True)
 
@@ -450,12 +499,50 @@ class StagedModels(Mapping[str, "nn.Module"]):
         if self._outer is not None:
             self._outer.emit(event)
 
-    def _release(self, name: str, stage: str | None, reason: str | None = None) -> int:
-        module = self._models.pop(name)
-        keep: list[Any] = list(self._models.values())  # storage they share must survive
-        note = held_elsewhere(module, self._models) if self._sink is not None else None
+    def _release(self, name: str, stage: str | None, reason: str | None = None) -> None:
+        """Take ``name`` out (lock held): it is handed out no more. This thread releases it
+        at its next :meth:`_drain`, once it holds no lock."""
+        self._doomed.append(_Doomed(name, self._models.pop(name), stage, reason))
+
+    def _drain(self) -> int:
+        """Release what this thread took out, in order (no lock held); returns the bytes
+        freed. Each release waits for the model's calls in flight on other threads; the
+        garbage is collected once for all of them (``releasing``)."""
+        me = threading.get_ident()
+        total = 0
+        with releasing():
+            while True:
+                with self._lock:
+                    mine = next((d for d in self._doomed if d.thread == me), None)
+                    if mine is None:
+                        return total
+                    self._doomed.remove(mine)
+                    # Storage the loaded models and those still to be released share must
+                    # survive this release (a shared backbone goes with the last holder).
+                    others = {d.name: d.module for d in self._doomed if d.thread == me}
+                    others.update(self._models)
+                    keep: list[Any] = list(others.values())
+                    note = held_elsewhere(mine.module, others) if self._sink is not None else None
+                    batch = self._batch is not None
+                total += self._release_now(mine, keep, note, wait=not batch)
+
+    def _release_now(self, doomed: _Doomed, keep: list[Any], note: str | None, wait: bool) -> int:
+        name, module, stage = doomed.name, doomed.module, doomed.stage
+
+        def waiting(calls: int) -> None:
+            self.emit(
+                Event(
+                    NOTE,
+                    model=name,
+                    stage=stage,
+                    note=f"releasing {name!r} waits for {calls} call(s) of it in flight",
+                )
+            )
+
         start = time.perf_counter()
-        nbytes = release(module, name=name, stage=stage, keep=keep)
+        # A batch's other calls are parked, not computing: waiting for them would wait for
+        # the scheduler, which waits for this release.
+        nbytes = release(module, name=name, stage=stage, keep=keep, wait=wait, on_wait=waiting)
         seconds = time.perf_counter() - start
         self.emit(
             Event(
@@ -464,7 +551,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
                 stage=stage,
                 bytes=nbytes,
                 seconds=seconds,
-                reason=reason,
+                reason=doomed.reason,
                 note=note,
             )
         )
@@ -506,6 +593,15 @@ class StagedModels(Mapping[str, "nn.Module"]):
     def _in_background(self) -> bool:
         return getattr(self._local, "background", False)
 
+    def _drives(self) -> bool:
+        """Whether this thread may release: the one that entered the current stage, or a
+        call of its batch (any but the prefetch thread before the first stage)."""
+        if self._in_background():
+            return False
+        if self._batch is not None and current_batch() is self._batch:
+            return True  # a batch's call, holding the turn: the driving thread's stand-in
+        return self._driver is None or self._driver == threading.get_ident()
+
     def _cycle_error(self, name: str) -> None:
         # A loader may use another model (models["backbone"]), but a cycle would wait on
         # its own future forever.
@@ -524,7 +620,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
 
     def _run_background(self, job: _Job) -> None:
         self._local.background = True
-        with suppress(Exception):  # kept in the job's future; raised at first use
+        with suppress(BaseException):  # kept in the job's future; raised at first use
             self._run(job)
 
     def _wait_background(self) -> None:
@@ -537,14 +633,34 @@ class StagedModels(Mapping[str, "nn.Module"]):
         """The job's module; a failed load raises ModelLoadError here (once, for a prefetch)."""
         try:
             return job.future.result()
-        except Exception as exc:
+        except BaseException as exc:  # the loader's failure or interruption, on its thread
             with self._lock:
                 if self._jobs.get(job.name) is job:
                     del self._jobs[job.name]  # seen: the next access loads again
             raise ModelLoadError(job.name, self._stage, exc) from exc
 
     def _run(self, job: _Job) -> None:
-        """Run ``job``'s loader on this thread, without the lock, and install its module."""
+        """Run ``job``'s loader on this thread, without the lock, and install its module.
+        However it ends, the job's future is settled: a load interrupted anywhere
+        (Ctrl-C in the loader, ``SystemExit``) leaves no job for the next access to wait
+        on forever."""
+        try:
+            self._load(job)
+        except BaseException as exc:
+            if not job.future.done():
+                self._interrupted(job, exc)
+            raise
+
+    def _interrupted(self, job: _Job, exc: BaseException) -> None:
+        """A load ended by a BaseException: forget the job (the next access loads again)
+        and tell those waiting on it, with the interruption as the cause."""
+        with self._lock:
+            if self._jobs.get(job.name) is job:
+                del self._jobs[job.name]
+        with suppress(InvalidStateError):  # settled by another thread meanwhile
+            job.future.set_exception(exc)
+
+    def _load(self, job: _Job) -> None:
         name, stage = job.name, self._stage
         # preserved_rng() only works on the thread that draws: in the background it would
         # restore a stale state over the main thread's draws (hence rng_free loaders only).
@@ -569,6 +685,8 @@ class StagedModels(Mapping[str, "nn.Module"]):
         if problem is not None:
             self._failed(job, stage, problem)
             raise problem
+        # Its calls count themselves in flight from now on: a release waits for them.
+        HookRegistry.attach(module).add(COUNTED, ModuleHook())
         seconds = time.perf_counter() - start
         with self._lock:
             # Count only what this load added: a backbone that another loaded model already
@@ -588,12 +706,13 @@ class StagedModels(Mapping[str, "nn.Module"]):
             self.emit(
                 Event(kind, model=name, stage=stage, bytes=nbytes, seconds=seconds, note=note)
             )
-            if job.background:
-                self._trim_due = True  # releasing is the driving thread's (see the top)
-            else:
+            if not job.background:
                 self._used.add(name)  # handed to its caller next: it stays
+            if self._drives():
                 self._trim(stage)
                 self._check_budget(stage, after=name)
+            else:
+                self._trim_due = True  # releasing is the driving thread's (see the top)
         job.future.set_result(module)
 
     def _failed(self, job: _Job, stage: str | None, exc: Exception) -> None:

@@ -19,6 +19,15 @@ Two mechanisms, and only two:
 So the only attributes stageload sets on objects it does not own are ``HOOKS_ATTR`` and
 ``forward`` on modules, and the patched attribute itself (``tests/test_foreign.py``).
 
+Calls in flight: every call of a hooked module counts itself in around the module's own
+forward (after the ``pre_call`` hooks, before the ``post_call`` ones), per thread.
+:func:`quiesced` waits until no other thread has a call of given modules in flight and
+holds new ones back while the block runs; :func:`stageload.release` empties a module
+inside it, so weights are never freed under a running call (freeing them under one
+crashed the interpreter). A call held back, or one whose ``pre_call`` hooks ran while the
+module was released, asks its hooks again: it is revived or raises
+:class:`~stageload.ReleasedModuleError`, never computes on freed memory.
+
 Threads: hooks are added and removed by the thread that owns the module's staging (the one
 that enters stages and releases); a running call sees either the old list or the new one.
 """
@@ -26,8 +35,11 @@ that enters stages and releases); a running call sees either the old list or the
 from __future__ import annotations
 
 import functools
+import sys
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -81,13 +93,40 @@ class ModuleHook:
         return ()
 
 
+# One condition for the calls of every hooked module: a call counts itself in and out
+# under it, and quiesced() waits on it. Uncontended, it costs two lock round trips per call.
+_calls = threading.Condition(threading.Lock())  # never taken twice by one thread
+# This thread's calls in flight, of all hooked modules (see in_call()).
+_depth = threading.local()
+# Threads whose call waits for a hold to end: they compute nothing until it does.
+_held_back: set[int] = set()
+
+
 class HookRegistry:
-    """The named hooks of one module, in the order they were added."""
+    """The named hooks of one module, in the order they were added, and its calls in flight."""
 
     def __init__(self, module: nn.Module) -> None:
         self._hooks: dict[str, ModuleHook] = {}
         self._own_forward = module.__dict__.get("forward", _MISSING)
         self._forward: _HookedForward | None = None
+        self._reset_calls()
+
+    def _reset_calls(self) -> None:
+        self._running: dict[int, int] = {}  # thread ident -> calls of the module in flight there
+        self._held_by: int | None = None  # the thread inside quiesced() for this module
+        # Bumped as a hold starts and ends: a call whose hooks ran across either asks again.
+        self._epoch = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (copy.deepcopy of a hooked module) starts with no calls in flight.
+        state = dict(self.__dict__)
+        state.update(_running={}, _held_by=None, _epoch=0)
+        return state
+
+    def calls_in_flight(self) -> int:
+        """How many calls of the module are running now, on every thread."""
+        with _calls:
+            return sum(self._running.values())
 
     # -- finding ----------------------------------------------------------------------------
     @staticmethod
@@ -138,14 +177,19 @@ class HookRegistry:
             return None
         hook = registry._hooks.pop(name, None)
         if not registry._hooks:
-            d = module.__dict__
-            del d[HOOKS_ATTR]
-            if d.get("forward") is registry._forward:
-                if registry._own_forward is _MISSING:
-                    del d["forward"]
-                else:
-                    d["forward"] = registry._own_forward
+            HookRegistry._detach(module, registry)
         return hook
+
+    @staticmethod
+    def _detach(module: nn.Module, registry: HookRegistry) -> None:
+        """Take an empty registry off: the module gets its own ``forward`` back."""
+        d = module.__dict__
+        del d[HOOKS_ATTR]
+        if d.get("forward") is registry._forward:
+            if registry._own_forward is _MISSING:
+                del d["forward"]
+            else:
+                d["forward"] = registry._own_forward
 
     def original_forward(self, module: nn.Module) -> Callable[..., Any]:
         """The forward the hooks wrap: the module's own instance forward, else its class's."""
@@ -166,17 +210,148 @@ class _HookedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, registry = self.module, self.registry
-        # A hook may take itself or others off while running (a revived placeholder loses
-        # its release hooks): each step asks the registry as it is now.
-        for hook in registry.hooks():
-            if hook in registry._hooks.values():
-                changed = hook.pre_call(module, args, kwargs)
-                if changed is not None:
-                    args, kwargs = changed
-        output = registry.original_forward(module)(*args, **kwargs)
+        me = threading.get_ident()
+        while True:
+            epoch = registry._epoch
+            # A hook may take itself or others off while running (a revived placeholder
+            # loses its release hooks): each step asks the registry as it is now.
+            call_args, call_kwargs = args, kwargs
+            for hook in registry.hooks():
+                if hook in registry._hooks.values():
+                    changed = hook.pre_call(module, call_args, call_kwargs)
+                    if changed is not None:
+                        call_args, call_kwargs = changed
+            with _calls:
+                while registry._held_by not in (None, me):
+                    _held_back.add(me)
+                    _calls.wait()  # a release is emptying the module: wait for its end
+                _held_back.discard(me)
+                if registry._epoch == epoch:
+                    registry._running[me] = registry._running.get(me, 0) + 1
+                    _depth.n = getattr(_depth, "n", 0) + 1
+                    break
+            # Released (or held) while the hooks ran: ask them again (revive or raise).
+        try:
+            output = registry.original_forward(module)(*call_args, **call_kwargs)
+        finally:
+            with _calls:
+                left = registry._running[me] - 1
+                if left:
+                    registry._running[me] = left
+                else:
+                    del registry._running[me]
+                _depth.n -= 1
+                _calls.notify_all()
         for hook in reversed(registry.hooks()):
             output = hook.post_call(module, output)
         return output
+
+
+def in_call() -> bool:
+    """Whether this thread is inside a call of a hooked module (a hook's own work, such as
+    a streamed block released after its forward, runs inside the model's call)."""
+    return getattr(_depth, "n", 0) > 0
+
+
+def _others(registries: list[HookRegistry], me: int) -> int:
+    return sum(n for r in registries for t, n in r._running.items() if t != me)
+
+
+@contextmanager
+def quiesced(
+    modules: Iterable[nn.Module],
+    *,
+    on_wait: Callable[[int], None] | None = None,
+    unhooked: bool = False,
+) -> Iterator[None]:
+    """Wait until no other thread has a call of any hooked module in ``modules`` in flight,
+    then hold new calls of them back (on other threads) until the block ends.
+
+    ``on_wait(n)`` is called once, before waiting, when ``n`` calls are in flight.
+    This thread's own calls are not waited for (it would wait for itself): a hook that
+    releases its own module while it runs keeps today's meaning. All modules are held at
+    once, so a call nested in two of them never waits for a release waiting for it.
+
+    ``unhooked=True`` covers the modules without hooks too (``release`` of a plain
+    module): each gets a registry for the block (so new calls are held), and calls that
+    began before, which nothing counted, are waited for by looking at the other threads'
+    stacks (``nn.Module._call_impl`` frames of these modules), polled every few ms.
+    """
+    me = threading.get_ident()
+    modules = list(modules)
+    registries = [r for m in modules if (r := HookRegistry.of(m)) is not None]
+    with _calls:
+        busy = _others(registries, me)
+    if busy and on_wait is not None:
+        on_wait(busy)
+    made: list[tuple[nn.Module, HookRegistry]] = []
+    with _calls:
+        while _others(registries, me) or any(r._held_by not in (None, me) for r in registries):
+            _calls.wait()
+        mine = [r for r in registries if r._held_by is None]
+        if unhooked:
+            for m in modules:
+                if HookRegistry.of(m) is None:
+                    made.append((m, HookRegistry.attach(m)))
+            mine += [r for _, r in made]
+        for r in mine:
+            r._held_by = me
+            r._epoch += 1
+    try:
+        if made:
+            ids = {id(m) for m, _ in made}
+            uncounted = _uncounted(ids, me)
+            if uncounted and not busy and on_wait is not None:
+                on_wait(uncounted)
+            if uncounted:
+                _wait_uncounted(ids, me)
+        yield
+    finally:
+        with _calls:
+            for r in mine:
+                r._held_by = None
+                r._epoch += 1  # hooks run during the hold saw the module half released
+            for m, r in made:  # given for the block only, and still without hooks
+                if not r._hooks and HookRegistry.of(m) is r:
+                    HookRegistry._detach(m, r)
+            _calls.notify_all()
+
+
+@functools.lru_cache(maxsize=1)
+def _call_code() -> Any:
+    from torch import nn
+
+    return nn.Module._call_impl.__code__
+
+
+def _uncounted(ids: set[int], me: int) -> int:
+    """Calls of the modules ``ids`` running on other threads outside the protocol: an
+    ``nn.Module._call_impl`` frame of one whose callee is not our hooked forward. A thread
+    held back by a hold (a call of a submodule, nested in one of these) computes nothing
+    until the hold ends: it is not waited for, or the two would wait for each other."""
+    call, hooked = _call_code(), _HookedForward.__call__.__code__
+    n = 0
+    with _calls:
+        waiting = set(_held_back)
+    for thread, frame in sys._current_frames().items():
+        if thread == me or thread in waiting:
+            continue
+        inner = None
+        f = frame
+        while f is not None:
+            running = f.f_code is call and (inner is None or inner.f_code is not hooked)
+            if running and id(f.f_locals.get("self")) in ids:
+                n += 1
+                break
+            inner, f = f, f.f_back
+    return n
+
+
+def _wait_uncounted(ids: set[int], me: int) -> None:
+    delay = 0.0005
+    while _uncounted(ids, me):
+        time.sleep(delay)  # nothing to be told by: the call's frame going is the state
+        delay = min(delay * 2, 0.01)
 
 
 # -- attribute patches ------------------------------------------------------------------------

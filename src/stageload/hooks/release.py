@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 import gc
 import sys
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -18,7 +20,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 from ..errors import StageloadError
-from .registry import HookRegistry, ModuleHook
+from .registry import HookRegistry, ModuleHook, in_call, quiesced
 
 #: The name of the hook :func:`release` adds to every module it empties.
 RELEASED = "released"
@@ -121,12 +123,45 @@ def released_as(module: nn.Module) -> tuple[str | None, str | None] | None:
     return (hook.name, hook.stage) if isinstance(hook, ReleasedHook) else None
 
 
+# This thread's open releasing() blocks, and whether a release ran inside them.
+_batch = threading.local()
+
+
+@contextmanager
+def releasing() -> Iterator[None]:
+    """Releases inside the block collect garbage once, at its end, instead of once each
+    (``StagedModels.enter``, ``evict`` and ``close`` release in one such block)."""
+    depth = getattr(_batch, "depth", 0)
+    _batch.depth = depth + 1
+    try:
+        yield
+    finally:
+        _batch.depth = depth
+        if depth == 0 and getattr(_batch, "released", False):
+            _batch.released = False
+            collect_garbage()
+
+
+def collect_garbage() -> None:
+    """Free dead reference cycles (one ``gc.collect()``) and give their memory back.
+
+    A cycle holding tensors (an exception's traceback, a closure over a model) is freed
+    only by a collection; with ``gc.disable()`` or a quiet allocator, never. The earlier
+    stageload's ``release`` collected; so does ours, once per release or per
+    :func:`releasing` block (its cost: ``bench/results/release_gc/``).
+    """
+    gc.collect()
+    return_memory_to_os(("cpu", "cuda", "mps"), collect=False)  # a cycle may hold any
+
+
 def release(
     module: nn.Module,
     *,
     name: str | None = None,
     stage: str | None = None,
     keep: Iterable[nn.Module] = (),
+    wait: bool = True,
+    on_wait: Callable[[int], None] | None = None,
 ) -> int:
     """Free ``module``'s weights in place and return the number of bytes freed.
 
@@ -137,12 +172,38 @@ def release(
     hooks retain (:meth:`~stageload.hooks.registry.ModuleHook.retain`: a user's changes to
     a staged component). Afterwards, calling the module or any released submodule raises
     :class:`ReleasedModuleError` naming ``name`` and ``stage``, unless a hook revives it.
+
+    Calls in flight on other threads (of the module or a hooked submodule) are waited for
+    first, and new ones wait until the release is done, then raise (or are revived):
+    weights are never freed under a running call. ``on_wait(n)`` is told once when ``n``
+    calls are waited for. ``wait=False`` skips that, for callers whose other threads are
+    parked, not computing (a stage-major batch).
+
+    Dead reference cycles are collected once afterwards (``gc.collect()``): once per
+    :func:`releasing` block instead inside one, and not at all from inside a hooked
+    module's call (a streamed block released after its forward: a forward must not pay a
+    full collection per block).
     """
-    import torch
     from torch import nn
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"release() expects an nn.Module, got {type(module).__name__}")
+    hold = quiesced(module.modules(), on_wait=on_wait, unhooked=True) if wait else nullcontext()
+    with hold:
+        nbytes = _release(module, name, stage, keep)
+    if getattr(_batch, "depth", 0):
+        _batch.released = True
+    elif not in_call():
+        collect_garbage()
+    return nbytes
+
+
+def _release(
+    module: nn.Module, name: str | None, stage: str | None, keep: Iterable[nn.Module]
+) -> int:
+    """:func:`release`'s work, with calls of ``module`` from other threads held back."""
+    import torch
+
     kept_modules: set[int] = set()
     kept_storage: set[tuple[str, int]] = set()
     for other in keep:
@@ -223,8 +284,8 @@ def _empty_storage(t: torch.Tensor) -> None:
 
     # Resizing the storage to 0 frees it for every tensor that views it. Storage that
     # cannot be resized (safetensors' load_file, numpy-backed, mmapped files) is dropped
-    # from this tensor instead, so it goes as soon as no other view holds it. Both avoid
-    # gc.collect(), which costs ~0.2 s per call once torch is imported.
+    # from this tensor instead, so it goes as soon as no other view holds it. Neither needs
+    # a gc.collect() (release() runs one afterwards for other garbage, once per batch).
     storage = t.untyped_storage()
     if storage.device.type == "cpu":
         forget_huge_pages(storage.data_ptr(), storage.nbytes())
