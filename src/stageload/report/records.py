@@ -39,9 +39,6 @@ MAX_T = 1e8
 MAX_INT = 1 << 63
 #: Sizes are whole bytes from 0 to below 2**60 (1 EiB): a footprint of 1e300 is damage.
 MAX_SIZE = 1 << 60
-#: How deep a start record's ``meta`` may nest: deeper is no label, and could not be
-#: written back out as JSON (``stageload report --json``) without a RecursionError.
-MAX_META_DEPTH = 32
 #: How a sample line written by ``TraceWriter`` (or ``json.dumps``) begins: the first pass
 #: skips these without parsing them, the second parses only them (and lines that name
 #: ``"sample"`` elsewhere, to find a sample record whose keys come in another order).
@@ -205,22 +202,6 @@ def _exit_code(value: Any) -> int | None:
 
 def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
-
-
-def _depth(value: Any, limit: int) -> bool:
-    """Whether ``value`` (parsed JSON) nests deeper than ``limit``; iterative, so a deep
-    one cannot exhaust the stack here."""
-    level: list[Any] = [value]
-    for _ in range(limit + 1):
-        level = [
-            child
-            for item in level
-            if isinstance(item, (dict, list))
-            for child in (item.values() if isinstance(item, dict) else item)
-        ]
-        if not level:
-            return False
-    return True
 
 
 # How each ``Event`` field is read back: numbers by what they measure (so a load of -100
@@ -539,10 +520,6 @@ def _check_start(trace: Trace) -> None:
     for key, reader in (("total", _size), ("monotonic", _number)):
         if start.get(key) is not None and reader(start[key]) is None:
             _drop(trace, key)
-    meta = start.get("meta")
-    if isinstance(meta, dict) and _depth(meta, MAX_META_DEPTH):
-        start["meta"] = {}
-        _drop(trace, "meta")
 
 
 def _add_record(trace: Trace, record: dict[str, Any]) -> None:
