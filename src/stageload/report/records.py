@@ -18,31 +18,27 @@ from __future__ import annotations
 import json
 import math
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
 from ..core.events import Event
 from ..errors import StageloadError
-from ..memory import DEVICE_KEYS  # sample keys of device memory, report order
+from ..memory import DEVICE_KEYS, SAMPLE_KEYS  # DEVICE_KEYS: in report order
+from ..traceformat import END, ERROR, EVENT, MARK, MAX_LINE, MAX_SIZE, MAX_T, SAMPLE, START
+from ..traceformat import TYPE_KEY as TYPE
 
 if TYPE_CHECKING:
     from .samples import SampleStats
 
-#: The longest line read as a record (16 MiB): a start record with a long command is under
-#: 1 MiB; a longer "line" is not a trace (``/dev/zero`` has no end of line at all).
-MAX_LINE = 16 << 20
-#: The largest ``t`` a record may have (about three years, in seconds).
-MAX_T = 1e8
-#: The largest integer read as a value (2**63): no size or count in a trace comes near it.
+#: The largest integer read as a number where no range applies (2**63).
 MAX_INT = 1 << 63
-#: Sizes are whole bytes from 0 to below 2**60 (1 EiB): a footprint of 1e300 is damage.
-MAX_SIZE = 1 << 60
 #: How a sample line written by ``TraceWriter`` (or ``json.dumps``) begins: the first pass
 #: skips these without parsing them, the second parses only them (and lines that name
 #: ``"sample"`` elsewhere, to find a sample record whose keys come in another order).
-_SAMPLE_PREFIXES = (b'{"type":"sample",', b'{"type": "sample", ')
+_SAMPLE_PREFIXES = (f'{{"{TYPE}":"{SAMPLE}",'.encode(), f'{{"{TYPE}": "{SAMPLE}", '.encode())
+_SAMPLE_NAME = f'"{SAMPLE}"'.encode()
 
 
 class TraceError(StageloadError, ValueError):
@@ -228,6 +224,29 @@ _EVENT_FIELDS = _event_fields()
 _DEVICE_KEYS = frozenset(DEVICE_KEYS)
 
 
+def _sample_readers(keys: Iterable[str]) -> dict[str, Any]:
+    """How each of the sample ``keys`` the meter writes is read (``TraceFile.samples``
+    checks the writer's types inline first, for speed, and falls back to these); a key
+    this reader does not know is a ``TypeError`` at import, not a value silently unread."""
+    readers = {
+        "footprint": _size,
+        "available": _size,
+        "available_pct": _percent,
+        "swap_used": _size,
+        "pressure": _percent,
+        **dict.fromkeys(DEVICE_KEYS, _size),
+    }
+    if set(readers) != set(keys):
+        raise TypeError(
+            f"the trace reader reads sample keys {sorted(readers)}, the meter writes "
+            f"{sorted(keys)}: teach records._sample_readers the new one"
+        )
+    return readers
+
+
+_SAMPLE_READERS = _sample_readers(SAMPLE_KEYS)
+
+
 def _checked(dropped: dict[str, int], key: str, value: Any, reader: Any) -> Any:
     """``reader(value)``, counted in ``dropped`` when it is out of range or of a wrong type."""
     read = reader(value)
@@ -282,6 +301,7 @@ class TraceFile:
         self._first = 0  # line number of the start record
         self._size = 0  # bytes the first pass read
         self._read = 0  # bytes the pass under way has read
+        self._second = False  # whether samples() ran
         try:
             # Held open over both passes, closed by close() (``with TraceFile(...)``).
             self._file = open(self.path, "rb")  # noqa: SIM115
@@ -367,8 +387,8 @@ class TraceFile:
             record = _parse(line)
             if record is None:
                 self._bad.append(number)
-            elif record.get("type") == "sample":
-                if b'"sample"' not in line:  # spelt with escapes: tell the second pass
+            elif record.get(TYPE) == SAMPLE:
+                if _SAMPLE_NAME not in line:  # spelt with escapes: tell the second pass
                     self._odd.add(number)
             else:
                 _add_record(trace, record)
@@ -387,6 +407,15 @@ class TraceFile:
         f = self._copy if self._copy is not None else self._file
         if f is None:
             raise ValueError(f"{self.path}: the trace file is closed")
+        if self._second:  # a second reading would count every skipped value twice
+            raise ValueError(f"{self.path}: the samples were read already; open it again")
+        self._second = True
+        try:
+            yield from self._second_pass(f)
+        except OSError as exc:
+            raise TraceError(self.path, f"cannot be read: {exc.strerror or exc}") from None
+
+    def _second_pass(self, f: BinaryIO | IO[bytes]) -> Iterator[SampleValues]:
         f.seek(0)
         trace = self.trace
         dropped = trace.dropped
@@ -410,10 +439,10 @@ class TraceFile:
             if number <= first:
                 continue
             prefixed = line.startswith(_SAMPLE_PREFIXES)
-            if not (prefixed or b'"sample"' in line or number in odd):
+            if not (prefixed or _SAMPLE_NAME in line or number in odd):
                 continue
             record = _parse(line)
-            if record is None or record.get("type") != "sample":
+            if record is None or record.get(TYPE) != SAMPLE:
                 if prefixed:  # e.g. {"type":"sample",...,"type":"event"}: neither pass's
                     bad.append(number)
                 continue
@@ -442,7 +471,7 @@ class TraceFile:
                 for key in DEVICE_KEYS:
                     value = get(key)
                     if value is not None:
-                        value = _checked(dropped, key, value, _size)
+                        value = _checked(dropped, key, value, _SAMPLE_READERS[key])
                         if value is not None:
                             device[key] = value
             yield t, footprint, available, pct, swap, pressure, device
@@ -499,8 +528,8 @@ def _start(path: Path, number: int, line: bytes | None, record: Any) -> dict[str
                 path, f"line {number} is not JSON ({text[:40]!r}); is this a stageload trace?"
             ) from None
         raise TraceError(path, f"line {number} is {text[:40].strip()}, not a JSON object")
-    if not isinstance(record, dict) or record.get("type") != "start":
-        first = record.get("type") if isinstance(record, dict) else None
+    if not isinstance(record, dict) or record.get(TYPE) != START:
+        first = record.get(TYPE) if isinstance(record, dict) else None
         raise TraceError(
             path,
             f"does not begin with a 'start' record (first record type: {first!r:.40}); "
@@ -524,7 +553,7 @@ def _check_start(trace: Trace) -> None:
 
 def _add_record(trace: Trace, record: dict[str, Any]) -> None:
     """Add a record other than a sample (the second pass reads those)."""
-    kind = record.get("type")
+    kind = record.get(TYPE)
     t = _seconds(record.get("t"))
     if t is None:
         # A record without a usable time cannot be placed: one at t = -100 would stretch
@@ -543,7 +572,7 @@ def _add_record(trace: Trace, record: dict[str, Any]) -> None:
             _drop(trace, key)
         return read
 
-    if kind == "event":
+    if kind == EVENT:
         event_kind = take("kind", _text)
         if event_kind is None:
             return
@@ -552,17 +581,17 @@ def _add_record(trace: Trace, record: dict[str, Any]) -> None:
         trace.events.append(
             TraceEvent(**values, t=t, time=trace.monotonic0 + t, pid=take("pid", _pid))
         )
-    elif kind == "mark":
+    elif kind == MARK:
         trace.marks.append(Mark(t=t, label=take("label", _text) or ""))
-    elif kind == "error":
+    elif kind == ERROR:
         # Only what the report reads, as text: a nested value is no field name.
-        error: dict[str, Any] = {"type": "error", "t": t, "field": take("field", _text) or "?"}
+        error: dict[str, Any] = {TYPE: ERROR, "t": t, "field": take("field", _text) or "?"}
         if (message := take("message", _text)) is not None:
             error["message"] = message
         if record.get("recovered") is True:
             error["recovered"] = True
         trace.errors.append(error)
-    elif kind == "end":
+    elif kind == END:
         end = dict(record)
         end["t"] = t
         if "exit_code" in end:
