@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=count, default=7)
     args = parser.parse_args(argv)
 
+    load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         trace = folder / "long.jsonl"
@@ -141,9 +142,11 @@ def main(argv: list[str] | None = None) -> int:
             for which in ("before", "after")
         }
         (wb, rb), (wa, ra) = med["before"], med["after"]
+        fastest = {which: min(w for w, _ in figures[(name, which)]) for which in med}
         rows.append(
             f"| `stageload {name}` | {rb:.0f} MiB | {ra:.0f} MiB | {ra / rb:.2f} "
-            f"| {wb:.1f} s | {wa:.1f} s | {wa / wb:.2f} |"
+            f"| {wb:.1f} s | {wa:.1f} s | {wa / wb:.2f} "
+            f"| {fastest['before']:.1f} s | {fastest['after']:.1f} s |"
         )
     load = os.getloadavg()[0]
     text = "\n".join(
@@ -158,15 +161,17 @@ def main(argv: list[str] | None = None) -> int:
             "plot lines min/max-decimated to a few thousand points). Peak RSS is each child "
             f"process's own `ru_maxrss`; median of {args.pairs} pairs, order alternating.",
             "",
-            "| command | peak RSS before | after | ratio | wall before | after | ratio |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| command | peak RSS before | after | ratio | wall before | after | ratio "
+            "| fastest wall before | after |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
             *rows,
             "",
             f"Report text identical before and after: {'yes' if same else 'NO'}.",
             "",
             f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python "
-            f"{platform.python_version()}, load average {load:.1f} at the end (the 2-core VM "
-            "is shared with other work: walls are noisy, memory is not).",
+            f"{platform.python_version()}, load average {load0:.1f} at the start and "
+            f"{load:.1f} at the end: the VM is shared with other work, so walls are noisy "
+            "(the fastest pair is the nearest to an idle machine); memory is not.",
             "",
         ]
     )
