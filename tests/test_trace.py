@@ -200,3 +200,14 @@ def test_bad_files_give_a_clear_error(tmp_path: Path, content: str | None, messa
 def test_a_directory_is_not_a_trace(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="is a directory"):
         read_trace(tmp_path)
+
+
+def test_the_reader_reads_every_sample_key_the_meter_writes() -> None:
+    """One definition of the sample keys (``memory.SAMPLE_KEYS``): the reader knows how to
+    read each, and a key added there without a reader fails at import (the control)."""
+    from stageload.memory import SAMPLE_KEYS
+    from stageload.report import records
+
+    assert set(records._sample_readers(SAMPLE_KEYS)) == set(SAMPLE_KEYS)
+    with pytest.raises(TypeError, match="teach records._sample_readers the new one"):
+        records._sample_readers([*SAMPLE_KEYS, "gpu_temperature"])

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.events import SETUP
 from ..errors import StageloadError
-from .processes import by_process
+from .processes import by_process, load_views
+from .samples import SampleStats
 from .tables import column_labels, stage_order
-from .trace import Summary, Trace, read_trace, summarize
+from .trace import Summary, Trace, sample_stats, summarize
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -34,18 +35,24 @@ class PlotUnavailableError(StageloadError, RuntimeError):
         super().__init__("plots need matplotlib, which is not installed: pip install matplotlib")
 
 
-def _unit(traces: Sequence[Trace]) -> tuple[float, str]:
+def _unit(summaries: Sequence[Summary]) -> tuple[float, str]:
     # GiB for real pipelines, MiB when everything stays under 1 GiB (the small demo).
-    peak = max(
-        (s.footprint or 0 for t in traces for s in t.samples),
-        default=0,
-    )
+    peak = max((s.peak_footprint or 0 for s in summaries), default=0)
     return (_GIB, "GiB") if peak >= _GIB else (_MIB, "MiB")
+
+
+def _line(trace: Trace, stats: SampleStats, name: str) -> list[tuple[float, float]]:
+    """The kept points of one line (``footprint``, ``swap_used``, ``available``) of the
+    samples in ``trace``'s span: every point, or a few thousand that keep the peaks."""
+    if stats.lines is None:
+        raise ValueError("the trace was read without its lines: read it with series=True")
+    return stats.lines.points(name, trace.first_t, trace.last_t)
 
 
 def _draw_trace(
     ax: Axes,
     trace: Trace,
+    stats: SampleStats,
     summary: Summary,
     scale: float,
     unit: str,
@@ -55,14 +62,14 @@ def _draw_trace(
     span: float,
     legend: bool,
 ) -> None:
-    samples = trace.samples
-    fp = [(s.t, s.footprint / scale) for s in samples if s.footprint is not None]
-    swap = [
-        (s.t, (s.swap_used - summary.swap_start) / scale)
-        for s in samples
-        if s.swap_used is not None and summary.swap_start is not None
-    ]
-    avail = [(s.t, s.available / _GIB) for s in samples if s.available is not None]
+    fp = [(t, v / scale) for t, v in _line(trace, stats, "footprint")]
+    start = summary.swap_start
+    swap = (
+        []
+        if start is None
+        else [(t, (v - start) / scale) for t, v in _line(trace, stats, "swap_used")]
+    )
+    avail = [(t, v / _GIB) for t, v in _line(trace, stats, "available")]
 
     # Labels sit just inside the top of their band. A label that would run into the one
     # before it (a short window) drops a row, so neighbours never overprint.
@@ -119,7 +126,7 @@ def _draw_trace(
         right.set_ylim(0, avail_max * 1.05)
         right.set_ylabel("available, GiB", color="C2")
         right.tick_params(axis="y", colors="C2")
-    if not samples:
+    if not summary.samples:
         ax.text(0.5, 0.5, "no samples", transform=ax.transAxes, ha="center", va="center")
 
     title = f"{summary.label}: peak {_fmt(summary.peak_footprint, scale, unit)}"
@@ -193,27 +200,39 @@ def draw_traces(traces: Sequence[str | Path | Trace]) -> Figure:
     if not traces:
         raise ValueError("plot_traces needs at least one trace")
 
-    # A trace with pipeline events from several processes gets one panel per process.
-    loaded = [v for t in traces for v in by_process(t if isinstance(t, Trace) else read_trace(t))]
+    # A trace with pipeline events from several processes gets one panel per process. A
+    # file is read in bounded memory: figures per window and decimated lines, no samples.
+    loaded = [
+        view
+        for t in traces
+        for view in (by_process(t) if isinstance(t, Trace) else load_views([t], series=True))
+    ]
     summaries = [summarize(t) for t in loaded]
-    scale, unit = _unit(loaded)
+    stats = [sample_stats(t, series=True) for t in loaded]
+    scale, unit = _unit(summaries)
 
     # The same stage gets the same band colour in every panel; setup stays white.
     stages = [name for name in stage_order(summaries) if name != SETUP]
     colors = {name: _BAND_COLORS[i % len(_BAND_COLORS)] for i, name in enumerate(stages)}
-    fp_max = max((s.footprint or 0 for t in loaded for s in t.samples), default=0) / scale
+    fp_max = max((s.peak_footprint or 0 for s in summaries), default=0) / scale
     # Swap growth shares the left axis: a run can swap more than its own footprint (other
-    # processes pushed out), and that line must not run off the top (or below 0).
+    # processes pushed out), and that line must not run off the top (or below 0). The
+    # decimated lines keep each bucket's lowest and highest point, so these are exact.
     swap_deltas = [
-        (s.swap_used - summary.swap_start) / scale
-        for t, summary in zip(loaded, summaries, strict=True)
+        (v - summary.swap_start) / scale
+        for t, st, summary in zip(loaded, stats, summaries, strict=True)
         if summary.swap_start is not None
-        for s in t.samples
-        if s.swap_used is not None
+        for _, v in _line(t, st, "swap_used")
     ]
     top = max([fp_max, *swap_deltas])
     bottom = min([0.0, *swap_deltas])
-    avail_max = max((s.available or 0 for t in loaded for s in t.samples), default=0) / _GIB
+    avail_max = (
+        max(
+            (v for t, st in zip(loaded, stats, strict=True) for _, v in _line(t, st, "available")),
+            default=0,
+        )
+        / _GIB
+    )
 
     span = max((t.last_t for t in loaded), default=0.0) or 1.0  # the shared time axis
     n = len(loaded)
@@ -221,12 +240,13 @@ def draw_traces(traces: Sequence[str | Path | Trace]) -> Figure:
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(n + 1, 1, height_ratios=[3] * n + [2.6])
     first: Axes | None = None
-    for k, (trace, summary) in enumerate(zip(loaded, summaries, strict=True)):
+    for k, (trace, st, summary) in enumerate(zip(loaded, stats, summaries, strict=True)):
         ax = fig.add_subplot(grid[k], sharex=first, sharey=first)
         first = first or ax
         _draw_trace(
             ax,
             trace,
+            st,
             summary,
             scale,
             unit,

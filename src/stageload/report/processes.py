@@ -16,7 +16,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..core.outer import PROCESS
-from .records import Trace, read_trace
+from .records import Trace
+from .trace import scan_trace
 
 #: Event kinds that belong to a pipeline; a process that emitted one of these gets a view.
 #: Others (the guard's decisions, notes) go into every view; ``process`` events bound it.
@@ -79,6 +80,14 @@ def _lifetime(trace: Trace, pid: int | None) -> tuple[float, float]:
     return begin, max(begin, end)
 
 
-def load_views(paths: Iterable[str | Path]) -> list[Trace]:
-    """Read each trace and split it by process: what ``stageload report`` and ``plot`` show."""
-    return [view for path in paths for view in by_process(read_trace(path))]
+def load_views(paths: Iterable[str | Path], *, series: bool = False) -> list[Trace]:
+    """Read each trace and split it by process: what ``stageload report`` and ``plot`` show.
+
+    In bounded memory: the samples are counted per window of every view as they are read
+    (``trace.scan_trace``), not kept; ``series`` keeps the decimated lines of a plot.
+    """
+    return [
+        view
+        for path in paths
+        for view in by_process(scan_trace(path, views=by_process, series=series))
+    ]

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..memory import DEVICE_KEYS
+from ..traceformat import MAX_T
 from ..units import format_duration, format_size
-from .records import MAX_T
 from .trace import NO_REASON, Activity, Blocks, Summary
 
 #: What a cell shows for a stage the trace never reached.

@@ -2,10 +2,13 @@
 
 Reading the file into a ``Trace`` lives in ``records``; its names are re-exported here, so
 ``stageload.report.trace`` stays the one module to import for reading and summarising.
+``scan_trace`` reads a trace in bounded memory: its samples' figures are kept running per
+window (``report.samples``), not the samples.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,10 @@ from ..core.events import (
     RELEASE,
     SETUP,
 )
-from .records import Mark, Sample, Trace, TraceEvent, _int, read_trace
+from .records import Mark, Trace, TraceEvent, TraceFile, _exit_code, _size, _text
+from .records import Sample as Sample  # re-exported: one module to import for reading
+from .records import read_trace as read_trace
+from .samples import SampleStats
 
 #: The order the report lists release reasons in: the ones the core writes.
 RELEASE_REASONS = (REASON_BUDGET, REASON_NOT_IN_PLAN, REASON_EVICT, REASON_CLOSE)
@@ -73,24 +79,6 @@ def stage_windows(trace: Trace) -> list[Window]:
         # Never negative: a release that outlasts the next stage event cannot reorder time.
         windows.append(Window(stage=stage, start=begin, end=max(begin, end), entered=entered))
     return windows
-
-
-def _samples_in(samples: list[Sample], window: Window, *, last: bool) -> list[Sample]:
-    return [
-        s
-        for s in samples
-        if window.start <= s.t and (s.t < window.end or (last and s.t <= window.end))
-    ]
-
-
-def _max(values: list[Any]) -> Any:
-    values = [v for v in values if v is not None]
-    return max(values) if values else None
-
-
-def _min(values: list[Any]) -> Any:
-    values = [v for v in values if v is not None]
-    return min(values) if values else None
 
 
 @dataclass
@@ -234,38 +222,73 @@ class Summary:
         }
 
 
+def sample_bounds(trace: Trace) -> list[float]:
+    """Where the figures of ``trace``'s samples must be cut to summarise it: where its
+    windows begin, and its span (``SampleStats``)."""
+    return [trace.first_t, trace.last_t, *(w.start for w in stage_windows(trace))]
+
+
+def sample_stats(trace: Trace, *, series: bool = False) -> SampleStats:
+    """The running figures of ``trace``'s samples: those kept while it was read
+    (``scan_trace``), or else counted from ``trace.samples`` now."""
+    if trace.sampled is not None:
+        return trace.sampled
+    stats = SampleStats(sample_bounds(trace), series=series)
+    for s in trace.samples:
+        stats.add(s.t, s.footprint, s.available, s.available_pct, s.swap_used, s.device)
+    return stats
+
+
+def scan_trace(
+    path: str | Path,
+    *,
+    views: Callable[[Trace], list[Trace]] = lambda trace: [trace],
+    series: bool = False,
+) -> Trace:
+    """Read the trace at ``path`` as ``read_trace`` does, but in bounded memory: its
+    samples are counted into ``Trace.sampled`` (per window of each of ``views(trace)``,
+    which ``summarize`` of those views then reads) and not kept; ``series`` keeps the
+    decimated lines a plot draws. Raises ``TraceError`` as ``read_trace`` does."""
+    with TraceFile(path) as file:
+        trace = file.trace
+        stats = SampleStats(
+            [b for view in views(trace) for b in sample_bounds(view)], series=series
+        )
+        add = stats.add
+        for t, footprint, available, pct, swap, _pressure, device in file.samples():
+            add(t, footprint, available, pct, swap, device)
+    trace.sampled = stats
+    return trace
+
+
 def summarize(trace: Trace) -> Summary:
     """Summarise ``trace``: per-stage peaks and durations, swap, available memory, events."""
+    stats = sample_stats(trace)
     windows = stage_windows(trace)
     stages: dict[str, StageSummary] = {}
     for k, window in enumerate(windows):
-        inside = _samples_in(trace.samples, window, last=k == len(windows) - 1)
-        peak = _max([s.footprint for s in inside])
-        device: dict[str, int] = {}
-        for s in inside:
-            for key, value in s.device.items():
-                device[key] = max(device.get(key, value), value)
+        inside = stats.span(window.start, window.end, closed=k == len(windows) - 1)
         summary = stages.get(window.stage)
         if summary is None:
             stages[window.stage] = StageSummary(
                 stage=window.stage,
-                peak_footprint=peak,
+                peak_footprint=inside.peak_footprint,
                 duration=window.duration,
-                samples=len(inside),
+                samples=inside.samples,
                 windows=1,
-                device_peak=device,
+                device_peak=dict(inside.device_peak),
             )
             continue
-        summary.peak_footprint = _max([summary.peak_footprint, peak])
+        if inside.peak_footprint is not None and (
+            summary.peak_footprint is None or inside.peak_footprint > summary.peak_footprint
+        ):
+            summary.peak_footprint = inside.peak_footprint
         summary.duration += window.duration
-        summary.samples += len(inside)
+        summary.samples += inside.samples
         summary.windows += 1
-        for key, value in device.items():
+        for key, value in inside.device_peak.items():
             summary.device_peak[key] = max(summary.device_peak.get(key, value), value)
-
-    swaps = [s.swap_used for s in trace.samples if s.swap_used is not None]
-    swap_start = swaps[0] if swaps else None
-    swap_peak = max(swaps) if swaps else None
+    whole = stats.span(trace.first_t, trace.last_t, closed=True)
 
     activity = {
         "load": Activity(),
@@ -287,9 +310,9 @@ def summarize(trace: Trace) -> Summary:
 
     read_errors: dict[str, str] = {}
     for error in trace.errors:
-        name = str(error.get("field", "?"))
+        name = _text(error.get("field")) or "?"
         if not error.get("recovered"):
-            read_errors.setdefault(name, str(error.get("message", "")))
+            read_errors.setdefault(name, _text(error.get("message")) or "")
 
     end = trace.end or {}
     return Summary(
@@ -298,17 +321,17 @@ def summarize(trace: Trace) -> Summary:
         stages=list(stages.values()),
         windows=windows,
         duration=trace.last_t - trace.first_t,
-        samples=len(trace.samples),
+        samples=whole.samples,
         complete=trace.complete,
-        exit_code=_int(end.get("exit_code")),
-        peak_footprint=_max([s.footprint for s in trace.samples]),
-        swap_start=swap_start,
-        swap_peak=swap_peak,
-        swap_end=swaps[-1] if swaps else None,
-        swap_growth=None if swap_start is None else swap_peak - swap_start,
-        lowest_available=_min([s.available for s in trace.samples]),
-        lowest_available_pct=_min([s.available_pct for s in trace.samples]),
-        total=_int(trace.start.get("total")),
+        exit_code=_exit_code(end.get("exit_code")),
+        peak_footprint=whole.peak_footprint,
+        swap_start=whole.swap_start,
+        swap_peak=whole.swap_peak,
+        swap_end=whole.swap_end,
+        swap_growth=None if whole.swap_start is None else whole.swap_peak - whole.swap_start,  # type: ignore[operator]
+        lowest_available=whole.lowest_available,
+        lowest_available_pct=whole.lowest_available_pct,
+        total=_size(trace.start.get("total")),
         loads=activity["load"],
         reloads=activity["reload"],
         prefetches=activity["prefetch"],
@@ -326,5 +349,5 @@ def summarize(trace: Trace) -> Summary:
 
 
 def load_summary(path: str | Path) -> Summary:
-    """Read the trace at ``path`` and summarise it."""
-    return summarize(read_trace(path))
+    """Read the trace at ``path`` and summarise it, in bounded memory (``scan_trace``)."""
+    return summarize(scan_trace(path))
