@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from ..traceformat import EVENT, START, T_KEY, TYPE_KEY
 from .events import Event
 
 #: Path of the trace that an outer tool writes; set by that tool for its command.
@@ -90,7 +91,7 @@ def event_record(
     data = event.to_dict() if isinstance(event, Event) else dict(event)
     when = data.pop("time", None)
     t = None if when is None else round(when - monotonic0, 6)
-    record = {"type": "event", "t": t, **data}
+    record = {TYPE_KEY: EVENT, T_KEY: t, **data}
     record.setdefault(PID_KEY, os.getpid() if pid is None else pid)
     return record
 
@@ -118,7 +119,7 @@ def read_start(path: str | os.PathLike[str]) -> dict[str, Any] | None:
         record = json.loads(first)
     except ValueError:
         record = None
-    if not isinstance(record, dict) or record.get("type") != "start":
+    if not isinstance(record, dict) or record.get(TYPE_KEY) != START:
         raise ValueError("its first line is not a stageload 'start' record")
     monotonic = record.get("monotonic")
     if isinstance(monotonic, bool) or not isinstance(monotonic, (int, float)):

@@ -40,17 +40,12 @@ from typing import Any
 
 from ..core.events import Event
 from ..core.outer import encode, event_record
+from ..traceformat import END, ERROR, FORMAT_VERSION, MARK, SAMPLE, START
 
 try:
     import fcntl
 except ImportError:  # not Linux or macOS
     fcntl = None  # type: ignore[assignment]
-
-#: Version of the trace format written in the start record.
-FORMAT_VERSION = 1
-
-#: Record types of the trace format.
-START, SAMPLE, EVENT, MARK, ERROR, END = "start", "sample", "event", "mark", "error", "end"
 
 
 def versions() -> dict[str, str]:
