@@ -142,7 +142,7 @@ class StagedPipeline:
             skeleton = self._skeletons[name]
             # Filling writes the placeholder's tensors; on this thread that must not count as
             # a use of the empty placeholder (which would load it again).
-            with _placeholder.passthrough(skeleton):
+            with _placeholder.passthrough(skeleton), _normal_tensors():
                 self._fill(name, skeleton)
             return skeleton
 
@@ -292,6 +292,8 @@ class StagedPipeline:
                 tracked.filled(skeleton, unchanged)
             elif dtype is not None:  # on meta only the dtype changes now; the device at load
                 _placeholder.real_to(skeleton, dtype=dtype)
+                if hook is not None:
+                    _placeholder.mark_empty(skeleton, hook)  # converted buffers are new tensors
 
     def _adapt(self, name: str) -> None:
         """Refine the default plan with this use of ``name`` (see the class docstring)."""
@@ -497,10 +499,13 @@ def staged_pipeline(
             name: _placeholder.build_skeleton(models[name], folder / name, dtypes[name])
             for name in staged
         }
+    model_kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in _MODEL_KWARGS}
     for name, skeleton in skeletons.items():
+        built = {n: t for n, t in _placeholder.own_tensors(skeleton) if not t.is_meta}
         # The skeleton starts out "released": a call that bypasses the stager (a submodule
         # called directly) says so, instead of failing on a meta tensor.
         release(skeleton, name=name, stage=None)
+        _placeholder.keep_own(skeleton, built, checkpoint_of(folder / name, model_kwargs))
 
     streams = {
         name: _stream_component(
@@ -532,7 +537,7 @@ def staged_pipeline(
         keep,
         device=device,
         torch_dtype=torch_dtype,
-        model_kwargs={k: v for k, v in from_pretrained_kwargs.items() if k in _MODEL_KWARGS},
+        model_kwargs=model_kwargs,
         events=events,
         budget=budget,
         prefetch=prefetch,
@@ -552,6 +557,7 @@ def staged_pipeline(
             functools.partial(state.models.__getitem__, name),
         )
         _placeholder.attach(skeleton, hook)
+        _placeholder.mark_empty(skeleton, hook)  # released before the hook was there
     _marks.attach(state, pipe.components, marks)  # resident components begin their stage
     pipe.stageload = state
     state._pipeline = weakref.ref(pipe)  # for map(); the pipeline owns its stager
@@ -622,6 +628,15 @@ def _stream_component(
         name=name,
         events=events,
     )
+
+
+def _normal_tensors() -> Any:
+    """Where a load runs: outside any ``inference_mode`` of the caller's, so that the
+    weights are normal tensors, as ``from_pretrained`` gives them eagerly (inference
+    tensors count no versions and refuse in-place changes later: ``fuse_lora``, an edit)."""
+    import torch
+
+    return torch.inference_mode(False)
 
 
 def _user(state: StagedPipeline, name: str) -> Any:
