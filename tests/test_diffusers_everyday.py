@@ -312,3 +312,53 @@ def test_control_a_patch_table_holding_its_objects_leaks_them(
     monkeypatch.setattr(registry, "_chains", {})  # keyed by id(), holding each chain
     pipe, unet = cycle(path, staged)
     assert unet() is not None
+
+
+# -- torch.compile ---------------------------------------------------------------------------------
+# backend="eager": dynamo's tracing, guards and graph breaks, which is where staging meets
+# torch.compile; inductor's code generation takes minutes per model on this machine's
+# shared cores and changes nothing of that meeting.
+def compile_unet(pipe: Any, how: str) -> None:
+    if how == "method":
+        pipe.unet.compile(backend="eager")
+    else:
+        pipe.unet = torch.compile(pipe.unet, backend="eager")
+
+
+@pytest.fixture
+def fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("how", ["method", "assign"])
+@pytest.mark.parametrize("warm", [False, True], ids=["before-first-call", "after-a-call"])
+def test_a_compiled_unet_equals_eager_and_is_still_released(
+    path: Path, how: str, warm: bool
+) -> None:
+    ref, pipe = eager(path), staged(path)
+    if warm:
+        image(pipe)
+    compile_unet(ref, how)
+    compile_unet(pipe, how)
+    want = image(ref)
+    for _ in range(2):
+        assert torch.equal(image(pipe), want)
+        assert empty(pipe.unet)  # released between stages, compiled or not
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_control_a_compiled_unet_taken_for_a_replacement_stays_loaded(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        "stageload.diffusers._is_component", lambda value, skeleton: value is skeleton
+    )
+    pipe = staged(path)
+    image(pipe)
+    compile_unet(pipe, "assign")
+    with pytest.warns(UserWarning, match="no longer staged"):
+        image(pipe)
+    assert not empty(pipe.unet)

@@ -343,7 +343,7 @@ class StagedPipeline:
         replaced = [
             n
             for n, sk in self._skeletons.items()
-            if n not in self._gone and getattr(pipe, n, None) is not sk
+            if n not in self._gone and not _is_component(getattr(pipe, n, None), sk)
         ]
         for name in replaced:
             self._gone.add(name)
@@ -628,6 +628,12 @@ def _stream_component(
         name=name,
         events=events,
     )
+
+
+def _is_component(value: Any, skeleton: nn.Module) -> bool:
+    """Whether ``value`` on the pipeline is still the staged component: the placeholder, or
+    ``torch.compile`` of it (an ``OptimizedModule`` around the same object)."""
+    return value is skeleton or getattr(value, "_orig_mod", None) is skeleton
 
 
 def _normal_tensors() -> Any:

@@ -92,8 +92,8 @@ class StagedChangeError(StageloadError, RuntimeError):
 
 
 class StageHook(ModuleHook):
-    """A staged component's hook: in the registry of each of its submodules, and at
-    ``_hf_hook`` on the placeholder itself, where diffusers reads accelerate's hook
+    """A staged component's hook: in the placeholder's hook registry, and at its
+    ``_hf_hook``, where diffusers reads accelerate's hook
     protocol (``pre_forward`` before ``encode``/``decode``, ``execution_device``).
 
     ``use()`` enters the component's stage and loads it; ``move(device, dtype)`` records a
@@ -111,9 +111,14 @@ class StageHook(ModuleHook):
         tracked: Tracked,
         load: Callable[[], None],
     ) -> None:
+        import torch
+
         self.name = name
-        self.use = use
-        self.load = load
+        # Staging runs eagerly under torch.compile: dynamo breaks the graph at these calls
+        # instead of tracing into the loading (and a compiled forward then sees the loaded
+        # weights, the same tensor objects at each load).
+        self.use = torch.compiler.disable(use)
+        self.load = torch.compiler.disable(load)
         self.move = move
         self.tracked = tracked
         self.execution_device = device
