@@ -54,8 +54,11 @@ from typing import TYPE_CHECKING, Any
 from .._external import (
     CONVERT_METHOD,
     HF_HOOK_ATTR,
+    as_subclass,
     keep_in_fp32_modules,
+    own_tensor_tables,
     tensor_version,
+    torch_function_off,
     transformers_from_config,
     version_at_least,
 )
@@ -364,7 +367,7 @@ def _empty_classes() -> tuple[type, type]:
 
     def __torch_function__(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
+        with torch_function_off():
             _on_empty(func, args, kwargs)
             return func(*args, **kwargs)
 
@@ -383,7 +386,7 @@ def mark_empty(module: nn.Module, hook: StageHook) -> None:
 
     parameter, buffer = _empty_classes()
     ref = weakref.ref(hook)
-    with torch._C.DisableTorchFunctionSubclass():
+    with torch_function_off():
         for _, t in named_tensors(module):
             if not t.is_meta or type(t) in (parameter, buffer):
                 continue
@@ -391,7 +394,7 @@ def mark_empty(module: nn.Module, hook: StageHook) -> None:
             # empty_strided, not empty_like: from meta to meta that takes ~1 ms a tensor
             # (a Python reference implementation), this ~10 us.
             meta = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
-            twin = torch.Tensor._make_subclass(cls, meta, t.requires_grad)
+            twin = as_subclass(cls, meta, t.requires_grad)
             twin.__dict__.update(t.__dict__)
             twin.__dict__[_HOOK_KEY] = ref
             with contextlib.suppress(RuntimeError):  # held elsewhere (a weakref, a view)
@@ -548,11 +551,17 @@ SAMPLES = 1024
 
 
 def named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer of ``module`` under every name it has."""
-    return [
-        *module.named_parameters(remove_duplicate=False),
-        *module.named_buffers(remove_duplicate=False),
-    ]
+    """Every parameter and buffer of ``module`` under every name it has: its parameters
+    then its buffers, each in ``named_parameters(remove_duplicate=False)`` order. One walk
+    of the submodules, not two (a load and a release ask several times)."""
+    params: list[tuple[str, torch.Tensor]] = []
+    buffers: list[tuple[str, torch.Tensor]] = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        own_params, own_buffers = own_tensor_tables(sub)
+        params.extend((dot + k, p) for k, p in own_params.items() if p is not None)
+        buffers.extend((dot + k, b) for k, b in own_buffers.items() if b is not None)
+    return params + buffers
 
 
 @dataclass
