@@ -13,6 +13,7 @@ the core of stageload never imports this package.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -107,6 +108,11 @@ class StagedPipeline:
             name: {"device": device, "dtype": None} for name in self._skeletons
         }
         self._lock = threading.RLock()
+        # One call of the pipeline at a time (interim, until calls in flight are counted per
+        # module and overlapping calls join one batch): a stage that one call enters would
+        # release the models another computes with. Calls of map() hold it as one.
+        self.calls = threading.RLock()
+        self._in_batch = threading.local()  # set on the threads of map()'s own calls
         # How each component refills from its files, learned at its first load.
         self._recipes: dict[str, Recipe] = {}
         # Which tensors each component's checkpoint holds, and which the user changed.
@@ -556,10 +562,12 @@ def staged_pipeline(
             state._tracked[name],
             functools.partial(state.models.__getitem__, name),
         )
+        hook.stager = weakref.ref(state)
         _placeholder.attach(skeleton, hook)
         _placeholder.mark_empty(skeleton, hook)  # released before the hook was there
     _marks.attach(state, pipe.components, marks)  # resident components begin their stage
     pipe.stageload = state
+    _serialize_calls(type(pipe))
     state._pipeline = weakref.ref(pipe)  # for map(); the pipeline owns its stager
     resident = {s: [f"{n} (resident)" for n, at in marks.items() if at == s] for s in state.plan}
     summary = "; ".join(f"{s}: {', '.join([*n, *resident[s]])}" for s, n in state.plan.items())
@@ -628,6 +636,40 @@ def _stream_component(
         name=name,
         events=events,
     )
+
+
+@functools.cache
+def _serialize_calls(pipeline_cls: type) -> None:
+    """Make each call of a ``pipeline_cls`` instance hold the call lock of every stager
+    among its components (a :func:`patch` of the class's ``__call__``, for the process's
+    life; a pipeline with no staged component calls straight through). The stagers are
+    found through the components, so a pipeline made by ``from_pipe`` takes the lock of
+    the one it came from."""
+
+    def wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(inner)
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with contextlib.ExitStack() as held:
+                for state in _stagers(self):
+                    if not getattr(state._in_batch, "active", False):
+                        held.enter_context(state.calls)
+                return inner(self, *args, **kwargs)
+
+        return __call__
+
+    patch(pipeline_cls, "__call__", wrap)
+
+
+def _stagers(pipe: Any) -> list[StagedPipeline]:
+    """The stagers of ``pipe``'s staged components, each once, in a fixed order."""
+    found: dict[int, StagedPipeline] = {}
+    components = getattr(pipe, "components", None)
+    for component in (components or {}).values():
+        hook = _placeholder.stage_hook(getattr(component, "_orig_mod", component))
+        state = hook.stager() if hook is not None and hook.stager is not None else None
+        if state is not None:
+            found[id(state)] = state
+    return [found[k] for k in sorted(found)]
 
 
 def _is_component(value: Any, skeleton: nn.Module) -> bool:

@@ -125,6 +125,7 @@ class StageHook(ModuleHook):
         self.move = move
         self.tracked = tracked
         self.execution_device = device
+        self.stager: Callable[[], Any] | None = None  # a weakref to the StagedPipeline
         self._local = threading.local()
 
     @property

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -219,6 +220,8 @@ class _Chain:
         self.installed: Any = staticmethod(dispatch) if isinstance(owner, type) else dispatch
         if isinstance(prop, property) and prop.fget is not None:
             self.installed = property(dispatch, prop.fset, prop.fdel, prop.__doc__)
+        elif isinstance(prop, types.FunctionType):  # an instance method: it must bind
+            self.installed = dispatch
 
     def recompose(self) -> None:
         fn = self.base
