@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import weakref
 from pathlib import Path
 from typing import Any
@@ -392,6 +393,36 @@ def test_threads_calling_one_staged_pipeline_each_get_their_lone_output(path: Pa
 
     result = run(path)
     assert result == {"equal": [True] * (THREADS * CALLS), "errors": []}
+
+
+def test_calls_that_overlap_run_as_one_batch_each_equal_to_its_lone_run(path: Path) -> None:
+    ref, pipe = eager(path), staged(path)
+    want = {seed: image(ref, generator=torch.Generator().manual_seed(seed)) for seed in range(4)}
+    holding, go = threading.Event(), threading.Event()
+
+    def hold(p: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        holding.set()  # the first call is inside its denoising loop...
+        go.wait()  # ... until the other three wait for the next batch
+        return {}
+
+    got: dict[int, torch.Tensor] = {}
+
+    def client(seed: int, **extra: Any) -> None:
+        got[seed] = image(pipe, generator=torch.Generator().manual_seed(seed), **extra)
+
+    first = threading.Thread(target=client, args=(0,), kwargs={"callback_on_step_end": hold})
+    first.start()
+    assert holding.wait(120)
+    others = [threading.Thread(target=client, args=(seed,)) for seed in (1, 2, 3)]
+    for thread in others:
+        thread.start()
+    assert pipe.stageload.gather.wait_for_waiting(3, timeout=120)
+    go.set()
+    for thread in [first, *others]:
+        thread.join()
+    assert pipe.stageload.gather.batches == [1, 3]  # the three that overlapped: one batch
+    for seed in range(4):
+        assert torch.equal(got[seed], want[seed])
 
 
 def test_control_unserialized_threads_crash_or_see_released_models(path: Path) -> None:

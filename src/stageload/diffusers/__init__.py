@@ -113,6 +113,7 @@ class StagedPipeline:
         # release the models another computes with. Calls of map() hold it as one.
         self.calls = threading.RLock()
         self._in_batch = threading.local()  # set on the threads of map()'s own calls
+        self.gather = _Gather(self)  # calls that arrive while one runs: the next batch
         # How each component refills from its files, learned at its first load.
         self._recipes: dict[str, Recipe] = {}
         # Which tensors each component's checkpoint holds, and which the user changed.
@@ -649,15 +650,112 @@ def _serialize_calls(pipeline_cls: type) -> None:
     def wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(inner)
         def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            stagers = [s for s in _stagers(self) if not getattr(s._in_batch, "active", False)]
+            if len(stagers) == 1 and not args:  # the usual case: calls that overlap batch
+                return stagers[0].gather.call(inner, self, kwargs)
             with contextlib.ExitStack() as held:
-                for state in _stagers(self):
-                    if not getattr(state._in_batch, "active", False):
-                        held.enter_context(state.calls)
+                for state in stagers:
+                    held.enter_context(state.calls)
                 return inner(self, *args, **kwargs)
 
         return __call__
 
     patch(pipeline_cls, "__call__", wrap)
+
+
+class _Pending:
+    """One call of a staged pipeline waiting to run in the next batch."""
+
+    def __init__(self, inner: Callable[..., Any], pipe: Any, kwargs: Mapping[str, Any]) -> None:
+        self.inner, self.pipe, self.kwargs = inner, pipe, kwargs
+        self.leads = False  # this call's thread is to run the next batch
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class _Gather:
+    """Calls of one stager's pipelines from several threads, run as stage-major batches.
+
+    A call that arrives while none runs runs alone; calls that arrive while a batch runs
+    wait and become the next batch, run by the first of them (on its own thread) through
+    ``StagedModels.map``: each model loads once per batch, and each call runs on its own
+    copy of the pipeline (its scheduler state) with its own random stream, so each output
+    equals its call run alone. No call waits behind more than one batch."""
+
+    def __init__(self, state: StagedPipeline) -> None:
+        self._state = weakref.ref(state)
+        self._cond = threading.Condition()
+        self._queue: list[_Pending] = []
+        self._running = False
+        self.batches: list[int] = []  # the size of each batch run, for tests and benches
+
+    def call(self, inner: Callable[..., Any], pipe: Any, kwargs: Mapping[str, Any]) -> Any:
+        mine = _Pending(inner, pipe, kwargs)
+        with self._cond:
+            self._queue.append(mine)
+            if not self._running:
+                self._running = mine.leads = True
+            self._cond.notify_all()  # for wait_for_waiting
+            self._cond.wait_for(lambda: mine.leads or mine.done)
+        if not mine.done:
+            self._run_next()
+        if mine.error is not None:
+            raise mine.error
+        return mine.result
+
+    def wait_for_waiting(self, n: int, timeout: float | None = None) -> bool:
+        """Wait until ``n`` calls wait for the next batch (tests and benches wait for this
+        state instead of sleeping); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._queue) >= n, timeout)
+
+    def _run_next(self) -> None:
+        """Run every queued call as one batch, then hand the turn to the next arrival."""
+        with self._cond:
+            batch, self._queue = self._queue, []
+        state = self._state()
+        try:
+            self.batches.append(len(batch))
+            if state is None or len(batch) == 1:
+                with state.calls if state is not None else contextlib.nullcontext():
+                    self._one(batch[0])
+            else:
+                self._many(state, batch)
+        finally:
+            with self._cond:
+                for p in batch:
+                    p.done = True
+                if self._queue:
+                    self._queue[0].leads = True  # its thread runs the next batch
+                else:
+                    self._running = False
+                self._cond.notify_all()
+
+    @staticmethod
+    def _one(p: _Pending) -> None:
+        try:
+            p.result = p.inner(p.pipe, **p.kwargs)
+        except BaseException as exc:  # delivered to the call's own thread
+            p.error = exc
+
+    def _many(self, state: StagedPipeline, batch: list[_Pending]) -> None:
+        from ._batch import own_copy
+
+        def one(p: _Pending) -> Any:
+            state._in_batch.active = True
+            try:
+                return p.inner(own_copy(p.pipe), **p.kwargs)
+            finally:
+                state._in_batch.active = False
+
+        with state.calls:
+            results = state.models.map(one, batch, return_exceptions=True)
+        for p, result in zip(batch, results, strict=True):
+            if isinstance(result, BaseException):
+                p.error = result
+            else:
+                p.result = result
 
 
 def _stagers(pipe: Any) -> list[StagedPipeline]:
