@@ -689,8 +689,11 @@ class _Gather:
         self._queue: list[_Pending] = []
         self._running = False
         self.batches: list[int] = []  # the size of each batch run, for tests and benches
+        self._local = threading.local()  # inside: this thread runs a call of this stager
 
     def call(self, inner: Callable[..., Any], pipe: Any, kwargs: Mapping[str, Any]) -> Any:
+        if getattr(self._local, "inside", False):  # a pipeline calling another of this
+            return inner(pipe, **kwargs)  # stager's (Kandinsky's combined pipelines): direct
         mine = _Pending(inner, pipe, kwargs)
         with self._cond:
             self._queue.append(mine)
@@ -732,12 +735,14 @@ class _Gather:
                     self._running = False
                 self._cond.notify_all()
 
-    @staticmethod
-    def _one(p: _Pending) -> None:
+    def _one(self, p: _Pending) -> None:
+        self._local.inside = True
         try:
             p.result = p.inner(p.pipe, **p.kwargs)
         except BaseException as exc:  # delivered to the call's own thread
             p.error = exc
+        finally:
+            self._local.inside = False
 
     def _many(self, state: StagedPipeline, batch: list[_Pending]) -> None:
         from ._batch import own_copy
