@@ -190,3 +190,31 @@ def test_every_parameter_assignment_calls_the_registration_hook_which_may_replac
     assert linear.bias is given[0] and linear.bias.is_meta and not linear.weight.is_meta
     nn.Linear(2, 3)
     assert seen == ["weight", "bias"]  # removed: not called again
+
+
+def test_own_tensor_tables_are_a_modules_own_parameters_and_buffers() -> None:
+    module = torch.nn.BatchNorm1d(3)
+    params, buffers = _external.own_tensor_tables(module)
+    assert set(params) == {"weight", "bias"}
+    assert set(buffers) == {"running_mean", "running_var", "num_batches_tracked"}
+    assert params["weight"] is module.weight
+
+
+def test_torch_function_off_and_as_subclass() -> None:
+    seen: list[object] = []
+
+    class Watched(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+            seen.append(func)
+            with _external.torch_function_off():
+                return func(*args, **(kwargs or {}))
+
+    t = _external.as_subclass(Watched, torch.zeros(2), False)
+    assert type(t) is Watched and not t.requires_grad
+    t.add(1)
+    assert seen  # the subclass sees torch functions...
+    seen.clear()
+    with _external.torch_function_off():
+        t.add(1)
+    assert not seen  # ... and not inside torch_function_off

@@ -17,14 +17,16 @@ import torch
 from torch import nn
 
 from stageload import StagedModels, load_weights, on_call, release, share
-from stageload._external import HF_HOOK_ATTR
+from stageload._external import CONVERT_METHOD, HF_HOOK_ATTR
+from stageload.diffusers._placeholder import LOAD_FIRST
 from stageload.hooks.registry import HOOKS_ATTR
 
 #: On any module stageload hooks (a released one, a placeholder's parts).
 ON_MODULES = {HOOKS_ATTR, "forward"}
-#: On a diffusers placeholder itself, besides: accelerate's hook protocol, and the patch that
-#: loads the component around its own save_pretrained.
-ON_PLACEHOLDERS = {HF_HOOK_ATTR, "save_pretrained"}
+#: On a diffusers placeholder itself, besides: accelerate's hook protocol, the patch that
+#: loads the component around its own save_pretrained and the methods that must load it
+#: first, and the one that records conversions (nn.Module._apply).
+ON_PLACEHOLDERS = {HF_HOOK_ATTR, "save_pretrained", CONVERT_METHOD, *LOAD_FIRST}
 #: On a staged diffusers pipeline: the handle users reach the stager by.
 ON_PIPELINES = {"stageload"}
 

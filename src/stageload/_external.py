@@ -86,3 +86,26 @@ def progress_bars_disabled(pipeline: Any) -> bool:
     keeps the settings in a private dict that it passes to every ``tqdm`` of the pipeline."""
     config = getattr(pipeline, "_progress_bar_config", None)
     return bool(config.get("disable", False)) if isinstance(config, dict) else False
+
+
+def own_tensor_tables(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``module``'s own parameters and buffers by name (``_parameters``, ``_buffers``; a
+    value may be None): one walk of a model's submodules lists all its tensors, where
+    ``named_parameters`` and ``named_buffers`` walk it twice."""
+    return module._parameters, module._buffers
+
+
+def torch_function_off() -> Any:
+    """A context in which tensor subclasses' ``__torch_function__`` is not called: inside
+    one, the plain operation runs (torch's ``DisableTorchFunctionSubclass``)."""
+    import torch
+
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def as_subclass(cls: type, data: Any, requires_grad: bool) -> Any:
+    """``data`` as an instance of the tensor subclass ``cls`` (``Tensor._make_subclass``, as
+    ``nn.Parameter.__new__`` does), sharing its storage."""
+    import torch
+
+    return torch.Tensor._make_subclass(cls, data, requires_grad)

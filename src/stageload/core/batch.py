@@ -321,8 +321,12 @@ def _live_storage_sizes() -> dict[int, int]:
         # gc tracks answer with a deprecation warning (torch.distributed.reduce_op).
         if issubclass(type(obj), torch.Tensor) and not obj.is_meta and obj.layout == torch.strided:
             storage = obj.untyped_storage()
-            if storage.data_ptr():
-                sizes[storage.data_ptr()] = storage.nbytes()
+            try:
+                ptr = storage.data_ptr()
+            except RuntimeError:  # torch.compile's fake tensors, alive in dynamo's caches
+                continue
+            if ptr:
+                sizes[ptr] = storage.nbytes()
     return sizes
 
 

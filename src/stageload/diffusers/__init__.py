@@ -13,6 +13,7 @@ the core of stageload never imports this package.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -107,6 +108,12 @@ class StagedPipeline:
             name: {"device": device, "dtype": None} for name in self._skeletons
         }
         self._lock = threading.RLock()
+        # One call of the pipeline at a time (interim, until calls in flight are counted per
+        # module and overlapping calls join one batch): a stage that one call enters would
+        # release the models another computes with. Calls of map() hold it as one.
+        self.calls = threading.RLock()
+        self._in_batch = threading.local()  # set on the threads of map()'s own calls
+        self.gather = _Gather(self)  # calls that arrive while one runs: the next batch
         # How each component refills from its files, learned at its first load.
         self._recipes: dict[str, Recipe] = {}
         # Which tensors each component's checkpoint holds, and which the user changed.
@@ -142,7 +149,7 @@ class StagedPipeline:
             skeleton = self._skeletons[name]
             # Filling writes the placeholder's tensors; on this thread that must not count as
             # a use of the empty placeholder (which would load it again).
-            with _placeholder.passthrough(skeleton):
+            with _placeholder.passthrough(skeleton), _normal_tensors():
                 self._fill(name, skeleton)
             return skeleton
 
@@ -292,6 +299,8 @@ class StagedPipeline:
                 tracked.filled(skeleton, unchanged)
             elif dtype is not None:  # on meta only the dtype changes now; the device at load
                 _placeholder.real_to(skeleton, dtype=dtype)
+                if hook is not None:
+                    _placeholder.mark_empty(skeleton, hook)  # converted buffers are new tensors
 
     def _adapt(self, name: str) -> None:
         """Refine the default plan with this use of ``name`` (see the class docstring)."""
@@ -341,7 +350,7 @@ class StagedPipeline:
         replaced = [
             n
             for n, sk in self._skeletons.items()
-            if n not in self._gone and getattr(pipe, n, None) is not sk
+            if n not in self._gone and not _is_component(getattr(pipe, n, None), sk)
         ]
         for name in replaced:
             self._gone.add(name)
@@ -497,10 +506,13 @@ def staged_pipeline(
             name: _placeholder.build_skeleton(models[name], folder / name, dtypes[name])
             for name in staged
         }
+    model_kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in _MODEL_KWARGS}
     for name, skeleton in skeletons.items():
+        built = {n: t for n, t in _placeholder.own_tensors(skeleton) if not t.is_meta}
         # The skeleton starts out "released": a call that bypasses the stager (a submodule
         # called directly) says so, instead of failing on a meta tensor.
         release(skeleton, name=name, stage=None)
+        _placeholder.keep_own(skeleton, built, checkpoint_of(folder / name, model_kwargs))
 
     streams = {
         name: _stream_component(
@@ -532,7 +544,7 @@ def staged_pipeline(
         keep,
         device=device,
         torch_dtype=torch_dtype,
-        model_kwargs={k: v for k, v in from_pretrained_kwargs.items() if k in _MODEL_KWARGS},
+        model_kwargs=model_kwargs,
         events=events,
         budget=budget,
         prefetch=prefetch,
@@ -551,9 +563,12 @@ def staged_pipeline(
             state._tracked[name],
             functools.partial(state.models.__getitem__, name),
         )
+        hook.stager = weakref.ref(state)
         _placeholder.attach(skeleton, hook)
+        _placeholder.mark_empty(skeleton, hook)  # released before the hook was there
     _marks.attach(state, pipe.components, marks)  # resident components begin their stage
     pipe.stageload = state
+    _serialize_calls(type(pipe))
     state._pipeline = weakref.ref(pipe)  # for map(); the pipeline owns its stager
     resident = {s: [f"{n} (resident)" for n, at in marks.items() if at == s] for s in state.plan}
     summary = "; ".join(f"{s}: {', '.join([*n, *resident[s]])}" for s, n in state.plan.items())
@@ -624,6 +639,157 @@ def _stream_component(
         events=events,
         placement=MAPPED,  # as from_pretrained leaves them: in the file's mmap
     )
+
+
+@functools.cache
+def _serialize_calls(pipeline_cls: type) -> None:
+    """Make each call of a ``pipeline_cls`` instance hold the call lock of every stager
+    among its components (a :func:`patch` of the class's ``__call__``, for the process's
+    life; a pipeline with no staged component calls straight through). The stagers are
+    found through the components, so a pipeline made by ``from_pipe`` takes the lock of
+    the one it came from."""
+
+    def wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(inner)
+        def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            stagers = [s for s in _stagers(self) if not getattr(s._in_batch, "active", False)]
+            if len(stagers) == 1 and not args:  # the usual case: calls that overlap batch
+                return stagers[0].gather.call(inner, self, kwargs)
+            with contextlib.ExitStack() as held:
+                for state in stagers:
+                    held.enter_context(state.calls)
+                return inner(self, *args, **kwargs)
+
+        return __call__
+
+    patch(pipeline_cls, "__call__", wrap)
+
+
+class _Pending:
+    """One call of a staged pipeline waiting to run in the next batch."""
+
+    def __init__(self, inner: Callable[..., Any], pipe: Any, kwargs: Mapping[str, Any]) -> None:
+        self.inner, self.pipe, self.kwargs = inner, pipe, kwargs
+        self.leads = False  # this call's thread is to run the next batch
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class _Gather:
+    """Calls of one stager's pipelines from several threads, run as stage-major batches.
+
+    A call that arrives while none runs runs alone; calls that arrive while a batch runs
+    wait and become the next batch, run by the first of them (on its own thread) through
+    ``StagedModels.map``: each model loads once per batch, and each call runs on its own
+    copy of the pipeline (its scheduler state) with its own random stream, so each output
+    equals its call run alone. No call waits behind more than one batch."""
+
+    def __init__(self, state: StagedPipeline) -> None:
+        self._state = weakref.ref(state)
+        self._cond = threading.Condition()
+        self._queue: list[_Pending] = []
+        self._running = False
+        self.batches: list[int] = []  # the size of each batch run, for tests and benches
+        self._local = threading.local()  # inside: this thread runs a call of this stager
+
+    def call(self, inner: Callable[..., Any], pipe: Any, kwargs: Mapping[str, Any]) -> Any:
+        if getattr(self._local, "inside", False):  # a pipeline calling another of this
+            return inner(pipe, **kwargs)  # stager's (Kandinsky's combined pipelines): direct
+        mine = _Pending(inner, pipe, kwargs)
+        with self._cond:
+            self._queue.append(mine)
+            if not self._running:
+                self._running = mine.leads = True
+            self._cond.notify_all()  # for wait_for_waiting
+            self._cond.wait_for(lambda: mine.leads or mine.done)
+        if not mine.done:
+            self._run_next()
+        if mine.error is not None:
+            raise mine.error
+        return mine.result
+
+    def wait_for_waiting(self, n: int, timeout: float | None = None) -> bool:
+        """Wait until ``n`` calls wait for the next batch (tests and benches wait for this
+        state instead of sleeping); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._queue) >= n, timeout)
+
+    def _run_next(self) -> None:
+        """Run every queued call as one batch, then hand the turn to the next arrival."""
+        with self._cond:
+            batch, self._queue = self._queue, []
+        state = self._state()
+        try:
+            self.batches.append(len(batch))
+            if state is None or len(batch) == 1:
+                with state.calls if state is not None else contextlib.nullcontext():
+                    self._one(batch[0])
+            else:
+                self._many(state, batch)
+        finally:
+            with self._cond:
+                for p in batch:
+                    p.done = True
+                if self._queue:
+                    self._queue[0].leads = True  # its thread runs the next batch
+                else:
+                    self._running = False
+                self._cond.notify_all()
+
+    def _one(self, p: _Pending) -> None:
+        self._local.inside = True
+        try:
+            p.result = p.inner(p.pipe, **p.kwargs)
+        except BaseException as exc:  # delivered to the call's own thread
+            p.error = exc
+        finally:
+            self._local.inside = False
+
+    def _many(self, state: StagedPipeline, batch: list[_Pending]) -> None:
+        from ._batch import own_copy
+
+        def one(p: _Pending) -> Any:
+            state._in_batch.active = True
+            try:
+                return p.inner(own_copy(p.pipe), **p.kwargs)
+            finally:
+                state._in_batch.active = False
+
+        with state.calls:
+            results = state.models.map(one, batch, return_exceptions=True)
+        for p, result in zip(batch, results, strict=True):
+            if isinstance(result, BaseException):
+                p.error = result
+            else:
+                p.result = result
+
+
+def _stagers(pipe: Any) -> list[StagedPipeline]:
+    """The stagers of ``pipe``'s staged components, each once, in a fixed order."""
+    found: dict[int, StagedPipeline] = {}
+    components = getattr(pipe, "components", None)
+    for component in (components or {}).values():
+        hook = _placeholder.stage_hook(getattr(component, "_orig_mod", component))
+        state = hook.stager() if hook is not None and hook.stager is not None else None
+        if state is not None:
+            found[id(state)] = state
+    return [found[k] for k in sorted(found)]
+
+
+def _is_component(value: Any, skeleton: nn.Module) -> bool:
+    """Whether ``value`` on the pipeline is still the staged component: the placeholder, or
+    ``torch.compile`` of it (an ``OptimizedModule`` around the same object)."""
+    return value is skeleton or getattr(value, "_orig_mod", None) is skeleton
+
+
+def _normal_tensors() -> Any:
+    """Where a load runs: outside any ``inference_mode`` of the caller's, so that the
+    weights are normal tensors, as ``from_pretrained`` gives them eagerly (inference
+    tensors count no versions and refuse in-place changes later: ``fuse_lora``, an edit)."""
+    import torch
+
+    return torch.inference_mode(False)
 
 
 def _user(state: StagedPipeline, name: str) -> Any:

@@ -39,9 +39,14 @@ def run_calls(
             )
 
     def one(kwargs: Mapping[str, Any]) -> Any:
-        return own_copy(pipe)(**kwargs)
+        state._in_batch.active = True  # this thread's calls are the batch's: no call lock
+        try:
+            return own_copy(pipe)(**kwargs)
+        finally:
+            state._in_batch.active = False
 
-    return state.models.map(one, calls, return_exceptions=return_exceptions)
+    with state.calls:  # the batch is one call of the pipeline for any other thread
+        return state.models.map(one, calls, return_exceptions=return_exceptions)
 
 
 def own_copy(pipe: Any) -> Any:

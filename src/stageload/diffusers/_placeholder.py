@@ -10,28 +10,42 @@ registers a forward hook on a text-encoder submodule, and that hook must fire on
 weights.
 
 How a use is caught: one :class:`StageHook` sits in the hook registry
-(``stageload.hooks.registry``) of every submodule of the placeholder, as diffusers' group
-offloading hooks the parts of a model. Any method that computes (``forward``, ``encode``,
-``decode``, ``get_text_features``, ``generate``) calls some submodule, and that call makes
-the component ready first: its stage is entered and it loads. No list of method names.
+(``stageload.hooks.registry``) of the placeholder, and while the component is out every
+submodule carries :func:`stageload.release`'s hook, which revives it through that one, as
+diffusers' group offloading hooks the parts of a model. Any method that computes
+(``forward``, ``encode``, ``decode``, ``get_text_features``, ``generate``) calls some
+submodule, and that call makes the component ready first: its stage is entered and it
+loads. No list of method names.
 
-What hooks cannot answer, and why the placeholder's class is a subclass of the real one
-(:func:`placeholder_class`), in one place:
+The placeholder is the component's own class and object (``type(pipe.unet)`` is what
+eager gives: ``from_pipe``, ``torch.compile`` and ``copy`` see the real class). What no
+submodule call catches, in one place:
 
-- ``.device``: the real class answers its first parameter's device, ``meta`` while the
-  weights are out, and pipelines move inputs there (``image.to(self.vae.device)``);
-- conversions (``to``, ``half``, ``cuda``, ...): all go through ``nn.Module._apply`` with an
-  opaque function, which fails on ``meta`` for a device change and must be remembered for
-  the next load (``pipe.to("cuda")`` while the VAE is out);
-- reading a parameter or buffer of an empty placeholder (LTX-Video reads
-  ``vae.latents_mean`` before decoding): attribute reads run no forward, so it loads there.
+- ``.device``: a model answers its first tensor's device, ``meta`` while the weights are
+  out, and pipelines move inputs there. :func:`placeholder_device` answers where it runs
+  instead, as diffusers' group offloading answers its ``onload_device``;
+- conversions (``to``, ``half``, ``cuda``, ...): all go through ``nn.Module._apply``, which
+  fails on ``meta`` for a device change and must be remembered for the next load
+  (``pipe.to("cuda")`` while the VAE is out): :func:`intercept` patches it on the object;
+- reads of its weights' values without computing with the module (peft's ``fuse_lora``
+  reads ``base_layer.weight.data``, textual inversion copies the token embedding, a user
+  edits ``pipe.unet.conv_out.weight.data.mul_(1.5)``): while the component is out, its
+  tensors are meta tensors of a class whose torch functions load it first
+  (:func:`mark_empty`), metadata reads (``shape``, ``dtype``, ``device``) excepted;
+- the component's own parameters and buffers (not its submodules'): no forward reaches
+  them (LTX-Video reads ``vae.latents_mean`` before decoding), so they stay resident,
+  read from the checkpoint when the placeholder is built (:func:`keep_own`).
+
+Reading an attribute never loads anything.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,14 +54,17 @@ from typing import TYPE_CHECKING, Any
 from .._external import (
     CONVERT_METHOD,
     HF_HOOK_ATTR,
+    as_subclass,
     keep_in_fp32_modules,
+    own_tensor_tables,
     tensor_version,
+    torch_function_off,
     transformers_from_config,
     version_at_least,
 )
 from ..errors import StageloadError
-from ..hooks.registry import HookRegistry, ModuleHook
-from ..hooks.release import is_released, unmark_released
+from ..hooks.registry import HookRegistry, ModuleHook, patch
+from ..hooks.release import unmark_released
 from ..load.checkpoint import DTYPES, read_header
 
 if TYPE_CHECKING:
@@ -78,8 +95,8 @@ class StagedChangeError(StageloadError, RuntimeError):
 
 
 class StageHook(ModuleHook):
-    """A staged component's hook: in the registry of each of its submodules, and at
-    ``_hf_hook`` on the placeholder itself, where diffusers reads accelerate's hook
+    """A staged component's hook: in the placeholder's hook registry, and at its
+    ``_hf_hook``, where diffusers reads accelerate's hook
     protocol (``pre_forward`` before ``encode``/``decode``, ``execution_device``).
 
     ``use()`` enters the component's stage and loads it; ``move(device, dtype)`` records a
@@ -97,12 +114,18 @@ class StageHook(ModuleHook):
         tracked: Tracked,
         load: Callable[[], None],
     ) -> None:
+        import torch
+
         self.name = name
-        self.use = use
-        self.load = load
+        # Staging runs eagerly under torch.compile: dynamo breaks the graph at these calls
+        # instead of tracing into the loading (and a compiled forward then sees the loaded
+        # weights, the same tensor objects at each load).
+        self.use = torch.compiler.disable(use)
+        self.load = torch.compiler.disable(load)
         self.move = move
         self.tracked = tracked
         self.execution_device = device
+        self.stager: Callable[[], Any] | None = None  # a weakref to the StagedPipeline
         self._local = threading.local()
 
     @property
@@ -126,6 +149,9 @@ class StageHook(ModuleHook):
 
     def retain(self, module: nn.Module) -> list[torch.Tensor]:
         return self.tracked.retain(module)
+
+    def released(self, module: nn.Module) -> None:
+        mark_empty(module, self)
 
     def before_state_dict(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         """``load_state_dict`` into the component (peft's LoRA loading does): the change
@@ -189,76 +215,197 @@ def passthrough(module: nn.Module) -> Iterator[None]:
         hook.passthrough = before
 
 
-# -- the class -----------------------------------------------------------------------------------
-@functools.cache
-def placeholder_class(base: type) -> type:
-    """A subclass of ``base`` under the same name for what hooks cannot catch (see the
-    module's docstring): ``device``, conversions, and reads of an empty tensor."""
-    base_device = getattr(base, "device", None)
+# -- what a hook cannot catch: read without computing, or a conversion -------------------------
+#: Methods that build new tensors where the weights are (``weight.device``, a metadata read
+#: that loads nothing) before they read the weights' values: they load the component first.
+#: transformers' ``resize_token_embeddings`` (textual inversion) builds the new embedding
+#: on the old one's device, which is ``meta`` while the text encoder is out; peft's
+#: ``add_adapter`` builds the adapter's weights beside the base weights.
+LOAD_FIRST = ("resize_token_embeddings", "add_adapter")
 
-    def device(self: Any) -> torch.device:
-        hook = stage_hook(self)
-        first = next(self.parameters(), None)
-        if hook is not None and (first is None or first.is_meta):
+
+def placeholder_device(module: Any, found: torch.device) -> torch.device:
+    """What ``component.device`` answers: ``found`` (its first tensor's device), except
+    for a placeholder whose weights are out, which answers where it runs.
+
+    This is how diffusers' group offloading answers it (``get_parameter_device`` asks the
+    offload hook for its ``onload_device`` before looking at the tensors), for the same
+    reason: pipelines move inputs to ``model.device`` (``text_inputs.to(
+    self.text_encoder.device)``). Installed once, by :func:`answer_devices`, on diffusers'
+    ``get_parameter_device`` (``ModelMixin.device``) and on ``PreTrainedModel.device``.
+    """
+    if found.type == "meta":
+        hook = stage_hook(module)
+        if hook is not None:
             return hook.execution_device
-        if isinstance(base_device, property) and base_device.fget is not None:
-            return base_device.fget(self)
-        import torch
-
-        return first.device if first is not None else torch.device("cpu")
-
-    def _apply(self: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        hook = stage_hook(self)
-        if hook is None or hook.passthrough:
-            return super(cls, self)._apply(fn, *args, **kwargs)
-        # pipe.to("cuda", torch.float16) reaches every component: learn where ``fn`` sends
-        # a tensor like the weights, record that for every later load, and convert the
-        # weights now if they are in (on meta, only a dtype can change).
-        import torch
-
-        first = next((p for p in self.parameters() if p.is_floating_point()), None)
-        was = first.dtype if first is not None else torch.get_default_dtype()
-        probe = fn(torch.zeros(1, dtype=was, device=hook.execution_device))
-        device = probe.device if probe.device != hook.execution_device else None
-        dtype = probe.dtype if probe.dtype != was else None
-        if device is None and dtype is None:
-            return self
-        hook.move(device, dtype)
-        return self
-
-    def __getattr__(self: Any, name: str) -> Any:
-        # Parameters and buffers live in nn.Module's own tables, so nn.Module.__getattr__
-        # answers them: on an empty placeholder, on meta. Reading one loads it first.
-        value = super(cls, self).__getattr__(name)
-        if getattr(value, "is_meta", False) and is_released(self):
-            hook = stage_hook(self)
-            if hook is not None and not hook.passthrough:
-                hook.use()
-                value = super(cls, self).__getattr__(name)
-        return value
-
-    namespace: dict[str, Any] = {
-        "__module__": base.__module__,
-        "__qualname__": base.__qualname__,
-        "__doc__": base.__doc__,
-        "device": property(device, doc="Where the model runs, also while it is not loaded."),
-        CONVERT_METHOD: _apply,  # nn.Module._apply: every conversion goes through it
-        "__getattr__": __getattr__,
-    }
-    cls = type(base.__name__, (base,), namespace)
-    return cls
+    return found
 
 
-def real_class(module: nn.Module) -> type:
-    """The component's own class behind a placeholder's."""
-    cls = type(module)
-    return cls.__bases__[0] if cls is placeholder_class(cls.__bases__[0]) else cls
+@functools.cache
+def answer_devices() -> None:
+    """Route ``.device`` of diffusers and transformers models through
+    :func:`placeholder_device` (a :func:`patch`, for the process's life: it only changes
+    the answer for placeholders)."""
+
+    def wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(inner)
+        def device(module: Any) -> Any:
+            return placeholder_device(module, inner(module))
+
+        return device
+
+    try:
+        from diffusers.models import modeling_utils
+    except ImportError:
+        pass
+    else:
+        patch(modeling_utils, "get_parameter_device", wrap)
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return
+    owner = next((c for c in PreTrainedModel.__mro__ if "device" in vars(c)), None)
+    if owner is not None:
+        patch(owner, "device", wrap)
+
+
+def intercept(skeleton: nn.Module, hook: StageHook) -> None:
+    """Patch conversions (``nn.Module._apply``) and ``LOAD_FIRST`` on this one object: no
+    submodule call catches them (see the module docstring)."""
+
+    def convert(inner: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(inner)
+        def _apply(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            if hook.passthrough:
+                return inner(fn, *args, **kwargs)
+            # pipe.to("cuda", torch.float16) reaches every component: learn where ``fn``
+            # sends a tensor like the weights and record that for every later load (the
+            # weights convert now if they are in; on meta only a dtype can change).
+            import torch
+
+            first = next((p for p in skeleton.parameters() if p.is_floating_point()), None)
+            was = first.dtype if first is not None else torch.get_default_dtype()
+            probe = fn(torch.zeros(1, dtype=was, device=hook.execution_device))
+            device = probe.device if probe.device != hook.execution_device else None
+            dtype = probe.dtype if probe.dtype != was else None
+            if device is not None or dtype is not None:
+                hook.move(device, dtype)
+            return skeleton
+
+        return _apply
+
+    patch(skeleton, CONVERT_METHOD, convert)
+
+    def load_first(inner: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(inner)
+        def changing(*args: Any, **kwargs: Any) -> Any:
+            if not hook.passthrough:
+                hook.load()
+            return inner(*args, **kwargs)
+
+        return changing
+
+    for method in LOAD_FIRST:
+        if callable(getattr(skeleton, method, None)):
+            patch(skeleton, method, load_first)
+
+
+#: Tensor reads that need no values: on an empty tensor of a placeholder they answer from
+#: ``meta`` and load nothing (everything else loads the component first).
+_METADATA = (
+    "is_meta", "shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn",
+    "layout", "ndim", "names", "is_sparse", "is_quantized", "is_cuda", "is_cpu", "is_mps",
+    "is_nested", "is_mkldnn", "itemsize", "nbytes", "_version", "is_inference", "_base",
+    "is_floating_point", "is_complex", "size", "dim", "numel", "stride", "element_size",
+    "untyped_storage", "data_ptr", "is_contiguous", "storage_offset", "requires_grad_",
+    "_is_view", "__len__",
+)  # fmt: skip
+_HOOK_KEY = "_stageload_unloaded"  # in an empty tensor's __dict__: a weakref to its hook
+
+
+@functools.cache
+def _metadata() -> frozenset[Any]:
+    import torch
+
+    out = set()
+    for name in _METADATA:
+        attr = inspect.getattr_static(torch.Tensor, name, None)
+        if attr is None:
+            continue
+        out.add(attr.__get__ if hasattr(attr, "__set__") or not callable(attr) else attr)
+        out.add(getattr(torch.Tensor, name) if callable(getattr(torch.Tensor, name)) else attr)
+    return frozenset(out)
+
+
+def _hook_of(value: Any) -> StageHook | None:
+    ref = getattr(value, "__dict__", {}).get(_HOOK_KEY)
+    return ref() if ref is not None else None
+
+
+def _on_empty(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A torch function on a placeholder's empty tensor: unless it reads metadata only,
+    load the component first (its tensors are the same objects, filled in place), so
+    ``pipe.unet.conv_out.weight.data.mul_(1.5)`` on a released UNet edits its weights."""
+    if func in _metadata():
+        return
+    values = [*args, *kwargs.values()]
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            values.extend(value)
+            continue
+        hook = _hook_of(value)
+        if hook is not None and not hook.passthrough:
+            hook.load()
+            return
+
+
+@functools.cache
+def _empty_classes() -> tuple[type, type]:
+    """The classes of a placeholder's empty parameters and buffers: meta tensors whose
+    torch functions load the component first (:func:`_on_empty`)."""
+    import torch
+    from torch import nn
+
+    def __torch_function__(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        with torch_function_off():
+            _on_empty(func, args, kwargs)
+            return func(*args, **kwargs)
+
+    tf = classmethod(__torch_function__)
+    doc = "An empty tensor of a staged placeholder (see stageload.diffusers._placeholder)."
+    parameter = type("EmptyParameter", (nn.Parameter,), {"__torch_function__": tf, "__doc__": doc})
+    buffer = type("EmptyBuffer", (torch.Tensor,), {"__torch_function__": tf, "__doc__": doc})
+    return parameter, buffer
+
+
+def mark_empty(module: nn.Module, hook: StageHook) -> None:
+    """Make each tensor of ``module`` on ``meta`` one whose use loads it (the same object:
+    ``torch.utils.swap_tensors``); a tensor held elsewhere stays a plain meta tensor."""
+    import torch
+    from torch import nn
+
+    parameter, buffer = _empty_classes()
+    ref = weakref.ref(hook)
+    with torch_function_off():
+        for _, t in named_tensors(module):
+            if not t.is_meta or type(t) in (parameter, buffer):
+                continue
+            cls = parameter if isinstance(t, nn.Parameter) else buffer
+            # empty_strided, not empty_like: from meta to meta that takes ~1 ms a tensor
+            # (a Python reference implementation), this ~10 us.
+            meta = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+            twin = as_subclass(cls, meta, t.requires_grad)
+            twin.__dict__.update(t.__dict__)
+            twin.__dict__[_HOOK_KEY] = ref
+            with contextlib.suppress(RuntimeError):  # held elsewhere (a weakref, a view)
+                torch.utils.swap_tensors(t, twin)
 
 
 def real_to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-    """``.to()`` of the component's real class, on its weights, past the stager."""
+    """``.to()`` on the component's weights, past the stager's conversion patch."""
     with passthrough(module):
-        return real_class(module).to(module, *args, **kwargs)
+        return module.to(*args, **kwargs)
 
 
 # -- building ------------------------------------------------------------------------------------
@@ -304,12 +451,10 @@ def can_stage(cls: type) -> bool:
 
 
 def build_skeleton(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
-    """An instance of ``placeholder_class(cls)`` built from the config in ``folder``, with
-    every parameter on ``meta`` in ``dtype`` (float32 where the class keeps modules in
-    float32)."""
-    model = build_empty(cls, folder, dtype)
-    model.__class__ = placeholder_class(cls)
-    return model
+    """An instance of ``cls`` itself built from the config in ``folder``, with every
+    parameter on ``meta`` in ``dtype`` (float32 where the class keeps modules in float32)."""
+    answer_devices()
+    return build_empty(cls, folder, dtype)
 
 
 def build_empty(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
@@ -326,6 +471,7 @@ def build_empty(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
         config = cls.load_config(str(folder))
         with init_empty_weights():
             model = cls.from_config(config)
+        model.register_to_config(_name_or_path=str(folder))  # as from_pretrained records it
     else:
         raise TypeError(
             f"cannot stage a {cls.__module__}.{cls.__qualname__}: it is neither a diffusers "
@@ -349,11 +495,54 @@ def build_empty(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
 
 
 def attach(skeleton: nn.Module, hook: StageHook) -> None:
-    """Put ``hook`` on every submodule of ``skeleton``, and where diffusers looks for it."""
-    for sub in skeleton.modules():
-        HookRegistry.attach(sub).add(STAGE, hook)
+    """Put ``hook`` on ``skeleton``, and where diffusers looks for it.
+
+    The parts need no stage hook of their own: while the component is out, each carries
+    :func:`stageload.release`'s hook, which revives it through this one (so a method
+    that computes, ``encode`` or ``get_text_features``, loads it); once it is in, its
+    parts run as eager's do, with no hook in their calls (a hook on each of a UNet's ~500
+    submodule calls cost 18 % of a tiny pipeline's call, everything loaded).
+    """
+    HookRegistry.attach(skeleton).add(STAGE, hook)
     setattr(skeleton, HF_HOOK_ATTR, hook)
     skeleton.register_load_state_dict_pre_hook(hook.before_state_dict)
+    intercept(skeleton, hook)
+
+
+def own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of ``module`` itself, not of its submodules: no submodule call reaches
+    them, so a placeholder keeps them resident."""
+    return [
+        *module.named_parameters(recurse=False, remove_duplicate=False),
+        *module.named_buffers(recurse=False, remove_duplicate=False),
+    ]
+
+
+def keep_own(skeleton: nn.Module, built: dict[str, torch.Tensor], files: list[Path] | str) -> None:
+    """Give the released ``skeleton``'s own tensors their values again: the checkpoint's
+    (``files``), else what the constructor gave them (``built``: non-persistent buffers).
+    A tensor with neither stays empty, and a read of it sees ``meta``."""
+    import torch
+
+    own = own_tensors(skeleton)
+    if not own:
+        return
+    saved: dict[str, torch.Tensor] = {}
+    if not isinstance(files, str):
+        from safetensors import safe_open
+
+        wanted = {name for name, _ in own}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for key in wanted & set(f.keys()):
+                    saved[key] = f.get_tensor(key)
+    with torch.no_grad():
+        for name, t in own:
+            value = saved.get(name, built.get(name))
+            if value is None or not t.is_meta:
+                continue
+            value = value.to(dtype=t.dtype) if value.is_floating_point() else value
+            torch.utils.swap_tensors(t, _like(t, value.clone()))
 
 
 # -- what the checkpoint holds, and what a user changed -----------------------------------------
@@ -363,11 +552,17 @@ SAMPLES = 1024
 
 
 def named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer of ``module`` under every name it has."""
-    return [
-        *module.named_parameters(remove_duplicate=False),
-        *module.named_buffers(remove_duplicate=False),
-    ]
+    """Every parameter and buffer of ``module`` under every name it has: its parameters
+    then its buffers, each in ``named_parameters(remove_duplicate=False)`` order. One walk
+    of the submodules, not two (a load and a release ask several times)."""
+    params: list[tuple[str, torch.Tensor]] = []
+    buffers: list[tuple[str, torch.Tensor]] = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        own_params, own_buffers = own_tensor_tables(sub)
+        params.extend((dot + k, p) for k, p in own_params.items() if p is not None)
+        buffers.extend((dot + k, b) for k, b in own_buffers.items() if b is not None)
+    return params + buffers
 
 
 @dataclass
@@ -375,7 +570,7 @@ class _Mark:
     """A tensor as it was filled from the checkpoint."""
 
     ptr: int
-    version: int
+    version: int | None  # None for an inference tensor, which counts no versions
     shape: tuple[int, ...]
     dtype: torch.dtype
     sample: torch.Tensor | None
@@ -391,10 +586,11 @@ class Tracked:
     loads swap their contents), so the tensor that was ``to_q.weight`` when the placeholder
     was built is found again after peft moved it to ``to_q.base_layer.weight``.
 
-    A checkpoint tensor counts as changed once its object, address, shape, dtype or
-    version counter differs from when it was filled, or a sample of its elements does
-    (``.data`` changes, which the counter does not see; a change to fewer than one element
-    in ``SAMPLES`` made through ``.data`` can go unseen).
+    A checkpoint tensor counts as changed once what it holds differs from when it was
+    filled: its address, shape or dtype, or a strided sample of its elements (a change to
+    fewer than one element in ``SAMPLES`` made through ``.data`` can go unseen). Where the
+    tensor counts versions (not an ``inference_mode`` tensor), an in-place change under
+    ``no_grad`` is seen by its version counter too.
     """
 
     def __init__(self, skeleton: nn.Module) -> None:
@@ -436,7 +632,7 @@ class Tracked:
             return True
         return (
             mark.ptr != t.data_ptr()
-            or mark.version != tensor_version(t)
+            or (mark.version is not None and mark.version != _version(t))
             or mark.shape != tuple(t.shape)
             or mark.dtype != t.dtype
             or not _same_sample(mark.sample, t)
@@ -457,7 +653,7 @@ class Tracked:
         for name, t in named_tensors(module):
             if name in fresh and not t.is_meta and self.key(name, t) is not None:
                 self._marks[id(t)] = _Mark(
-                    t.data_ptr(), tensor_version(t), tuple(t.shape), t.dtype, _sample(t)
+                    t.data_ptr(), _version(t), tuple(t.shape), t.dtype, _sample(t)
                 )
 
     def retain(self, module: nn.Module) -> list[torch.Tensor]:
@@ -469,6 +665,10 @@ class Tracked:
             if self.key(name, t) is None or self.changed(t):
                 kept[id(t)] = t
         return list(kept.values())
+
+
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else tensor_version(t)
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor | None:
@@ -499,7 +699,7 @@ def fill(skeleton: nn.Module, loaded: nn.Module, tracked: Tracked) -> nn.Module:
     """
     import torch
 
-    base = real_class(skeleton)
+    base = type(skeleton)
     if not isinstance(loaded, base):
         raise TypeError(
             f"loaded a {type(loaded).__qualname__} for a {base.__qualname__} placeholder; the "

@@ -35,9 +35,12 @@ that enters stages and releases); a running call sees either the old list or the
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import threading
 import time
+import types
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -77,7 +80,7 @@ class ModuleHook:
     its weights are back (a staged placeholder loads its component), False to let the call
     raise :class:`~stageload.ReleasedModuleError`. ``retain`` is asked when the module is
     released as a whole: the tensors to leave in memory (a user's changes to a staged
-    component, which its checkpoint cannot give back).
+    component, which its checkpoint cannot give back); ``released`` once it was.
     """
 
     def pre_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -91,6 +94,9 @@ class ModuleHook:
 
     def retain(self, module: nn.Module) -> Iterable[torch.Tensor]:
         return ()
+
+    def released(self, module: nn.Module) -> None:
+        """Called by :func:`stageload.release` once ``module``'s tensors are on ``meta``."""
 
 
 # One condition for the calls of every hooked module: a call counts itself in and out
@@ -363,9 +369,18 @@ class _Chain:
             self.base = getattr(owner, attr)
         except AttributeError:
             raise AttributeError(f"{_describe(owner)} has no attribute {attr!r} to patch") from None
+        # A property of a class is patched through its getter: wrap(fget) -> new fget.
+        prop = inspect.getattr_static(owner, attr) if isinstance(owner, type) else None
+        if isinstance(prop, property) and prop.fget is not None:
+            self.base = prop.fget
         if not callable(self.base):
             raise TypeError(f"{_describe(owner)}.{attr} is not callable: {self.base!r}")
-        self.owner = owner
+        # Weakly: the patch lives on the owner (its attribute holds the chain), so
+        # dropping the owner frees the chain and everything its wraps hold.
+        try:
+            self.owner_ref: Callable[[], Any] = weakref.ref(owner)
+        except TypeError:  # not weakly referenceable: held as long as the patch is
+            self.owner_ref = lambda: owner
         self.attr = attr
         self.own = _own(owner, attr)
         self.wraps: list[tuple[object, Callable[..., Any]]] = []
@@ -378,6 +393,10 @@ class _Chain:
         # On a class, a plain function would bind to instances; staticmethod keeps the
         # already-bound original (a classmethod) callable both ways.
         self.installed: Any = staticmethod(dispatch) if isinstance(owner, type) else dispatch
+        if isinstance(prop, property) and prop.fget is not None:
+            self.installed = property(dispatch, prop.fset, prop.fdel, prop.__doc__)
+        elif isinstance(prop, types.FunctionType):  # an instance method: it must bind
+            self.installed = dispatch
 
     def recompose(self) -> None:
         fn = self.base
@@ -386,8 +405,15 @@ class _Chain:
         self.current = fn
 
 
-_chains: dict[tuple[int, str], _Chain] = {}
+# Keyed by id(owner) with weak values: the chain lives in the owner's patched attribute,
+# and an entry whose owner is gone (its id since reused) reads as no chain.
+_chains: weakref.WeakValueDictionary[tuple[int, str], _Chain] = weakref.WeakValueDictionary()
 _chains_lock = threading.Lock()
+
+
+def _chain_of(owner: Any, key: tuple[int, str]) -> _Chain | None:
+    chain = _chains.get(key)
+    return chain if chain is not None and chain.owner_ref() is owner else None
 
 
 Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -407,7 +433,7 @@ def patch(owner: Any, attr: str, wrap: Wrap) -> Callable[[], None]:
     token = object()
     with _chains_lock:
         key = (id(owner), attr)
-        chain = _chains.get(key)
+        chain = _chain_of(owner, key)
         if chain is None:
             chain = _Chain(owner, attr)
             try:
@@ -421,6 +447,8 @@ def patch(owner: Any, attr: str, wrap: Wrap) -> Callable[[], None]:
         chain.wraps.append((token, wrap))
         chain.recompose()
 
+    del owner  # the remover holds it weakly too, through the chain
+
     def remove() -> None:
         with _chains_lock:
             if not any(t is token for t, _ in chain.wraps):
@@ -429,8 +457,10 @@ def patch(owner: Any, attr: str, wrap: Wrap) -> Callable[[], None]:
             chain.recompose()
             if chain.wraps:
                 return
-            del _chains[key]
-            if _own(owner, attr) is not chain.installed:
+            owner = chain.owner_ref()
+            if _chains.get(key) is chain:
+                del _chains[key]
+            if owner is None or _own(owner, attr) is not chain.installed:
                 return  # replaced on top of ours since: leave theirs, ours calls through
             if chain.own is _MISSING:
                 delattr(owner, attr)

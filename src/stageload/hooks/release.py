@@ -246,6 +246,8 @@ def _release(
                     _empty_storage(old)
             HookRegistry.attach(sub).add(RELEASED, ReleasedHook(name, stage, module))
     replaced.clear()
+    for hook in registry.hooks() if registry is not None else ():
+        hook.released(module)  # after the tensors went: a staged placeholder marks them
     return_memory_to_os(devices, collect=False)
     return sum(freed.values())
 
