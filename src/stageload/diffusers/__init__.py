@@ -319,10 +319,10 @@ class StagedPipeline:
         runs_here = current is not None and name in self.plan[current]
         if runs_here and (current, name) not in self._bridges:
             return current
-        start = self._order.index(current) + 1 if current is not None else 0
-        for i in range(len(self._order)):
-            stage = self._order[(start + i) % len(self._order)]
-            if name in self.plan[stage] and (stage, name) not in self._bridges:
+        plan = self.models.plan
+        first = plan.next_stage(current) if current is not None else next(iter(plan))
+        for stage in plan.cycle(first):
+            if name in plan[stage] and (stage, name) not in self._bridges:
                 return stage
         return None
 

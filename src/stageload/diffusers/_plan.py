@@ -5,12 +5,14 @@ component's role (by name) in ``model_index.json``, ordered by the pipeline clas
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..core.plan import Plan
 from ._placeholder import can_stage
 
 #: Stage names of the default plan, in pipeline order (``denoise_2`` etc. follow ``denoise``).
@@ -250,7 +252,7 @@ def choose_plan(
     """
     given = set(given)
     if stages is not None:
-        plan = check_plan(stages, models)
+        plan = check_stages(stages, models)
         clash = given & {n for names in plan.values() for n in names}
         if clash:
             raise ValueError(
@@ -293,12 +295,9 @@ def mark_begins(order: Sequence[str], current: str | None, stage: str) -> bool:
     """
     if current == stage:
         return False
-    at = order.index(stage)
-    if current is None:
-        between = order[:at]
-    else:
-        i = order.index(current)
-        between = [*order[i + 1 : at]] if i < at else [*order[i + 1 :], *order[:at]]
+    cycle = Plan(dict.fromkeys(order, ()))
+    start = order[0] if current is None else cycle.next_stage(current)
+    between = list(itertools.takewhile(lambda s: s != stage, cycle.cycle(start)))
     group = stage_kind(stage)[0]
     return not any(stage_kind(s) == (group, DENOISE) for s in between)
 
@@ -363,8 +362,9 @@ def _with(plan: Mapping[str, tuple[str, ...]], name: str, stages: Iterable[str])
     return out
 
 
-def check_plan(stages: Any, models: Mapping[str, type]) -> dict[str, list[str]]:
-    """Validate a user's ``stages=``: a mapping of stage name -> component names."""
+def check_stages(stages: Any, models: Mapping[str, type]) -> dict[str, list[str]]:
+    """Validate a user's ``stages=`` against the checkpoint's components (component names,
+    not loaders: ``core.plan.check_plan`` validates the plan ``StagedModels`` is given)."""
     if not isinstance(stages, Mapping):
         raise TypeError(
             f"stages must map each stage to the components it uses, e.g. "
