@@ -21,24 +21,6 @@ from .checkpoint import CheckpointError
 if TYPE_CHECKING:
     import torch
 
-# Cold reads: three ways to help the disk were measured against the reader as it was (cold,
-# each beside a raw read, medians of 7 pairs, bench/results/load/cold-*.md); none beat it
-# on this VM, so the defaults keep it, and the knobs stay for a machine where they might.
-#: How the chunks are shared among the threads. ``"interleaved"`` (kept): threads take the
-#: next 16 MiB chunk in file order from one queue and one descriptor, so the disk sees a few
-#: large requests in order. ``"ranges"``: each thread reads its own contiguous range through
-#: its own descriptor (readahead state is per open file): 0.17-0.36x raw here against
-#: 0.56-0.69x, several streams at once are slower on this virtual disk.
-LAYOUT = "interleaved"
-#: ``posix_fadvise(POSIX_FADV_SEQUENTIAL)`` on every descriptor read (a larger readahead
-#: window). Off: with interleaved chunks it cut cold loads to 0.16x raw here.
-SEQUENTIAL = False
-#: Before reading a chunk at ``offset``, ``posix_fadvise(WILLNEED)`` the chunk ``AHEAD``
-#: bytes further on (0: off), so the disk has the next reads queued while the threads
-#: fault and copy. Off: 64 and 128 MiB ahead read at 0.50 and 0.45 GB/s against 0.50.
-AHEAD = 0
-
-
 #: How much nicer than the computing threads a background load's threads run (Linux).
 #: ``bench/residency.py contention`` (a cold 128 MiB load with 4 readers beside 0.3 s of
 #: compute on one torch thread, 2 cores, medians of 7 pairs): at nice 0 it took 0.028-0.046 s
@@ -128,9 +110,6 @@ def run_chunks(
     def job(fd: int, path: Path, offset: int, n: int, dst: torch.Tensor, at: int, src: Any) -> None:
         if stop.is_set():
             return
-        if AHEAD and hasattr(os, "posix_fadvise"):
-            with contextlib.suppress(OSError):  # advice only
-                os.posix_fadvise(fd, offset + AHEAD, n, os.POSIX_FADV_WILLNEED)
         try:
             if src is None:  # same dtype, on the CPU: straight into the destination
                 pread_into(fd, path, offset, memory(dst, at, n))
@@ -146,34 +125,12 @@ def run_chunks(
             stop.set()
             raise
 
-    def run_range(part: list[Any]) -> None:
-        # An own descriptor per thread and file: readahead state lives in the open file.
-        fds: dict[Path, int] = {}
-        try:
-            for _, path, *rest in part:
-                if path not in fds:
-                    fds[path] = _open_sequential(path)
-                job(fds[path], path, *rest)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-
-    if SEQUENTIAL and LAYOUT != "ranges" and hasattr(os, "posix_fadvise"):
-        for fd in {j[0] for j in jobs}:
-            with contextlib.suppress(OSError):  # advice only
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     if threads == 1:
-        if LAYOUT == "ranges":
-            run_range(jobs)
-        else:
-            for j in jobs:
-                job(*j)
+        for j in jobs:
+            job(*j)
         return
     with ThreadPoolExecutor(threads, thread_name_prefix="stageload-load") as pool:
-        if LAYOUT == "ranges":
-            futures = [pool.submit(run_range, part) for part in split_ranges(jobs, threads)]
-        else:
-            futures = [pool.submit(job, *j) for j in jobs]
+        futures = [pool.submit(job, *j) for j in jobs]
         errors = [f.exception() for f in futures]
     if any(j[6] is not None for j in jobs):
         # The threads' bounce buffers sit in glibc's per-thread arenas: give them back now.
@@ -181,27 +138,6 @@ def run_chunks(
     raised = [e for e in errors if e is not None]
     if raised:
         raise raised[0]
-
-
-def split_ranges(jobs: list[Any], parts: int) -> list[list[Any]]:
-    """``jobs`` (in file order) cut into at most ``parts`` contiguous runs of about equal
-    bytes (a job's byte count is its fourth field)."""
-    total = sum(j[3] for j in jobs)
-    out: list[list[Any]] = [[] for _ in range(parts)]
-    done = 0
-    for j in jobs:
-        # The part this job's first byte falls in: the runs stay contiguous and balanced.
-        out[min(parts - 1, done * parts // max(1, total))].append(j)
-        done += j[3]
-    return [p for p in out if p]
-
-
-def _open_sequential(path: Path) -> int:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-    if SEQUENTIAL and hasattr(os, "posix_fadvise"):
-        with contextlib.suppress(OSError):  # advice only
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    return fd
 
 
 def _bounce_buffer(pin: bool, nbytes: int) -> torch.Tensor:
