@@ -46,9 +46,9 @@ class PolicyView:
     #: Seconds each model's loads on demand (``load``, ``reload``) took, as their events
     #: measured them: the lower median of its last three.
     load_seconds: Mapping[str, float] = field(default_factory=dict)
-    #: The same for its loads ahead (``prefetch``): at a lower priority
-    #: (``load.reader.BACKGROUND_NICE``) and into plain pages, not huge ones
-    #: (``load.weights._destination``), they may take longer than on demand.
+    #: The same for its loads ahead (``prefetch``): into plain pages, not huge ones
+    #: (``load.weights._destination``), and beside compute, they may take longer than on
+    #: demand.
     prefetch_seconds: Mapping[str, float] = field(default_factory=dict)
     #: Seconds each stage computes: the shortest of its spans so far on the driving thread,
     #: less the time that thread spent loading or waiting for loads.

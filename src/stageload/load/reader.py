@@ -5,10 +5,8 @@ Nothing here knows about modules: ``weights`` plans a load and hands the chunks 
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,37 +19,20 @@ from .checkpoint import CheckpointError
 if TYPE_CHECKING:
     import torch
 
-#: How much nicer than the computing threads a background load's threads run (Linux).
-#: ``bench/residency.py contention`` (a cold 128 MiB load with 4 readers beside 0.3 s of
-#: compute on one torch thread, 2 cores, medians of 7 pairs): at nice 0 it took 0.028-0.046 s
-#: from the compute, at +10 0.007-0.025 s (two runs each; a first run, 0.077 and 0.081 s;
-#: a later one, variants interleaved, 0.010 and 0.015 s: not resolved there).
-#: Fewer readers took less still, but one read at a third of the speed when nothing computed
-#: beside it, and in the cost bench's stages prefetches with 1 or 2 readers took 0.35-0.99 s
-#: against 0.11-0.12 s with 4: the readers stay as many as on demand.
-BACKGROUND_NICE = 10
-
 _thread = threading.local()  # .background: set by background_thread()
 
 
 def background_thread() -> None:
-    """Make this thread one that only loads ahead: lower its CPU priority by
-    :data:`BACKGROUND_NICE` (Linux; elsewhere unchanged), so a load beside a computing stage
-    leaves it the cores, and mark it (:func:`in_background`): its loads fill plain pages,
-    not huge ones, whose faults may stop to compact memory (see ``weights._destination``).
+    """Mark this thread as one that only loads ahead (:func:`in_background`): its loads
+    fill plain pages, not huge ones, whose faults may stop to compact memory (see
+    ``weights._destination``). The initializer of the prefetch and stream threads.
 
-    The initializer of the prefetch and stream threads. The readers it starts inherit the
-    priority (Linux threads take their creator's nice value). An unprivileged thread
-    cannot raise its priority back, so only threads that do nothing else call this. macOS
-    threads keep their priority: thread QoS is not reachable from Python's ``os``.
+    It no longer lowers the thread's CPU priority: at nice +10 a cold load beside 0.26 s
+    of compute took 0.015 s of it against 0.010 s at nice 0 (bench/results/residency/
+    contention-1t.md; 0.081 against 0.077 s in contention-first-run.md), no gain, so the
+    priority went (issue 37: tuning stays only where a bench shows >= 10 %).
     """
     _thread.background = True
-    if sys.platform != "linux":
-        return
-    tid = threading.get_native_id()
-    with contextlib.suppress(OSError):  # a seccomp profile may forbid it: load at par
-        now = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + BACKGROUND_NICE))
 
 
 def in_background() -> bool:
