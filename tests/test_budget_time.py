@@ -239,7 +239,7 @@ def test_a_prefetch_starts_as_many_readers_as_a_load_on_demand(tmp_path):
     ), pools
 
 
-def run_contended(retry_after: int, calls: int = 9, backoff: int = 2) -> list[str]:
+def run_contended(retry_after: int, calls: int = 9) -> list[str]:
     """Stages of 0.15 s whose compute takes 0.2 s more when a prefetch ran beside them (an
     emulated contention, faked so that it is the same on any machine), loads of 50 ms: the
     prefetch notes of ``calls`` calls under a budget for two of three."""
@@ -260,7 +260,6 @@ def run_contended(retry_after: int, calls: int = 9, backoff: int = 2) -> list[st
 
     policy = FurthestNextUse(2 * 4 * KIB + KIB, prefetch=True)
     policy.RETRY_AFTER = retry_after
-    policy.RETRY_BACKOFF = backoff
     _, sink = run(policy, compute, delay=0.05, calls=calls, wrap=flagged)
     return [e.note for e in sink.kinds("note") if e.note.startswith("prefetch")]
 
@@ -280,31 +279,6 @@ def test_a_prefetch_skipped_for_contention_alone_is_made_again_to_remeasure_it()
         i for i, n in enumerate(notes) if ": skipped, it would release" in n and "estimated" in n
     )
     assert all(": skipped" in n for n in notes[first:]), notes
-
-
-def skips_before_each_trial(notes: list[str]) -> list[int]:
-    """The measured skips noted before each trial (the trial's own first decision is the
-    skip that reaches the count, so a count of n shows as n - 1)."""
-    gaps, skipped, trial = [], 0, False
-    for note in notes:
-        if "to measure loads ahead again" in note:
-            if not trial:
-                gaps.append(skipped)
-            skipped, trial = 0, True
-        else:
-            trial = False
-            skipped += ": skipped, it would release" in note and "estimated" in note
-    return gaps
-
-
-def test_trials_that_confirm_the_skip_come_ever_rarer():
-    # Each trial finds loads ahead still slowing the compute: the next waits twice as long
-    # (a trial after 2 skips, then after 4).
-    gaps = skips_before_each_trial(run_contended(retry_after=2, calls=8))
-    assert gaps[:2] == [1, 3], gaps
-    # Control: without the backoff, a trial every 2 skips however often it confirms them.
-    gaps = skips_before_each_trial(run_contended(retry_after=2, calls=6, backoff=1))
-    assert gaps[:2] == [1, 1], gaps
 
 
 def test_loads_ahead_are_weighed_by_their_own_times():
