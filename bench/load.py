@@ -11,15 +11,10 @@ Cases (1 GiB float16 checkpoint of Linear/LayerNorm blocks, unless --gb says oth
   lw-plain            the same, destinations from plain torch.empty (no madvise)
   lw-mmap             the same, destinations in an own mmap per tensor, huge pages advised
   lw-t1, lw-t2, lw-t8 thread counts
-  lw-old              the reader before issue 22: threads take the next 16 MiB chunk from one
-                      shared descriptor, no advice (reader.SEQUENTIAL off, AHEAD 0)
-  lw-ranges           each thread its own contiguous range and descriptor (reader.LAYOUT)
-  lw-ranges-t2        the same, 2 threads
-  lw-seq              shared chunks, POSIX_FADV_SEQUENTIAL on the descriptor
-  lw-ahead            lw-seq, and WILLNEED on the chunk 64 MiB ahead before each read
-  lw-c64              lw-seq with 64 MiB chunks
-  lw-willneed(128)    shared chunks, no SEQUENTIAL, WILLNEED 64 (128) MiB ahead
-  lw-old-t2           lw-old with 2 threads
+  (removed, issue 37: lw-old, lw-ranges, lw-ranges-t2, lw-seq, lw-ahead, lw-c64,
+   lw-willneed, lw-willneed128, lw-old-t2 and the reader knobs they set, LAYOUT,
+   SEQUENTIAL, AHEAD: none beat the kept reader; their tables stay in
+   bench/results/load/cold-*.md, summed up in docs/load.md)
   lw-inplace          load_weights into a module materialised and touched beforehand: the
                       reads without the destination's page faults
   hand                a hand-written loader: per-tensor torch.empty, huge pages advised,
@@ -67,7 +62,6 @@ sys.path.insert(0, str(ROOT / "src"))
 from _touch import touch  # noqa: E402
 
 from stageload import load_weights, release  # noqa: E402
-from stageload.load import reader as reader_mod  # noqa: E402
 from stageload.load import weights as load_mod  # noqa: E402
 
 GIB = 1 << 30
@@ -213,25 +207,19 @@ def mmap_destination(
 # -- cases ------------------------------------------------------------------------------------
 def case_load_weights(ckpt: Path, gb: float, **kw: Any) -> Callable[[], tuple[int, Any]]:
     alloc = kw.pop("alloc", "thp")
-    layout = kw.pop("layout", reader_mod.LAYOUT)
-    sequential = kw.pop("sequential", reader_mod.SEQUENTIAL)
-    ahead = kw.pop("ahead", reader_mod.AHEAD)
     chunk = kw.pop("chunk", load_mod.CHUNK)
 
     def run() -> tuple[int, Any]:
         module = build(gb)
         saved = (load_mod._ALLOC, load_mod._destination, load_mod.CHUNK)
-        knobs = (reader_mod.LAYOUT, reader_mod.SEQUENTIAL, reader_mod.AHEAD)
         load_mod._ALLOC = "plain" if alloc == "plain" else "thp"
         load_mod.CHUNK = chunk
-        reader_mod.LAYOUT, reader_mod.SEQUENTIAL, reader_mod.AHEAD = layout, sequential, ahead
         if alloc == "mmap":
             load_mod._destination = mmap_destination
         try:
             n = load_weights(module, ckpt, **kw)
         finally:
             load_mod._ALLOC, load_mod._destination, load_mod.CHUNK = saved
-            reader_mod.LAYOUT, reader_mod.SEQUENTIAL, reader_mod.AHEAD = knobs
         return n, module
 
     return run
@@ -463,43 +451,6 @@ def main(argv: list[str] | None = None) -> int:
         "lw-t1": (lambda: case_load_weights(ckpt, args.gb, threads=1), files, True),
         "lw-t2": (lambda: case_load_weights(ckpt, args.gb, threads=2), files, True),
         "lw-t8": (lambda: case_load_weights(ckpt, args.gb, threads=8), files, True),
-        "lw-old": (
-            lambda: case_load_weights(ckpt, args.gb, sequential=False, ahead=0),
-            files,
-            True,
-        ),
-        "lw-ranges": (lambda: case_load_weights(ckpt, args.gb, layout="ranges"), files, True),
-        "lw-ranges-t2": (
-            lambda: case_load_weights(ckpt, args.gb, layout="ranges", threads=2),
-            files,
-            True,
-        ),
-        "lw-seq": (lambda: case_load_weights(ckpt, args.gb, sequential=True, ahead=0), files, True),
-        "lw-ahead": (
-            lambda: case_load_weights(ckpt, args.gb, sequential=True, ahead=64 << 20),
-            files,
-            True,
-        ),
-        "lw-willneed": (
-            lambda: case_load_weights(ckpt, args.gb, sequential=False, ahead=64 << 20),
-            files,
-            True,
-        ),
-        "lw-willneed128": (
-            lambda: case_load_weights(ckpt, args.gb, sequential=False, ahead=128 << 20),
-            files,
-            True,
-        ),
-        "lw-old-t2": (
-            lambda: case_load_weights(ckpt, args.gb, sequential=False, ahead=0, threads=2),
-            files,
-            True,
-        ),
-        "lw-c64": (
-            lambda: case_load_weights(ckpt, args.gb, sequential=True, chunk=64 << 20),
-            files,
-            True,
-        ),
         "hand": (lambda: hand_case(ckpt), files, True),
         "lw-inplace": (lambda: inplace_case(ckpt, args.gb), files, True),
         "lw-bf16": (lambda: case_load_weights(ckpt, args.gb, dtype=bf16), files, True),

@@ -33,8 +33,8 @@ touching the working size once (bench/_touch.py).
 
 What a background load takes from the compute beside it, ``python bench/residency.py
 contention``: the filler alone, then beside a cold load on another thread, pairs back to
-back: at nice 0 and at the prefetch thread's priority (``BACKGROUND_NICE``), with 4, 2 or 1
-readers, into huge-page-advised or plain destinations.
+back: at nice 0 and at +10 (the priority loads ahead ran at until issue 37 removed it for
+gaining nothing here), with 4, 2 or 1 readers, into huge-page-advised or plain destinations.
 
 The slow tail of loads ahead, ``python bench/residency.py tail``: the long cold case
 prefetching at every stage, each run in a fresh process, with loads ahead into huge pages or
@@ -645,7 +645,7 @@ def first_call_main() -> None:
 # -- what a background load takes from the compute it overlaps --------------------------------
 def contention_main(argv: list[str]) -> None:
     """A stage's filler alone, then beside a cold load of the 128 MiB model on another thread,
-    pairs back to back, the load's thread at nice 0 and at the prefetch's priority."""
+    pairs back to back, the load's thread at nice 0 and at +10."""
     import threading
 
     import torch
@@ -654,7 +654,6 @@ def contention_main(argv: list[str]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _touch import touch
 
-    from stageload.load.reader import BACKGROUND_NICE
     from stageload.load.weights import from_safetensors
 
     p = argparse.ArgumentParser(description="what a background load takes from compute")
@@ -669,12 +668,13 @@ def contention_main(argv: list[str]) -> None:
     import stageload.load.weights as weights
 
     # (nice, reader threads, destination pages): the load as on demand, then as ahead.
+    nicer = 10  # the priority loads ahead ran at before issue 37
     variants = [
         (0, 4, "thp"),
-        (BACKGROUND_NICE, 4, "thp"),
-        (BACKGROUND_NICE, 4, "plain"),
-        (BACKGROUND_NICE, 2, "plain"),
-        (BACKGROUND_NICE, 1, "plain"),
+        (nicer, 4, "thp"),
+        (nicer, 4, "plain"),
+        (nicer, 2, "plain"),
+        (nicer, 1, "plain"),
     ]
     build = lambda: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])  # noqa: E731
     samples: dict[tuple[int, int, str], list[tuple[float, float, float]]] = {

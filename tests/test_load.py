@@ -88,26 +88,14 @@ def test_bit_identical_to_load_file(files, file_dtype, want):
         assert got[key].dtype == ref.dtype and torch.equal(got[key], ref), key
 
 
-@pytest.mark.parametrize("layout", ("interleaved", "ranges"))
-@pytest.mark.parametrize("ahead", (0, 8192))
 @pytest.mark.parametrize("want", (None, torch.bfloat16))
-def test_every_read_layout_is_bit_identical(files, monkeypatch, layout, ahead, want):
-    """Reference: ``load_file``, for every read layout. Values only: any CPU and thread count."""
-    monkeypatch.setattr(reader, "LAYOUT", layout)
-    monkeypatch.setattr(reader, "AHEAD", ahead)
+def test_the_read_is_bit_identical(files, want):
+    """Reference: ``load_file``. Values only: any CPU and thread count."""
     expected = load_file(str(files[torch.float16]))
     module = from_safetensors(lambda: Net(torch.float16), files[torch.float16], dtype=want)()
     for key, ref in expected.items():
         ref = ref.to(want) if want is not None and ref.is_floating_point() else ref
         assert torch.equal(module.state_dict()[key], ref), key
-
-
-def test_ranges_are_contiguous_balanced_and_cover_every_job():
-    jobs = [(0, "f", offset, 1000) for offset in range(0, 10_000, 1000)]
-    parts = reader.split_ranges(jobs, 3)
-    assert [j for part in parts for j in part] == jobs  # in file order, each once
-    assert [sum(j[3] for j in p) for p in parts] == [4000, 3000, 3000]
-    assert reader.split_ranges(jobs[:2], 4) == [[jobs[0]], [jobs[1]]]  # no empty parts
 
 
 def test_dtype_none_keeps_the_modules_dtypes(files):

@@ -18,7 +18,6 @@ import pytest
 import torch
 from torch import nn
 
-from fixtures.threads import thread_nice
 from stageload import (
     ListSink,
     StagedModels,
@@ -118,38 +117,6 @@ def test_at_most_one_block_in_use_and_one_read_ahead(stack: Path) -> None:
             assert ahead == [None] * DEPTH
         assert stream.resident() == [] and resident_bytes(model) == rest
         assert all(t.is_meta for t in model.blocks.state_dict().values())
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="thread priorities are read from /proc")
-def test_blocks_read_ahead_yield_the_cores_to_the_compute(stack: Path, monkeypatch) -> None:
-    """The read-ahead thread (and the reader threads it starts) run at a lower priority
-    than the computing thread, so a read beside a block's forward leaves it the cores; the
-    control: without prefetch every read runs at the caller's priority."""
-    from stageload.load import reader
-
-    reads: list[int] = []
-    pread_into = reader.pread_into
-
-    def spy(*args):  # noqa: ANN002, ANN202
-        reads.append(thread_nice())
-        return pread_into(*args)
-
-    base = thread_nice()
-    background = min(19, base + reader.BACKGROUND_NICE)
-    assert background > base, "run the tests below nice 19: there is no lower priority"
-    monkeypatch.setattr(reader, "pread_into", spy)
-    for prefetch in (True, False):
-        model = streamed(build, stack, prefetch=prefetch)
-        reads.clear()
-        with torch.no_grad():
-            model(x_of(0))
-        stream_of(model).close()
-        ahead = reads.count(background)
-        if prefetch:  # block 0 is read on the caller's thread, the rest ahead of it
-            assert ahead and set(reads) == {base, background}, reads
-        else:
-            assert set(reads) == {base}, reads
-    assert thread_nice() == base
 
 
 def test_the_block_list_is_found_or_named(stack: Path, tmp_path: Path) -> None:

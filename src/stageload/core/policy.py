@@ -46,9 +46,9 @@ class PolicyView:
     #: Seconds each model's loads on demand (``load``, ``reload``) took, as their events
     #: measured them: the lower median of its last three.
     load_seconds: Mapping[str, float] = field(default_factory=dict)
-    #: The same for its loads ahead (``prefetch``): at a lower priority
-    #: (``load.reader.BACKGROUND_NICE``) and into plain pages, not huge ones
-    #: (``load.weights._destination``), they may take longer than on demand.
+    #: The same for its loads ahead (``prefetch``): into plain pages, not huge ones
+    #: (``load.weights._destination``), and beside compute, they may take longer than on
+    #: demand.
     prefetch_seconds: Mapping[str, float] = field(default_factory=dict)
     #: Seconds each stage computes: the shortest of its spans so far on the driving thread,
     #: less the time that thread spent loading or waiting for loads.
@@ -176,12 +176,8 @@ class FurthestNextUse:
         # Prefetches skipped in a row only for what loads ahead measured (a stage slower
         # beside one, a slow load ahead). Skipping takes no new measurement, so one slow
         # sample (another process, two reads at once) would decide every later call; after
-        # RETRY_AFTER of them (more after each trial, see _trials), a trial.
+        # RETRY_AFTER of them, a trial.
         self._background_skips = 0
-        # Trials since a prefetch last paid: the next waits RETRY_AFTER * RETRY_BACKOFF**n
-        # skips. A trial that only confirms the skip says the measurement was not stale,
-        # and each one costs a call of loads ahead.
-        self._trials = 0
         # Decisions left in a trial: a retry prefetches for a whole call, since a lone load
         # ahead beside the loads on demand that skipping brings measures neither regime.
         self._trial = 0
@@ -263,7 +259,6 @@ class FurthestNextUse:
         )
         if with_ < without * (1 - self.MARGIN):
             self._background_skips = 0
-            self._trials = 0
             return PrefetchDecision(
                 early, names, f"{what}: made, releasing {released} early; {estimated}"
             )
@@ -271,10 +266,8 @@ class FurthestNextUse:
         if free is not None and free < without * (1 - self.MARGIN):
             # Only what was measured of loads ahead says no, and skipping measures nothing.
             skips = self._background_skips = self._background_skips + 1
-            if self._trial or skips >= self.RETRY_AFTER * self.RETRY_BACKOFF**self._trials:
+            if self._trial or skips >= self.RETRY_AFTER:
                 self._background_skips = 0
-                if not self._trial:  # a new trial: the next one waits longer, unless it pays
-                    self._trials += 1
                 self._trial = self._trial - 1 if self._trial else len(plan.stages) - 1
                 return PrefetchDecision(
                     early,
@@ -290,11 +283,6 @@ class FurthestNextUse:
     #: next call prefetches at every stage, to measure them again (two calls of three
     #: stages skipped, then one tried).
     RETRY_AFTER = 6
-    #: Each trial multiplies the skips before the next one by this, until a prefetch pays
-    #: again (then back to :attr:`RETRY_AFTER`): where loads ahead stay slow, as warm ones
-    #: into plain pages beside stages shorter than a load, trials grow rare instead of
-    #: costing a call in three.
-    RETRY_BACKOFF = 2
     #: A prefetch that releases early is made when it is estimated at least this much
     #: shorter: the estimate leaves out each load's fixed costs (thread starts, waits at
     #: ``enter``), and at a tie (short stages, warm loads as long as the compute) prefetching
