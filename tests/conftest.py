@@ -14,6 +14,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what the imports made, once every test module is imported.
+
+    release() runs one gc.collect() per batch (issue 36): with torch, diffusers and
+    transformers imported that walks ~320k objects, 0.15-0.4 s a stage change here, and made
+    stage-heavy modules 4x slower (tests/test_batch.py 5 s -> 20 s). docs/release.md gives
+    users the same advice: objects made before gc.freeze() are never garbage, so every
+    collection stays real for the objects the tests make (tests/test_release_gc.py's
+    cycles are made after this).
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """torch on one thread for a module's tests (``pytest.mark.usefixtures("one_thread")``):
