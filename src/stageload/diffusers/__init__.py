@@ -28,7 +28,7 @@ from ..core.events import NOTE, Event, EventSink
 from ..core.policy import parse_budget
 from ..core.staged import StagedModels
 from ..hooks.registry import patch
-from ..hooks.release import ReleasedModuleError, release
+from ..hooks.release import ReleasedModuleError, release, releasing
 from ..load.refill import Recipe, learn, reload
 from . import _marks, _placeholder
 from ._args import (
@@ -507,12 +507,13 @@ def staged_pipeline(
             for name in staged
         }
     model_kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in _MODEL_KWARGS}
-    for name, skeleton in skeletons.items():
-        built = {n: t for n, t in _placeholder.own_tensors(skeleton) if not t.is_meta}
-        # The skeleton starts out "released": a call that bypasses the stager (a submodule
-        # called directly) says so, instead of failing on a meta tensor.
-        release(skeleton, name=name, stage=None)
-        _placeholder.keep_own(skeleton, built, checkpoint_of(folder / name, model_kwargs))
+    with releasing():  # one garbage collection for all the skeletons, not one each
+        for name, skeleton in skeletons.items():
+            built = {n: t for n, t in _placeholder.own_tensors(skeleton) if not t.is_meta}
+            # The skeleton starts out "released": a call that bypasses the stager (a
+            # submodule called directly) says so, instead of failing on a meta tensor.
+            release(skeleton, name=name, stage=None)
+            _placeholder.keep_own(skeleton, built, checkpoint_of(folder / name, model_kwargs))
 
     streams = {
         name: _stream_component(
@@ -722,8 +723,12 @@ class _Gather:
         state = self._state()
         try:
             self.batches.append(len(batch))
-            if state is None or len(batch) == 1:
-                with state.calls if state is not None else contextlib.nullcontext():
+            if state is None:
+                # The stager is gone (its pipeline was dropped): each call runs alone.
+                for pending in batch:
+                    self._one(pending)
+            elif len(batch) == 1:
+                with state.calls:
                     self._one(batch[0])
             else:
                 self._many(state, batch)
