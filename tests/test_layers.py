@@ -1,7 +1,9 @@
 """The package's layers: no import cycles, and lower layers never import higher ones.
 
 Read from the source with ``ast``, so every import counts, at module level or inside a
-function, except those under ``if TYPE_CHECKING:`` (never run).
+function. Imports under ``if TYPE_CHECKING:`` count for cycles (a type checker follows
+them, and a cycle there is a design knot all the same), not for layers: the package root's
+lazy export table imports every public name for type checkers only.
 """
 
 from __future__ import annotations
@@ -45,13 +47,13 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skip
 
 
-def imports_of(path: Path, known: set[str]) -> set[str]:
+def imports_of(path: Path, known: set[str], *, type_checking: bool = False) -> set[str]:
     """The stageload modules ``path`` imports (a ``from X import name`` of a submodule
     counts as importing that submodule)."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text())
-    skip = _type_checking_nodes(tree)
+    skip = set() if type_checking else _type_checking_nodes(tree)
     found: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -75,10 +77,19 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
     return {m for m in found if m in known}
 
 
-def graph() -> dict[str, set[str]]:
+def graph(*, type_checking: bool = False) -> dict[str, set[str]]:
     paths = sorted(PACKAGE.rglob("*.py"))
     known = {module_name(p) for p in paths}
-    return {module_name(p): imports_of(p, known) for p in paths}
+    return {module_name(p): imports_of(p, known, type_checking=type_checking) for p in paths}
+
+
+#: Cycles through type-checking imports still to be untied (issue 37 item 5): the diffusers
+#: adapter's helpers annotate their argument with the package's ``StagedPipeline``. Listed
+#: so that no new cycle joins them; delete an entry once it is untied.
+KNOWN_CYCLES = {
+    ("stageload.diffusers", "stageload.diffusers._batch", "stageload.diffusers"),
+    ("stageload.diffusers", "stageload.diffusers._marks", "stageload.diffusers"),
+}
 
 
 def layer_of(module: str) -> int:
@@ -93,7 +104,7 @@ def layer_of(module: str) -> int:
 
 
 def test_no_import_cycles() -> None:
-    edges = graph()
+    edges = graph(type_checking=True)
     cycles: list[list[str]] = []
     state: dict[str, int] = {}  # 1: on the stack, 2: done
     stack: list[str] = []
@@ -112,7 +123,9 @@ def test_no_import_cycles() -> None:
     for node in sorted(edges):
         if node not in state:
             visit(node)
-    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    assert sorted(map(tuple, cycles)) == sorted(KNOWN_CYCLES), "import cycles:\n" + "\n".join(
+        " -> ".join(c) for c in cycles
+    )
 
 
 def test_lower_layers_never_import_higher_ones() -> None:
@@ -146,5 +159,24 @@ def test_the_reader_sees_a_cycle(tmp_path: Path, source: str) -> None:
     try:
         assert "stageload.core.batch" in imports_of(package / "staged.py", known)
         assert "stageload.core.staged" in imports_of(package / "batch.py", known)
+    finally:
+        SRC = saved
+
+
+def test_the_reader_sees_a_cycle_through_a_type_checking_import(tmp_path: Path) -> None:
+    """Control: an import under ``if TYPE_CHECKING:`` counts for cycles, not for layers."""
+    package = tmp_path / "stageload" / "core"
+    package.mkdir(parents=True)
+    (tmp_path / "stageload" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .staged import S\n"
+    (package / "batch.py").write_text(source)
+    known = {"stageload", "stageload.core", "stageload.core.staged", "stageload.core.batch"}
+    global SRC
+    saved, SRC = SRC, tmp_path
+    try:
+        batch = package / "batch.py"
+        assert "stageload.core.staged" in imports_of(batch, known, type_checking=True)
+        assert "stageload.core.staged" not in imports_of(batch, known)
     finally:
         SRC = saved

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+from ._version import __version__
 
 # The public API, defined once: public name -> submodule that defines it. ``__all__``,
 # ``__dir__`` and the lazy ``__getattr__`` all read it; the TYPE_CHECKING imports at the

@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from .. import __version__
+from .._version import __version__
 
 # Subcommand name -> module in stageload.cli. Order is the order in --help.
 COMMANDS: dict[str, str] = {

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .._version import __version__
 from ..core.events import Event
 from ..core.outer import encode, event_record
 from ..traceformat import END, ERROR, FORMAT_VERSION, MARK, SAMPLE, START
@@ -50,8 +51,6 @@ except ImportError:  # not Linux or macOS
 
 def versions() -> dict[str, str]:
     """stageload, Python and (when already imported, never importing it) torch versions."""
-    from .. import __version__
-
     found = {"stageload": __version__, "python": platform.python_version()}
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(getattr(torch, "__version__", None), str):

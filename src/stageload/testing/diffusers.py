@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # The Qwen fixtures save this processor; loading them back needs its module imported.
 from ..diffusers._qwen_processor import Qwen3VLTextImageProcessor
 from ._components import (
+    Size,
     _clip_config,
     _kl_vae,
     _made,
@@ -38,42 +38,6 @@ from ._tokenizers import (
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-
-@dataclass(frozen=True)
-class Size:
-    """How big the large models are: ``hidden`` width and ``layers`` of the text encoder
-    and the denoiser. Attention heads are ``hidden // head_dim``."""
-
-    hidden: int = 32
-    layers: int = 2
-    head_dim: int = 16
-    image: int = 64  # default image side the fixture is meant to run at, pixels
-
-    @classmethod
-    def tiny(cls) -> Size:
-        """About a megabyte per model: for unit tests."""
-        return cls()
-
-    @classmethod
-    def for_bytes(cls, model_bytes: int, *, bytes_per_param: int = 2, head_dim: int = 128) -> Size:
-        """A size whose text encoder and denoiser each hold about ``model_bytes``.
-
-        Both are stacks of ~13 hidden**2 parameters per layer (attention plus a 3x MLP),
-        so the hidden width is chosen for a layer count near 16-28.
-        """
-        params = model_bytes / bytes_per_param
-        for hidden in (256, 512, 768, 1024, 1536, 2048, 3072, 4096):
-            layers = round(params / (13 * hidden * hidden))
-            if layers <= 28:
-                return cls(hidden=hidden, layers=max(1, layers), head_dim=min(head_dim, hidden))
-        return cls(
-            hidden=4096, layers=max(1, round(params / (13 * 4096 * 4096))), head_dim=head_dim
-        )
-
-    @property
-    def heads(self) -> int:
-        return max(1, self.hidden // self.head_dim)
 
 
 # --- pipelines -----------------------------------------------------------------------------
