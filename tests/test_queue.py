@@ -861,7 +861,9 @@ def test_the_version_is_above_the_earlier_packages_and_defined_once() -> None:
     root = Path(SRC).parent
     config = read_configuration(root / "pyproject.toml", expand=False)
     assert "version" not in config["project"] and "version" in config["project"]["dynamic"]
-    assert config["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "stageload.__version__"}
+    assert config["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "stageload._version.__version__"
+    }
     expanded = read_configuration(root / "pyproject.toml", expand=True)
     assert expanded["project"]["version"] == stageload.__version__
     assert cli("--version").stdout.strip() == f"stageload {stageload.__version__}"
