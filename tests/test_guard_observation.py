@@ -26,7 +26,14 @@ FAILED = "is not written any more"
 # Puts the old behaviour back, for the controls: a trace write that fails raises again
 # (as TraceWriter did before), the guard's status lines raise on a broken stream, and no
 # command gets the quiet stderr.
-BREAK_TRACE = """
+# Each patch also keeps ``stageload run`` in this interpreter: its client otherwise hands
+# over (an exec, hiding the command from --busy patterns, issue 36), and the exec'd process
+# would run without the patch.
+KEEP_RUN_HERE = """
+import stageload.cli.run as run_cli
+run_cli._shown_in_own_command_line = lambda command: False
+"""
+BREAK_TRACE = KEEP_RUN_HERE + """
 import errno
 from stageload.meter.tracefile import TraceWriter
 _write = TraceWriter.write
@@ -36,7 +43,7 @@ def write(self, record):
     return True
 TraceWriter.write = write
 """
-BREAK_STDERR = """
+BREAK_STDERR = KEEP_RUN_HERE + """
 import stageload.cli as cli
 from stageload.guard.watch import _Status
 cli._COMMAND_RUNNERS = frozenset()
