@@ -345,7 +345,12 @@ class Stream:
             pending.future.exception()  # wait: its tensors go with it, its error unseen
 
     def _release(self, block: _Block) -> None:
-        release(block.module, name=f"{self.name}.{block.path}")
+        # In a batch the other calls are parked (one runs at a time), some of them inside
+        # this block's pre_call, waiting to be served the next read: waiting for their
+        # calls in flight would wait for calls that cannot move. Outside a batch, a call
+        # on another thread may be computing in the block: wait for it.
+        in_batch = self.meeting() is not None
+        release(block.module, name=f"{self.name}.{block.path}", wait=not in_batch)
         block.resident = False
         if self._on_block is not None:
             self._on_block(
