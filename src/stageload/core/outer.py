@@ -25,6 +25,7 @@ import json
 import math
 import os
 import threading
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -49,6 +50,9 @@ PID_KEY = "pid"
 # Events held while the trace has no start record yet (its tool starts the command a few
 # milliseconds before it writes the record); more than this in that time is not a pipeline.
 _PENDING_MAX = 1000
+#: How long a process exiting waits for its outer trace's start record (seconds), at most,
+#: holding events for it: the guard writes it just after the command starts.
+EXIT_WAIT = 5.0
 # The start record is one line; the command's argv in it could be long, not this long.
 _START_MAX = 1 << 20
 
@@ -176,6 +180,14 @@ class OuterTrace:
         if pid == self._pid:  # a forked child that exits normally is not this process
             self.emit(Event(PROCESS, note="exit"))
         self.flush()
+        # The guard writes the start record right after it starts the command, so a
+        # command that ends at once can end before it: wait for that record (bounded),
+        # rather than lose the events held for it. A loaded machine showed the race
+        # (tests/test_queue.py's trace test, under .ci/run's load check).
+        deadline = time.monotonic() + EXIT_WAIT
+        while self._pending and not self._dead and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling a file another process writes: no event to wait on
+            self.flush()
 
     def flush(self) -> None:
         """Write events held for a start record that has arrived since; at exit too."""
