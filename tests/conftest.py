@@ -19,9 +19,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     release() runs one gc.collect() per batch (issue 36): with torch, diffusers and
     transformers imported that walks ~320k objects, 0.15-0.4 s a stage change here, and made
-    stage-heavy modules 4x slower (tests/test_batch.py 5 s -> 20 s). docs/release.md gives
+    stage-heavy modules 4x slower (tests/core/test_batch.py 5 s -> 20 s). docs/release.md gives
     users the same advice: objects made before gc.freeze() are never garbage, so every
-    collection stays real for the objects the tests make (tests/test_release_gc.py's
+    collection stays real for the objects the tests make (tests/hooks/test_release_gc.py's
     cycles are made after this).
     """
     import gc

@@ -13,7 +13,7 @@ from ._version import __version__
 
 # The public API, defined once: public name -> submodule that defines it. ``__all__``,
 # ``__dir__`` and the lazy ``__getattr__`` all read it; the TYPE_CHECKING imports at the
-# end mirror it for type checkers (tests/test_imports.py checks that they match).
+# end mirror it for type checkers (tests/package/test_imports.py checks that they match).
 _EXPORTS: dict[str, str] = {
     "StagedModels": "core.staged",
     "ModelLoadError": "core.staged",

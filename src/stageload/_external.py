@@ -1,5 +1,5 @@
 """Every private or version-dependent API of torch, diffusers, accelerate and transformers
-that stageload relies on, named in one place. ``tests/test_external.py`` pins the behaviour
+that stageload relies on, named in one place. ``tests/package/test_external.py`` pins the behaviour
 each one is used for, so an upgrade that changes it fails there, not deep in a run.
 
 Nothing here is imported at ``import stageload``: each function imports its library.

@@ -183,7 +183,7 @@ class OuterTrace:
         # The guard writes the start record right after it starts the command, so a
         # command that ends at once can end before it: wait for that record (bounded),
         # rather than lose the events held for it. A loaded machine showed the race
-        # (tests/test_queue.py's trace test, under .ci/run's load check).
+        # (tests/guard/test_queue.py's trace test, under .ci/run's load check).
         deadline = time.monotonic() + EXIT_WAIT
         while self._pending and not self._dead and time.monotonic() < deadline:
             time.sleep(0.01)  # polling a file another process writes: no event to wait on

@@ -17,7 +17,7 @@ Two mechanisms, and only two:
   built on it.
 
 So the only attributes stageload sets on objects it does not own are ``HOOKS_ATTR`` and
-``forward`` on modules, and the patched attribute itself (``tests/test_foreign.py``).
+``forward`` on modules, and the patched attribute itself (``tests/hooks/test_foreign.py``).
 
 Calls in flight: every call of a hooked module counts itself in around the module's own
 forward (after the ``pre_call`` hooks, before the ``post_call`` ones), per thread.

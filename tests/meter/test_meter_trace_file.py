@@ -16,7 +16,7 @@ from stageload.meter import MemoryMeter
 from stageload.meter.tracefile import TraceBusyError, TraceWriter, read_records
 from stageload.report.trace import read_trace
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 OLD = '{"type":"start","version":1,"monotonic":1.0,"pid":1,"meta":{"label":"old"}}\n'
 
 

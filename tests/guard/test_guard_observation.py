@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 PY = sys.executable
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 FAILED = "is not written any more"
 
 # Puts the old behaviour back, for the controls: a trace write that fails raises again

@@ -244,7 +244,7 @@ def test_one_emitting_process_gives_the_trace_itself(tmp_path):
 
 # -- real processes under the real commands ---------------------------------------------
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 # A pipeline script that knows nothing of meters: StagedModels with no sink. argv: rounds,
 # then optionally the round after whose encoder load it SIGKILLs itself.

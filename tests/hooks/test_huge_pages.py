@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from safetensors.torch import save_file  # noqa: E402
 
-PROBE = Path(__file__).parent / "fixtures" / "huge_pages_probe.py"
+PROBE = Path(__file__).parents[1] / "fixtures" / "huge_pages_probe.py"
 
 
 def _advice_mode() -> bool:

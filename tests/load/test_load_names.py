@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 LOAD = SRC / "stageload" / "load"
 
 

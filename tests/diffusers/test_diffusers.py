@@ -506,7 +506,7 @@ def test_readme_example_runs_and_prints_what_it_says(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The example in docs/diffusers.md, run as written (into a temporary folder)."""
-    doc = Path(__file__).resolve().parent.parent / "docs" / "diffusers.md"
+    doc = Path(__file__).resolve().parents[2] / "docs" / "diffusers.md"
     text = doc.read_text()
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
     assert '"/tmp/stageload-qwen-tiny"' in code

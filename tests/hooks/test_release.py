@@ -14,7 +14,7 @@ from torch import nn
 from stageload import ReleasedModuleError, release
 from stageload.hooks.release import is_released, module_bytes
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 
 
 def run_script(code: str, timeout: float = 120) -> str:

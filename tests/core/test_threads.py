@@ -18,7 +18,7 @@ from typing import Any
 
 import stageload
 
-CHILD = Path(__file__).parent / "fixtures" / "threads_child.py"
+CHILD = Path(__file__).parents[1] / "fixtures" / "threads_child.py"
 SRC = Path(stageload.__file__).resolve().parents[1]
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 README = ROOT / "README.md"
 #: The pages of the front door: their links and commands are checked here.
 PAGES = [
@@ -368,7 +368,7 @@ def cited_results() -> set[str]:
         *ROOT.glob("docs/*.md"),
         *ROOT.glob("bench/*.md"),
         *ROOT.glob("src/**/*.py"),
-        *(p for p in ROOT.glob("tests/*.py") if p != Path(__file__)),  # not this file's controls
+        *(p for p in ROOT.glob("tests/**/*.py") if p != Path(__file__)),  # not this file's controls
     ]
     found = set()
     for path in texts:

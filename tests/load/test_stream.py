@@ -34,7 +34,7 @@ from stageload.testing.blocks import BlockStack, block_bytes, save_block_stack
 from stageload.testing.cgroup import cgroup_or_skip
 
 PY = sys.executable
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 MiB = 1 << 20
 
 WIDTH, DEPTH, FEATURES = 128, 5, 16

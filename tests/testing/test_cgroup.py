@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 PY = sys.executable
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 MiB = 1 << 20
 GiB = 1 << 30
 

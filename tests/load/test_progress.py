@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 from stageload.load.progress import PROGRESS_ENV, PROGRESS_MIN_BYTES  # noqa: E402
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 #: Just over and just under the threshold, in bytes of weights.
 OVER, UNDER = PROGRESS_MIN_BYTES + (2 << 20), PROGRESS_MIN_BYTES - (2 << 20)
 

@@ -18,8 +18,8 @@ from stageload.core.events import Event
 from stageload.meter import MemoryMeter
 from stageload.meter.tracefile import read_records
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-TESTS = str(Path(__file__).resolve().parent)
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+TESTS = str(Path(__file__).resolve().parents[1])
 MIB = 1 << 20
 
 needs_proc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -479,7 +479,7 @@ def test_readme_example_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The Python example of docs/meter.md, as written, then `stageload report` on it."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "meter.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "meter.md").read_text()
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "docs/meter.md", "exec"), {"__name__": "__readme__"})

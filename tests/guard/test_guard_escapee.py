@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 PY = sys.executable
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 RUNS = 6
 
 # argv: SID-FILE MODE. The escapee writes its session id (its first pid) to SID-FILE, then

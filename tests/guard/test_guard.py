@@ -41,7 +41,7 @@ from stageload.memory._linux import read_system as read_linux_system
 from stageload.meter.tracefile import read_records
 
 PY = sys.executable
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 GiB = 1 << 30
 MiB = 1 << 20
 

@@ -22,7 +22,7 @@ from torch import nn
 import stageload
 from stageload import StagedModels
 
-CHILD = Path(__file__).parent / "fixtures" / "interrupt_child.py"
+CHILD = Path(__file__).parents[1] / "fixtures" / "interrupt_child.py"
 SRC = Path(stageload.__file__).resolve().parents[1]
 #: How long the next access may take before it counts as hung. The fixed path returns at
 #: once (a Linear(2, 2)); only the control waits this long.

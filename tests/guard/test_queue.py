@@ -35,7 +35,7 @@ from stageload.memory import read_system
 from stageload.units import format_size
 
 PY = sys.executable
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 GiB = 1 << 30
 MiB = 1 << 20
 # Guard flags for every run: no extra floor (the queue's memory rule is under test), quick

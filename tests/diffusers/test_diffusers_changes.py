@@ -124,7 +124,7 @@ def test_fuse_and_unfuse_after_loading(root: Path) -> None:
 
 def test_fuse_and_unfuse_of_an_unloaded_component_load_it(root: Path) -> None:
     """fuse_lora reads the base weights (``base_layer.weight.data``): on a released UNet
-    that read loads it first (tests/test_diffusers_everyday.py has the control)."""
+    that read loads it first (tests/diffusers/test_diffusers_everyday.py has the control)."""
     a = lora("sd", root, "unet", seed=0)
     compare(
         "sd",

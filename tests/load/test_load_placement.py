@@ -10,7 +10,7 @@ flow models (the port's ``from_pretrained``, a ``load_state_dict``). Each check 
 second time with the rule shifted by 16 bytes and must then fail: the controls.
 
 The output check (a streamed SD UNet equal to ``from_pretrained``'s, bit for bit) is in
-tests/test_diffusers_stream.py; its control here streams with every tensor 64-byte aligned
+tests/diffusers/test_diffusers_stream.py; its control here streams with every tensor 64-byte aligned
 (the code before the rule) and sees the output differ where the CPU's kernels round
 differently for differently aligned inputs (a 2-core AMD EPYC with AVX-512: 2e-7).
 Elsewhere that control skips, saying so; the direct checks still hold.

@@ -43,7 +43,7 @@ def no_collection(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests drive StagedModels through thousands of stage changes with KiB models to
     count loads and victims. The one gc.collect() each enter() now runs (0.1-0.5 s in a
     torch process here: bench/results/release_gc) would make them minutes long and change
-    no count; tests/test_release_gc.py checks the collection itself."""
+    no count; tests/hooks/test_release_gc.py checks the collection itself."""
     monkeypatch.setattr(release_module, "collect_garbage", lambda: None)
 
 

@@ -412,7 +412,7 @@ def test_control_unserialized_a_running_call_sees_its_model_released(
     forward. Unheld, such races crashed the process (exit 139) in 2 of 3 runs of
     tests/fixtures/concurrent_calls.py --no-lock; here the first call waits at a known
     point and looks. (With the wait alone, the second call's release waits for the first
-    call, which here waits for the second: the wait is tested in tests/test_threads.py.)"""
+    call, which here waits for the second: the wait is tested in tests/core/test_threads.py.)"""
     monkeypatch.setattr("stageload.diffusers._stagers", lambda pipe: [])
     monkeypatch.setattr(
         "stageload.hooks.release.quiesced", lambda *a, **k: contextlib.nullcontext()

@@ -17,7 +17,7 @@ import pytest
 from stageload.core.events import Event
 from stageload.meter.tracefile import FORMAT_VERSION, TraceWriter, read_records
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _env() -> dict[str, str]:

@@ -30,7 +30,7 @@ diffusers.utils.logging.disable_progress_bar()
 
 CALL = {"height": 64, "width": 64, "num_inference_steps": 2, "output_resolution": 64}
 PROMPT = "a photo of a cat sitting on a red chair"
-SRC = Path(__file__).resolve().parent.parent / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "stageload"
 
 #: Each layer may import only from the layers before it (and itself). Observation and
@@ -180,3 +180,38 @@ def test_the_reader_sees_a_cycle_through_a_type_checking_import(tmp_path: Path) 
         assert "stageload.core.staged" not in imports_of(batch, known)
     finally:
         SRC = saved
+
+
+# -- the tests mirror the source ----------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parents[1]
+#: Folders of tests/ that are no part of the source: the package as a whole, shared fixtures.
+NOT_SOURCE = {"package", "fixtures", "__pycache__"}
+
+
+def misplaced_tests(tests: Path, package: Path) -> list[str]:
+    """Test modules outside a folder that mirrors a source package, and folders that mirror
+    none."""
+    parts = {p.name for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    wrong = [str(p.relative_to(tests)) for p in tests.glob("test_*.py")]
+    for folder in sorted(p for p in tests.iterdir() if p.is_dir()):
+        if folder.name not in NOT_SOURCE | parts:
+            wrong.append(f"{folder.name}/ (no src/stageload/{folder.name}/)")
+    return wrong
+
+
+def test_the_tests_mirror_the_source() -> None:
+    assert misplaced_tests(TESTS, PACKAGE) == []
+
+
+def test_control_a_flat_test_and_a_stray_folder_are_found(tmp_path: Path) -> None:
+    (tmp_path / "src" / "core").mkdir(parents=True)
+    (tmp_path / "src" / "core" / "__init__.py").write_text("")
+    tests = tmp_path / "tests"
+    (tests / "core").mkdir(parents=True)
+    (tests / "trace").mkdir()
+    (tests / "test_flat.py").write_text("")
+    assert misplaced_tests(tests, tmp_path / "src") == [
+        "test_flat.py",
+        "trace/ (no src/stageload/trace/)",
+    ]
