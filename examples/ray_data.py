@@ -8,8 +8,9 @@ Qwen-Image 2.1 with random weights here (no download), so it runs on any machine
 
     python examples/ray_data.py --n 4 --check --local
 
-``--check`` reads the Parquet files back and compares every image with an eager local
-run of the same row (torch with the threads of a 1-CPU Ray worker), pixel for pixel.
+``--check`` reads the Parquet files back and compares every image with the same staged
+pipeline run locally on the same row (torch with the threads of a 1-CPU Ray worker), pixel
+for pixel.
 On a cluster, the prompts file, --out and --trace-dir must be on storage every node sees.
 See docs/ray.md.
 """
@@ -123,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check(make, rows: list[dict]) -> int:
-    """Each row's image against an eager local run with a 1-CPU worker's threads."""
+    """Each row's image against the same staged pipeline run here, with a 1-CPU worker's
+    threads."""
     import numpy as np
 
     from stageload.ray import call_kwargs, worker_threads

@@ -1,4 +1,8 @@
-"""StagedModels.map: stage-major batches of real tiny models, compared with calls in turn."""
+"""StagedModels.map: stage-major batches of real tiny models, compared with calls in turn.
+
+Reference, unless a test says otherwise: ``in_turn``, the same calls one after the other on a
+staged registry of ``load_block`` loaders (no ``map``), in this process; this process's
+default torch threads on both sides."""
 
 from __future__ import annotations
 
@@ -100,6 +104,8 @@ def test_without_the_per_call_rng_swap_outputs_differ(checkpoints, monkeypatch):
 
 
 def test_every_call_starts_from_the_rng_state_at_entry_and_ends_like_calls_in_turn(checkpoints):
+    """Reference: the same ``draw`` run alone on the same registry from the same seed. Only
+    random draws are compared, no arithmetic on them, so any thread count."""
     models = staged(checkpoints)
 
     def draw(_: int) -> torch.Tensor:  # does not seed itself
@@ -264,6 +270,8 @@ def test_map_under_a_budget_with_prefetch_loads_each_model_once(checkpoints, fit
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (not run here)")
 def test_the_cuda_generator_is_swapped_per_call_too(checkpoints):
+    """Reference: the same ``draw`` calls run alone on the same registry. Only random draws
+    are compared, no arithmetic on them, so any thread count."""
     models = staged(checkpoints)
 
     def draw(seed: int) -> torch.Tensor:

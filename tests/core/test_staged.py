@@ -48,6 +48,9 @@ def run_pipeline(get, enter=lambda stage: None) -> torch.Tensor:
 
 
 def test_staged_output_is_bit_identical_to_eager(checkpoints):
+    """Reference: eager, the same ``load_block`` loaders (a Block built, then
+    ``load_state_dict(load_file(...))``) called up front, in this process; this process's
+    default torch threads on both sides."""
     eager_models = {name: load() for name, load in loaders_for(checkpoints).items()}
     eager = run_pipeline(eager_models.__getitem__)
     models = StagedModels(loaders_for(checkpoints), stages=STAGES)

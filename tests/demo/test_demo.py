@@ -46,6 +46,10 @@ def demo(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> tuple[int, Pa
 
 
 def test_demo_runs_end_to_end_with_identical_outputs(demo) -> None:
+    """Reference: the demo's eager run, the same ``load_model`` loaders (a model built, then
+    its weights copied from ``safe_open``) called up front and kept, in its own process.
+    Threads: the demo pins torch to min(2, CPUs) in both processes (``set_num_threads`` and
+    ``OMP_NUM_THREADS``)."""
     code, out, stdout, stderr = demo
     assert code == 0, stderr
     result = json.loads(stdout)
@@ -99,7 +103,11 @@ def test_cached_weights_are_reused_and_checked(demo, cache: Path) -> None:
 
 def test_loads_mid_run_need_rng_preservation(demo, cache: Path) -> None:
     """The pipeline draws noise right after fetching each model, so a lazily built model
-    changes the output unless its load preserves the RNG: the control must differ."""
+    changes the output unless its load preserves the RNG: the control must differ.
+
+    Reference: eager, ``make_models("eager")`` with every model loaded before the run (the
+    same ``load_model`` loaders), in this process; this process's default torch threads on
+    both sides."""
     folder = weights_dir(SMALL, cache)
 
     def run(mode: str, preserve: bool) -> torch.Tensor:

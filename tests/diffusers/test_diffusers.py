@@ -1,7 +1,9 @@
 """stageload.diffusers on real diffusers pipelines built locally (random weights, no hub).
 
 Each family's fixture is a real pipeline written by ``save_pretrained``; the staged one is
-compared with the same pipeline loaded eagerly in this process, bit for bit.
+compared bit for bit with eager: the same pipeline loaded by its class's ``from_pretrained``
+with no stageload, in this process. torch on one thread on both sides (conftest's
+``one_thread``). The test that runs eager and staged in subprocesses states its own threads.
 """
 
 from __future__ import annotations
@@ -451,6 +453,10 @@ def test_staged_peak_is_below_eager_by_most_of_the_largest_released_model(
 ) -> None:
     """A Qwen-Image fixture of ~300 MB in memory, eager and staged each in its own process
     under the meter: staged holds one of the two large models at a time.
+
+    Reference for the image sha256: eager, ``stageload.diffusers.measure eager``
+    (``from_pretrained``), in its own process; torch on one thread in both processes
+    (``OMP_NUM_THREADS=1``).
 
     The checkpoint is bf16 and runs in float32, so loading copies the weights into process
     memory, as on an accelerator or a Mac. Weights mapped from safetensors without a

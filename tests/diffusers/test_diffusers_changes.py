@@ -3,7 +3,11 @@ adapters, textual inversion, fused weights, weights edited in place, replaced su
 each compared bit for bit with the same change made to the eagerly loaded pipeline, over
 two calls; a change that cannot be kept fails with a clear error, never a wrong image.
 
-Locally built pipelines: Stable Diffusion (UNet) and Flux (a transformer family)."""
+Locally built pipelines: Stable Diffusion (UNet) and Flux (a transformer family).
+
+Reference: eager, ``fam.load``: the pipeline loaded by diffusers' ``from_pretrained`` with no
+stageload, in this process, with the same change and called plainly (also for the ``map``
+mode). torch on one thread on both sides (conftest's ``one_thread``)."""
 
 from __future__ import annotations
 

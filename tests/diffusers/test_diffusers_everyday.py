@@ -3,7 +3,10 @@ against the same code on the eagerly loaded pipeline (``torch.equal``, two calls
 with a control that fails once the mechanism it relies on is taken away (issue 34).
 
 A locally built Stable Diffusion (UNet, CLIP text encoder, VAE) with ``keep=()``, so every
-component is released between stages and reloaded at its next use."""
+component is released between stages and reloaded at its next use.
+
+Reference: eager, ``SD.load``: the pipeline loaded by diffusers' ``from_pretrained`` with no
+stageload, in this process. torch on one thread on both sides (conftest's ``one_thread``)."""
 
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 from stageload import ModelLoadError  # noqa: E402
-from stageload._external import tensor_version  # noqa: E402
 from stageload.diffusers import _placeholder, staged_pipeline  # noqa: E402
+from stageload.external import tensor_version  # noqa: E402
 from stageload.testing.families import FAMILIES, folder  # noqa: E402
 
 diffusers.utils.logging.set_verbosity_error()
@@ -367,13 +370,19 @@ def test_control_a_compiled_unet_taken_for_a_replacement_stays_loaded(
 
 # -- threads ---------------------------------------------------------------------------------------
 def test_threads_calling_one_staged_pipeline_each_get_their_lone_output(path: Path) -> None:
+    """Reference: each seed's call run alone on the eager pipeline (``fixtures.concurrent_calls``:
+    ``from_pretrained`` with no stageload), in this process. torch on one thread on both
+    sides (conftest's ``one_thread``)."""
     from fixtures.concurrent_calls import CALLS, THREADS, run
 
     result = run(path)
     assert result == {"equal": [True] * (THREADS * CALLS), "errors": []}
 
 
-def test_calls_that_overlap_run_as_one_batch_each_equal_to_its_lone_run(path: Path) -> None:
+def test_calls_that_overlap_run_as_one_batch_each_equal_to_eager(path: Path) -> None:
+    """Reference: each seed's call run alone on the eager pipeline (``SD.load``: diffusers'
+    ``from_pretrained`` with no stageload), in this process. torch on one thread on both
+    sides (conftest's ``one_thread``)."""
     ref, pipe = eager(path), staged(path)
     want = {seed: image(ref, generator=torch.Generator().manual_seed(seed)) for seed in range(4)}
     holding, go = threading.Event(), threading.Event()

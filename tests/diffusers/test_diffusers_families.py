@@ -2,6 +2,10 @@
 tiny random parts (stageload.testing.families): staged equals eager bit for bit on two
 calls, every large component is staged and loads once per call, and the stages follow
 the order in which the pipeline really uses its models.
+
+Reference: eager, ``Family.load``: the pipeline loaded by diffusers' ``from_pretrained``
+with no stageload, in this process. torch on one thread on both sides (conftest's
+``one_thread``).
 """
 
 from __future__ import annotations

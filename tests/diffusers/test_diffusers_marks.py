@@ -56,6 +56,8 @@ def _stages(sink: ListSink) -> list[str | None]:
 
 
 def test_a_resident_vae_begins_decode_and_staged_equals_eager(small_vae: Path) -> None:
+    """Reference: eager, ``QwenImage21Pipeline.from_pretrained`` with no stageload, in this
+    process. torch on one thread on both sides (conftest's ``one_thread``)."""
     sink = ListSink()
     pipe = staged_pipeline(diffusers.QwenImage21Pipeline, small_vae, events=sink)
     assert pipe.stageload.plan == {
@@ -76,6 +78,8 @@ def test_a_resident_vae_begins_decode_and_staged_equals_eager(small_vae: Path) -
 def test_a_batch_enters_decode_once_and_each_output_equals_its_call_alone(
     small_vae: Path,
 ) -> None:
+    """Reference: each call run alone on the same staged pipeline (not eager), in this
+    process. torch on one thread on both sides (conftest's ``one_thread``)."""
     sink = ListSink()
     pipe = staged_pipeline(diffusers.QwenImage21Pipeline, small_vae, events=sink)
     alone = [_call(pipe, seed) for seed in (0, 1)]
@@ -119,7 +123,7 @@ def test_a_stages_plan_is_the_callers_own(small_vae: Path) -> None:
 
 SCRIPT = """
 import sys, torch, diffusers
-from stageload.diffusers import _marks, _qwen_processor, staged_pipeline  # the fixture's
+from stageload.diffusers import _marks, qwen_processor, staged_pipeline  # the fixture's
 diffusers.utils.logging.disable_progress_bar()
 torch.set_num_threads(1)
 if sys.argv[2] == "off":  # the control: no marks attached

@@ -1,6 +1,9 @@
 """A staged pipeline stays a whole pipeline: ``save_pretrained`` at any moment, components
 replaced after staging, components shared with another pipeline class, ``pipe.to(...)``.
-Locally built Stable Diffusion and Flux pipelines, compared bit for bit with eager ones."""
+Locally built Stable Diffusion and Flux pipelines, compared bit for bit with eager ones.
+
+Reference: eager, ``fam.load``: the pipeline loaded by diffusers' ``from_pretrained`` with no
+stageload, in this process. torch on one thread on both sides (conftest's ``one_thread``)."""
 
 from __future__ import annotations
 

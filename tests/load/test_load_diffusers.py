@@ -1,4 +1,7 @@
-"""The diffusers adapter reloads components with load_weights, bit for bit as from_pretrained."""
+"""The diffusers adapter reloads components with load_weights, bit for bit as from_pretrained.
+
+Reference: the component's own ``from_pretrained`` (``_load_component``), in this process.
+Values only: parameters and buffers are compared, no model runs, so any thread count."""
 
 from __future__ import annotations
 

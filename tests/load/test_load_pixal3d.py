@@ -1,4 +1,7 @@
-"""stageload.pixal3d reloads a released model from {path}.safetensors, equal to the port's."""
+"""stageload.pixal3d reloads a released model from {path}.safetensors, equal to the port's.
+
+Reference: the port's own ``models.from_pretrained``, in this process. Values only: parameters
+and buffers are compared, no model output, so any thread count."""
 
 from __future__ import annotations
 

@@ -404,7 +404,8 @@ def test_a_batch_reads_each_block_once_per_step(stack: Path) -> None:
 
 def test_a_batch_with_uneven_calls_serves_blocks_before_the_next_stage(stack: Path) -> None:
     """Calls that stop early wait at the next stage while the others finish their steps;
-    every call's output stays its own."""
+    every call's output stays its own. Reference: the same calls in turn, each streamed
+    alone (``StagedModels`` without ``map``), in this process, same torch threads."""
 
     def uneven(models: StagedModels, i: int) -> torch.Tensor:
         models.enter("denoise")

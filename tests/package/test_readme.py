@@ -140,8 +140,11 @@ def pixels(path: Path) -> bytes:
 @pytest.fixture(scope="module")
 def diffusers_runs(tmp_path_factory):
     """The README's diffusers example run as a script under ``stageload meter``, as the README
-    says to run one, and the same call loaded eagerly, each in its own process (same thread
-    count, so the same summation order)."""
+    says to run one, and the same call loaded eagerly, each in its own process.
+
+    Reference: eager, ``eager_script`` (``from_pretrained`` with no stageload). torch on one
+    thread in both processes (``OMP_NUM_THREADS=1``, ``MKL_NUM_THREADS=1``), so the same
+    summation order on any machine."""
     pytest.importorskip("diffusers")
     from stageload.testing.diffusers import build
 
@@ -158,6 +161,9 @@ def diffusers_runs(tmp_path_factory):
         "PYTHONPATH": os.pathsep.join(
             filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])
         ),
+        # The images of two processes are compared: the same torch thread count in both.
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
     }
 
     def python(*argv: str) -> subprocess.CompletedProcess:
@@ -208,6 +214,8 @@ def test_readme_diffusers_example_loads_each_model_at_its_stage_and_releases_it(
 
 
 def test_readme_diffusers_example_gives_the_eager_image_bit_for_bit(diffusers_runs):
+    """Reference: eager (``from_pretrained``) in its own process; torch on one thread in both
+    processes (see ``diffusers_runs``)."""
     tmp, _ = diffusers_runs
     assert pixels(tmp / "staged.png") == pixels(tmp / "eager.png")
 

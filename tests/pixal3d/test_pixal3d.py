@@ -48,6 +48,9 @@ def eager_hashes(stub: Path, image: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 def test_staged_fingerprints_equal_eager(stub, image, tmp_path, eager_hashes):
+    """Reference: eager, ``run(load="eager")``: the port's own ``load_pipeline`` (its
+    ``from_pretrained``), in this process; this process's default torch threads on both
+    sides. Compared: the sha256 of the four latents."""
     port = import_port(stub)
     result = run(port, port_args(port, image, tmp_path / "staged.glb"), load="staged")
     assert [r["sha256"] for r in result.fingerprints] == eager_hashes
@@ -367,6 +370,8 @@ def _events(trace: Path) -> list[dict]:
 def test_budget_and_prefetch_keep_the_latents_and_load_each_model_once(
     stub, image, tmp_path, eager_hashes
 ):
+    """Reference: ``eager_hashes`` (the port's own loading), in this process; this process's
+    default torch threads on both sides."""
     trace, prints = tmp_path / "budget.jsonl", tmp_path / "fp"
     argv = [str(image), "-o", str(tmp_path / "o.glb"), "--port", str(stub), "--device", "cpu"]
     argv += ["--seed", "7", "--trace", str(trace), "--fingerprints", str(prints)]

@@ -1,6 +1,9 @@
 """Several images through the Pixal3D stub port, stage-major (``stageload-pixal3d a b c -o D/``):
 each GLB equals its single-image run byte for byte, and each model loads as often as for one
-image, whatever the number of images."""
+image, whatever the number of images.
+
+Reference: ``singles``, each image run alone with staged loading (not eager), in this
+process; this process's default torch threads on both sides."""
 
 from __future__ import annotations
 

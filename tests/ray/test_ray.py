@@ -316,7 +316,9 @@ def _map_batches_killing_an_actor(tmp_path, rows, **remote_args):
 
 def test_map_batches_survives_an_actor_killed_mid_batch(cluster, tmp_path):
     """Ray Data's own fault tolerance: an actor SIGKILLed inside a batch is restarted and
-    the batch retried; every row comes back once, equal to an eager run."""
+    the batch retried; every row comes back once. Reference: ``local_results``, the same
+    staged ToyPipeline called here one row at a time (not eager), with the torch threads of
+    a 1-CPU Ray worker."""
     pytest.importorskip("ray.data")
     rows = [{"prompt": float(i), "seed": 200 + i, "sleep": 0.5} for i in range(6)]
     out, killed = _map_batches_killing_an_actor(tmp_path, rows)
