@@ -369,7 +369,7 @@ def diffusers_cases(folder: Path) -> dict[str, Any]:
     staged adapter's reload (its first load, the from_pretrained reference, done before)."""
     import diffusers
 
-    import stageload.diffusers._qwen_processor  # noqa: F401  (the fixture's processor class)
+    import stageload.diffusers.qwen_processor  # noqa: F401  (the fixture's processor class)
     from stageload.diffusers import staged_pipeline
     from stageload.diffusers._plan import model_components
 

@@ -108,7 +108,7 @@ def run_map(fixture: str, trace: str, result: str, call: dict[str, Any], mode: s
     import torch
     from diffusers.utils import logging
 
-    import stageload.diffusers._qwen_processor  # noqa: F401 (the fixture saves its processor)
+    import stageload.diffusers.qwen_processor  # noqa: F401 (the fixture saves its processor)
     from stageload.diffusers import staged_pipeline
     from stageload.meter import MemoryMeter
 

@@ -22,7 +22,7 @@ _EXPORTS: dict[str, str] = {
     "ReleaseUnlisted": "core.policy",
     "ResidencyPolicy": "core.policy",
     "FurthestNextUse": "core.policy",
-    "rng_free": "core.policy",
+    "rng_free": "load.marks",
     "preserved_rng": "core.rng",
     "Event": "core.events",
     "EventSink": "core.events",
@@ -35,9 +35,9 @@ _EXPORTS: dict[str, str] = {
     "return_memory_to_os": "hooks.release",
     "load_weights": "load.weights",
     "from_safetensors": "load.weights",
-    "streamed": "stream",
-    "stream_of": "stream",
-    "StreamError": "stream",
+    "streamed": "core.streamed",
+    "stream_of": "core.streamed",
+    "StreamError": "core.streamed",
     "checkpoint_bytes": "load.checkpoint",
     "CheckpointError": "load.checkpoint",
     "StageloadError": "errors",
@@ -70,9 +70,10 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
     from .core.batch import BatchError
     from .core.events import Event, EventSink, ListSink, TeeSink
     from .core.plan import Plan
-    from .core.policy import FurthestNextUse, ReleaseUnlisted, ResidencyPolicy, rng_free
+    from .core.policy import FurthestNextUse, ReleaseUnlisted, ResidencyPolicy
     from .core.rng import preserved_rng
     from .core.staged import ModelLoadError, StagedModels
+    from .core.streamed import StreamError, stream_of, streamed
     from .errors import StageloadError
     from .guard import GuardConfig, GuardResult, run_guard
     from .guard.runner import run_queued
@@ -80,7 +81,7 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
     from .hooks.release import ReleasedModuleError, release, return_memory_to_os
     from .hooks.share import share
     from .load.checkpoint import CheckpointError, checkpoint_bytes
+    from .load.marks import rng_free
     from .load.weights import from_safetensors, load_weights
     from .meter import MemoryMeter
-    from .stream import StreamError, stream_of, streamed
     from .units import format_size, parse_size

@@ -12,9 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from stageload import ListSink, StagedModels
+from stageload import FurthestNextUse, ListSink, StagedModels, rng_free
 from stageload.core.events import Event
-from stageload.core.policy import FurthestNextUse, rng_free
 from stageload.hooks.release import module_bytes
 from stageload.load.progress import PREFETCH_THREAD
 

@@ -17,15 +17,10 @@ from torch import nn
 import stageload.hooks.release as release_module
 from fixtures.tiny import Block, load_block, save_block
 from stageload import ListSink, ModelLoadError, StagedModels, from_safetensors
-from stageload.core.policy import (
-    AUTO_RESERVE_MIN,
-    FurthestNextUse,
-    PolicyView,
-    is_rng_free,
-    parse_budget,
-    rng_free,
-)
+from stageload.core.policy import FurthestNextUse, PolicyView
+from stageload.load.marks import is_rng_free, rng_free
 from stageload.memory import read_process, read_system
+from stageload.memory.budget import AUTO_RESERVE_MIN, parse_budget
 
 KIB = 1024
 
@@ -352,6 +347,9 @@ def staged_run(loaders, **kwargs):
 
 
 def test_prefetch_is_bit_identical_to_eager_with_rng_free_loaders(checkpoints):
+    """Reference: eager, ``eager_outputs``: every model loaded up front by ``load_block`` (a
+    Block built, then ``load_state_dict(load_file(...))``), in this process; this process's
+    default torch threads on both sides."""
     eager = eager_outputs(checkpoints)
     loaders = {n: block_rng_free(p) for n, p in checkpoints.items()}
     assert all(is_rng_free(f) for f in loaders.values())
@@ -374,7 +372,9 @@ def test_prefetch_is_bit_identical_to_eager_with_rng_free_loaders(checkpoints):
 
 def test_a_random_drawing_loader_is_not_prefetched_unless_opted_in(checkpoints):
     """The rule's reason, and its control: a loader that runs random initialisers (as
-    load_block does) changes the main thread's stream when it runs in the background."""
+    load_block does) changes the main thread's stream when it runs in the background.
+    Reference: eager, ``eager_outputs`` (``load_block`` up front), in this process; this
+    process's default torch threads on both sides."""
     eager = eager_outputs(checkpoints)
     loaders = {n: (lambda p=p: load_block(p)) for n, p in checkpoints.items()}
     size = sum(t.numel() * 4 for t in Block().state_dict().values())
@@ -394,7 +394,9 @@ def test_a_random_drawing_loader_is_not_prefetched_unless_opted_in(checkpoints):
 
 def test_a_loader_not_ready_for_background_is_loaded_on_demand(checkpoints):
     """``background_ready()`` is asked at every decision: the diffusers adapter's first
-    load (from_pretrained) is unsafe beside a running call, its later refills are not."""
+    load (from_pretrained) is unsafe beside a running call, its later refills are not.
+    Reference: eager, ``eager_outputs`` (``load_block`` up front), in this process; this
+    process's default torch threads on both sides."""
     eager = eager_outputs(checkpoints)
     ready = {"flag": False}
     loaders = {n: block_rng_free(p) for n, p in checkpoints.items()}

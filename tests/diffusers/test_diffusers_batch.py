@@ -1,5 +1,8 @@
 """pipe.stageload.map: N calls of real local diffusers pipelines, stage-major, each equal to
-that call run alone (bit for bit), each component loaded once per batch."""
+that call run alone (bit for bit), each component loaded once per batch.
+
+Reference: each call run alone on the same staged pipeline (not eager), in this process.
+torch on one thread on both sides (conftest's ``one_thread``)."""
 
 from __future__ import annotations
 
@@ -12,8 +15,9 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
+import stageload.diffusers  # noqa: E402
 from stageload import BatchError, ListSink  # noqa: E402
-from stageload.diffusers import _batch, staged_pipeline  # noqa: E402
+from stageload.diffusers import staged_pipeline  # noqa: E402
 from stageload.testing import diffusers as fixtures  # noqa: E402
 
 diffusers.utils.logging.set_verbosity_error()
@@ -105,12 +109,12 @@ def test_wan22_switches_models_inside_the_loop_and_calls_keep_their_own_schedule
     assert _loads(events) == ["text_encoder", "transformer", "transformer_2", "vae"]
 
     # Control: all calls on the one pipeline and scheduler.
-    original = _batch.own_copy
-    _batch.own_copy = lambda pipe: pipe
+    original = stageload.diffusers._own_copy
+    stageload.diffusers._own_copy = lambda pipe: pipe
     try:
         broken = pipe.stageload.map(calls(), return_exceptions=True)
     finally:
-        _batch.own_copy = original
+        stageload.diffusers._own_copy = original
     same = [
         not isinstance(b, BaseException) and torch.equal(b.frames, a)
         for b, a in zip(broken, alone, strict=True)

@@ -33,7 +33,9 @@ KEEP_RUN_HERE = """
 import stageload.cli.run as run_cli
 run_cli._shown_in_own_command_line = lambda command: False
 """
-BREAK_TRACE = KEEP_RUN_HERE + """
+BREAK_TRACE = (
+    KEEP_RUN_HERE
+    + """
 import errno
 from stageload.meter.tracefile import TraceWriter
 _write = TraceWriter.write
@@ -43,7 +45,10 @@ def write(self, record):
     return True
 TraceWriter.write = write
 """
-BREAK_STDERR = KEEP_RUN_HERE + """
+)
+BREAK_STDERR = (
+    KEEP_RUN_HERE
+    + """
 import stageload.cli as cli
 from stageload.guard.watch import _Status
 cli._COMMAND_RUNNERS = frozenset()
@@ -53,6 +58,7 @@ def put(self, text):
         self.stream.flush()
 _Status._put = put
 """
+)
 
 
 def env(tmp_path: Path) -> dict[str, str]:

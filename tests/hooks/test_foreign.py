@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from stageload import StagedModels, load_weights, on_call, release, share
-from stageload._external import CONVERT_METHOD, HF_HOOK_ATTR
 from stageload.diffusers._placeholder import LOAD_FIRST
+from stageload.external import CONVERT_METHOD, HF_HOOK_ATTR
 from stageload.hooks.registry import HOOKS_ATTR
 
 #: On any module stageload hooks (a released one, a placeholder's parts).

@@ -82,6 +82,7 @@ def test_a_deep_copy_of_a_hooked_module_runs_its_own_forward_with_the_hooks() ->
     from typing import Any
 
     torch = pytest.importorskip("torch")
+
     from stageload.hooks.registry import HookRegistry, ModuleHook
 
     calls: list[int] = []
@@ -98,3 +99,25 @@ def test_a_deep_copy_of_a_hooked_module_runs_its_own_forward_with_the_hooks() ->
     assert calls == [id(twin), id(module)]
     HookRegistry.remove(twin, "count")
     assert "forward" not in vars(twin)  # its class's forward again, as before the hook
+
+
+def test_a_hook_name_taken_twice_raises_and_replace_keeps_its_place():
+    """Two features must not overwrite each other's hook by name (as in diffusers' registry);
+    ``replace=True`` is the explicit way, and keeps the hook's place in the call order."""
+    from torch import nn
+
+    from stageload.hooks.registry import HookRegistry, ModuleHook
+
+    module = nn.Linear(2, 2)
+    registry = HookRegistry.attach(module)
+    first, second, other = ModuleHook(), ModuleHook(), ModuleHook()
+    registry.add("a", first)
+    registry.add("b", other)
+    with pytest.raises(ValueError, match="already has a hook named 'a'.*replace=True"):
+        registry.add("a", second)
+    assert registry.hooks() == [first, other]  # unchanged by the refused add
+    registry.add("a", second, replace=True)
+    assert registry.hooks() == [second, other]
+    HookRegistry.remove(module, "a")
+    HookRegistry.remove(module, "b")
+    assert HookRegistry.of(module) is None and "forward" not in module.__dict__

@@ -22,10 +22,10 @@ from stageload import (
     load_weights,
     release,
 )
-from stageload.core.policy import is_rng_free
 from stageload.hooks.release import is_released
 from stageload.load import reader
 from stageload.load import weights as load_mod
+from stageload.load.marks import is_rng_free
 
 
 class Net(nn.Module):

@@ -2,7 +2,7 @@
 
 Streaming lives in ``load/stream.py`` on the public load plan of ``load/weights``
 (``targets``, ``plan``, ``read``, ``install``); the batch it meets at is handed in
-(``MeetingPoint``) by ``stageload.stream``. Read from the source with ``ast``: every
+(``MeetingPoint``) by ``stageload.core.streamed``. Read from the source with ``ast``: every
 import counts, at module level or inside a function, type-checking ones included.
 """
 

@@ -135,7 +135,7 @@ def test_a_prefetch_shows_no_bar_and_the_same_load_in_front_does(tmp_path: Path)
 
 PIPELINE = """
 import sys, torch, diffusers
-from stageload.diffusers import _qwen_processor, staged_pipeline  # the fixture's processor
+from stageload.diffusers import qwen_processor, staged_pipeline  # the fixture's processor
 from stageload.load import progress
 from stageload.testing.diffusers import build
 progress.PROGRESS_MIN_BYTES = 0

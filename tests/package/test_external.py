@@ -1,4 +1,4 @@
-"""Pins the behaviour of every private or version-dependent API in ``stageload._external``:
+"""Pins the behaviour of every private or version-dependent API in ``stageload.external``:
 an upgrade of torch, diffusers, accelerate or transformers that changes one fails here."""
 
 from __future__ import annotations
@@ -9,21 +9,21 @@ import pytest
 import torch
 from torch import nn
 
-from stageload import _external
+from stageload import external
 
 
 def test_version_at_least_reads_the_installed_distribution() -> None:
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    assert _external.version_at_least("torch", f"{major}.{minor}")
-    assert not _external.version_at_least("torch", f"{major + 1}.0")
-    assert not _external.version_at_least("no-such-distribution-here", "0")
+    assert external.version_at_least("torch", f"{major}.{minor}")
+    assert not external.version_at_least("torch", f"{major + 1}.0")
+    assert not external.version_at_least("no-such-distribution-here", "0")
 
 
 def test_non_persistent_buffers_are_the_ones_state_dict_leaves_out() -> None:
     module = nn.Module()
     module.register_buffer("kept", torch.zeros(2))
     module.register_buffer("computed", torch.ones(2), persistent=False)
-    assert _external.non_persistent_buffers(module) == {"computed"}
+    assert external.non_persistent_buffers(module) == {"computed"}
     assert set(module.state_dict()) == {"kept"}
 
 
@@ -33,7 +33,7 @@ class _Recording(nn.Linear):
         self.calls: list[str] = []
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        self.calls.append(_external.CONVERT_METHOD)
+        self.calls.append(external.CONVERT_METHOD)
         return super()._apply(fn, *args, **kwargs)
 
 
@@ -52,21 +52,21 @@ class _Recording(nn.Linear):
 )
 def test_every_conversion_goes_through_one_method(convert: Any) -> None:
     module = _Recording()
-    assert getattr(nn.Module, _external.CONVERT_METHOD)  # the method exists
+    assert getattr(nn.Module, external.CONVERT_METHOD)  # the method exists
     convert(module)
-    assert module.calls == [_external.CONVERT_METHOD]
+    assert module.calls == [external.CONVERT_METHOD]
 
 
 def test_the_version_counter_counts_in_place_changes_but_not_through_data() -> None:
     """The placeholder's change detection relies on both halves: the counter catches
     in-place changes, and a sampled fingerprint catches those made through ``.data``."""
     p = nn.Parameter(torch.ones(4))
-    start = _external.tensor_version(p)
+    start = external.tensor_version(p)
     with torch.no_grad():
         p.mul_(2)
-    assert _external.tensor_version(p) == start + 1
+    assert external.tensor_version(p) == start + 1
     p.data.mul_(2)
-    assert _external.tensor_version(p) == start + 1
+    assert external.tensor_version(p) == start + 1
 
 
 def test_swap_tensors_keeps_the_objects_and_swaps_their_contents() -> None:
@@ -96,8 +96,8 @@ def test_keep_in_fp32_modules_is_read_from_the_class() -> None:
     pytest.importorskip("transformers")
     from transformers import T5EncoderModel
 
-    assert "wo" in _external.keep_in_fp32_modules(T5EncoderModel)
-    assert _external.keep_in_fp32_modules(nn.Linear) == ()
+    assert "wo" in external.keep_in_fp32_modules(T5EncoderModel)
+    assert external.keep_in_fp32_modules(nn.Linear) == ()
 
 
 def test_transformers_from_config_builds_without_reading_weights() -> None:
@@ -106,7 +106,7 @@ def test_transformers_from_config_builds_without_reading_weights() -> None:
 
     config = GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=16, n_positions=8)
     with torch.device("meta"):
-        model = _external.transformers_from_config(GPT2Model, config)
+        model = external.transformers_from_config(GPT2Model, config)
     assert isinstance(model, GPT2Model)
     assert all(p.is_meta for p in model.parameters())
 
@@ -139,7 +139,7 @@ def test_diffusers_reads_accelerates_hook_attribute() -> None:
         block_out_channels=(8,), norm_num_groups=8, latent_channels=4, sample_size=8
     )
     hook = Hook()
-    setattr(vae, _external.HF_HOOK_ATTR, hook)
+    setattr(vae, external.HF_HOOK_ATTR, hook)
     vae.decode(torch.zeros(1, 4, 4, 4))
     assert hook.seen == ["pre_forward"]
     pipe = StableDiffusionPipeline(
@@ -161,11 +161,11 @@ def test_diffusers_reads_accelerates_hook_attribute() -> None:
 def test_set_progress_bar_config_is_read_back_from_the_pipeline() -> None:
     diffusers = pytest.importorskip("diffusers")
     pipe = diffusers.DDPMPipeline(unet=None, scheduler=diffusers.DDPMScheduler())
-    assert not _external.progress_bars_disabled(pipe)
+    assert not external.progress_bars_disabled(pipe)
     pipe.set_progress_bar_config(disable=True)
-    assert _external.progress_bars_disabled(pipe)
+    assert external.progress_bars_disabled(pipe)
     pipe.set_progress_bar_config(disable=False)
-    assert not _external.progress_bars_disabled(pipe)
+    assert not external.progress_bars_disabled(pipe)
 
 
 def test_every_parameter_assignment_calls_the_registration_hook_which_may_replace_it() -> None:
@@ -181,7 +181,7 @@ def test_every_parameter_assignment_calls_the_registration_hook_which_may_replac
             return given[-1]
         return None
 
-    remove = _external.on_parameter_registration(hook)
+    remove = external.on_parameter_registration(hook)
     try:
         linear = nn.Linear(2, 3)
     finally:
@@ -194,7 +194,7 @@ def test_every_parameter_assignment_calls_the_registration_hook_which_may_replac
 
 def test_own_tensor_tables_are_a_modules_own_parameters_and_buffers() -> None:
     module = torch.nn.BatchNorm1d(3)
-    params, buffers = _external.own_tensor_tables(module)
+    params, buffers = external.own_tensor_tables(module)
     assert set(params) == {"weight", "bias"}
     assert set(buffers) == {"running_mean", "running_var", "num_batches_tracked"}
     assert params["weight"] is module.weight
@@ -207,14 +207,14 @@ def test_torch_function_off_and_as_subclass() -> None:
         @classmethod
         def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
             seen.append(func)
-            with _external.torch_function_off():
+            with external.torch_function_off():
                 return func(*args, **(kwargs or {}))
 
-    t = _external.as_subclass(Watched, torch.zeros(2), False)
+    t = external.as_subclass(Watched, torch.zeros(2), False)
     assert type(t) is Watched and not t.requires_grad
     t.add(1)
     assert seen  # the subclass sees torch functions...
     seen.clear()
-    with _external.torch_function_off():
+    with external.torch_function_off():
         t.add(1)
     assert not seen  # ... and not inside torch_function_off

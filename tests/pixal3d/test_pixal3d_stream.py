@@ -16,10 +16,9 @@ from typing import Any
 import pytest
 
 from fixtures.pixal3d_stub import port_args, write_image
-from stageload import ListSink
+from stageload import ListSink, StreamError
 from stageload.pixal3d import Pixal3DRun, import_port, run
 from stageload.pixal3d.cli import main
-from stageload.stream import StreamError
 
 pytest.importorskip("PIL.Image")
 
@@ -143,7 +142,10 @@ def test_a_model_without_a_block_list_is_refused_before_the_run(stub, image, tmp
 
 def test_two_images_stage_major_read_each_block_once_per_step(stub, image, tmp_path):
     """Under ``StagedModels.map`` (several images) the calls meet at each block: the two
-    images read the blocks as often as one image does, and equal their unstreamed run."""
+    images read the blocks as often as one image does, and equal their unstreamed run.
+
+    Reference: each image run alone with the port's own loading (unstreamed, staged), in
+    this process, with the same torch threads on both sides."""
     from stageload.pixal3d.batch import run_many
 
     second = write_image(tmp_path / "second.png", seed=1)

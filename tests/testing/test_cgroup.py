@@ -220,7 +220,7 @@ def test_reader_of_this_process_inside_a_cgroup_takes_the_tightest_limit(cgroup)
 
 
 def _budgets() -> tuple[int, int]:
-    from stageload.core.policy import parse_budget
+    from stageload.memory.budget import parse_budget
 
     return parse_budget("80%"), parse_budget("auto")
 
@@ -233,7 +233,7 @@ def test_budget_shares_and_auto_are_of_the_cgroups_limit(cgroup) -> None:
     assert share == 1024 * MiB
     assert 0 < auto <= 256 * MiB
     # Control: outside, the same share is of the machine.
-    from stageload.core.policy import parse_budget
+    from stageload.memory.budget import parse_budget
 
     assert parse_budget("80%") == int(read_system().total * 80.0 / 100) > 8 * share
 

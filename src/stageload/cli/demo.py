@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ._args import interval, unusable_folder
+from .args import interval, unusable_folder
 
 _THREADS_MAX = 4096
 

@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ..units import parse_size
-from ._args import amount, command_after_dashes, duration, size
+from .args import amount, command_after_dashes, duration, size
 
 if TYPE_CHECKING:
     from ..guard import GuardConfig

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.outer import command_env
 from ..guard.process import EXIT_CANNOT_START
 from ..units import format_duration, format_size
-from ._args import command_after_dashes, interval, unwritable_file
+from .args import command_after_dashes, interval, unwritable_file
 
 if TYPE_CHECKING:
     from ..report.trace import Summary

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from ._args import size
+from .args import size
 
 #: ``--quiet-for``'s default here: waiting in the queue is the normal case, so a shorter
 #: quiet period than the guard's (60 s) after a --busy process was last seen.
@@ -161,7 +161,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from . import EXIT_USAGE
-    from ._args import command_after_dashes
+    from .args import command_after_dashes
 
     if args.resume_fd is not None:
         try:

@@ -19,12 +19,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
+from ..load.marks import is_rng_free
 from .events import REASON_BUDGET, REASON_NOT_IN_PLAN
 from .plan import Plan
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -520,73 +519,6 @@ def unprefetchable(stages: Mapping[str, Sequence[str]], allowed: frozenset[str])
     )
 
 
-# -- the budget ---------------------------------------------------------------------------
-#: What ``budget="auto"`` keeps free for working memory (activations, temporaries): this
-#: share of the memory the process may use, and never less than ``AUTO_RESERVE_MIN``.
-AUTO_RESERVE_SHARE = 0.10
-AUTO_RESERVE_MIN = 1 << 30
-
-
-def parse_budget(value: int | str) -> int:
-    """A memory budget in bytes from ``12884901888``, ``"12G"``, ``"80%"`` or ``"auto"``.
-
-    ``"80%"`` is a share of the memory this process may use (the machine's, or its memory
-    cgroup's limit when lower). ``"auto"`` is the memory available now (cgroup-aware, as
-    ``stageload.memory.read_system`` reads it) minus a reserve for working memory:
-    ``AUTO_RESERVE_SHARE`` of the total, at least ``AUTO_RESERVE_MIN``.
-    """
-    from ..units import parse_size
-
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(
-            f"budget must be bytes (int), a size like '12G', a share like '80%' or 'auto'; "
-            f"got {value!r}"
-        )
-    text = value.strip().lower() if isinstance(value, str) else None
-    if text == "auto" or (text is not None and text.endswith("%")):
-        from ..memory import read_system
-
-        system = read_system()
-        if text == "auto":
-            if system.available is None or system.total is None:
-                why = system.errors.get("available") or system.errors.get("total") or "unknown"
-                raise ValueError(
-                    f"budget='auto' needs the available memory, which cannot be read here "
-                    f"({why}); pass a size instead, e.g. budget='12G'"
-                )
-            reserve = max(AUTO_RESERVE_MIN, int(system.total * AUTO_RESERVE_SHARE))
-            budget = system.available - reserve
-            if budget <= 0:
-                raise ValueError(
-                    f"budget='auto' leaves nothing: {system.available} bytes available, "
-                    f"{reserve} kept for working memory; free memory or pass a size"
-                )
-            return budget
-        try:
-            share = float(text[:-1])  # type: ignore[index]
-        except ValueError:
-            share = -1.0
-        if not 0 < share <= 100:
-            raise ValueError(
-                f"invalid budget {value!r}: a share is between 0% and 100%, e.g. '80%'"
-            )
-        if system.total is None:
-            raise ValueError(
-                f"budget={value!r} needs the total memory, which cannot be read here "
-                f"({system.errors.get('total', 'unknown')}); pass a size, e.g. budget='12G'"
-            )
-        return int(system.total * share / 100)
-    try:
-        budget = parse_size(value)
-    except ValueError:
-        raise ValueError(
-            f"invalid budget {value!r}: use bytes, a size like '12G', a share like '80%', or 'auto'"
-        ) from None
-    if budget <= 0:
-        raise ValueError(f"budget must be positive, got {value!r}; e.g. budget='12G'")
-    return budget
-
-
 def over_budget(
     stage: str, resident: Iterable[str], sizes: Mapping[str, int], budget: int, after: str | None
 ) -> tuple[int, str] | None:
@@ -602,49 +534,3 @@ def over_budget(
         f"{format_size(budget)} by {format_size(total - budget)}; it runs anyway (give "
         f"sizes= to plan ahead, or raise the budget)"
     )
-
-
-# -- loader marks: which loaders may run on a background thread -----------------------------
-#: The attribute :func:`rng_free` sets on a loader. ``loader.draws_random = False`` is the
-#: whole contract: anyone may set it without importing stageload.
-RNG_FREE_ATTR = "draws_random"
-
-
-def rng_free(loader: F) -> F:
-    """Declare that ``loader`` draws no random numbers, so it may be prefetched.
-
-    Sets ``loader.draws_random = False`` and returns the loader (usable as a decorator).
-    A loader qualifies when it builds its model without running random initialisers (on
-    ``meta``, or with ``init=False``-style constructors) and only copies weights in, and
-    when every model it asks the registry for qualifies too. Objects that take no
-    attributes (bound methods) are wrapped in a function that does.
-    """
-    try:
-        setattr(loader, RNG_FREE_ATTR, False)
-        return loader
-    except (AttributeError, TypeError):
-        pass
-
-    def load() -> Any:
-        return loader()
-
-    load.__qualname__ = getattr(loader, "__qualname__", "load")
-    setattr(load, RNG_FREE_ATTR, False)
-    return load  # type: ignore[return-value]
-
-
-#: A loader may carry ``background_ready()``: False while a load now would not be safe on
-#: another thread (the diffusers adapter's first load goes through ``from_pretrained``,
-#: whose meta-device set-up patches torch for every thread).
-BACKGROUND_READY_ATTR = "background_ready"
-
-
-def ready_for_background(loader: object) -> bool:
-    """Whether a prefetch may run ``loader`` on a background thread now."""
-    check = getattr(loader, BACKGROUND_READY_ATTR, None)
-    return True if check is None else bool(check())
-
-
-def is_rng_free(loader: object) -> bool:
-    """True when ``loader`` is marked as drawing no random numbers (see :func:`rng_free`)."""
-    return getattr(loader, RNG_FREE_ATTR, True) is False

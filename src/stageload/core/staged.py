@@ -34,8 +34,10 @@ from typing import TYPE_CHECKING, Any
 from ..errors import StageloadError
 from ..hooks.registry import HookRegistry, ModuleHook
 from ..hooks.release import held_elsewhere, is_released, module_bytes, release, releasing
+from ..load.marks import ready_for_background
 from ..load.progress import PREFETCH_THREAD
 from ..load.reader import background_thread
+from ..memory.budget import parse_budget
 from .batch import Batch, current_batch
 from .events import (
     LOAD,
@@ -60,9 +62,7 @@ from .policy import (
     check_sizes,
     choose_policy,
     over_budget,
-    parse_budget,
     prefetchable,
-    ready_for_background,
     unprefetchable,
 )
 from .rng import preserved_rng
@@ -153,10 +153,10 @@ class StagedModels(Mapping[str, "nn.Module"]):
         y = models["decoder"](h)
 
     ``budget`` (bytes, ``"12G"``, ``"80%"`` or ``"auto"``) keeps models across stages while
-    they fit and evicts by furthest next use (:class:`~stageload.policy.FurthestNextUse`);
+    they fit and evicts by furthest next use (:class:`~stageload.FurthestNextUse`);
     ``sizes`` gives each model's bytes before its first load (else learned then).
     ``prefetch=True`` loads the next stage's models in a background thread, for loaders
-    marked :func:`~stageload.policy.rng_free`; ``prefetch=["name", ...]`` opts named models
+    marked :func:`~stageload.rng_free`; ``prefetch=["name", ...]`` opts named models
     in instead (their loaders must draw no random numbers: see docs/residency.md).
 
     ``in``, ``len()`` and iterating names never load; ``models.values()`` and
@@ -686,7 +686,10 @@ class StagedModels(Mapping[str, "nn.Module"]):
             self._failed(job, stage, problem)
             raise problem
         # Its calls count themselves in flight from now on: a release waits for them.
-        HookRegistry.attach(module).add(COUNTED, ModuleHook())
+        # (A module loaded again, as an adapter's skeleton refilled, keeps the one it has.)
+        registry = HookRegistry.attach(module)
+        if COUNTED not in registry:
+            registry.add(COUNTED, ModuleHook())
         seconds = time.perf_counter() - start
         with self._lock:
             # Count only what this load added: a backbone that another loaded model already

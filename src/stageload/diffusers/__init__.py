@@ -23,13 +23,14 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._external import progress_bars_disabled
 from ..core.events import NOTE, Event, EventSink
-from ..core.policy import parse_budget
 from ..core.staged import StagedModels
+from ..external import progress_bars_disabled
 from ..hooks.registry import patch
 from ..hooks.release import ReleasedModuleError, release, releasing
+from ..load.marks import BACKGROUND_READY_ATTR, rng_free
 from ..load.refill import Recipe, learn, reload
+from ..memory.budget import parse_budget
 from . import _marks, _placeholder
 from ._args import (
     _MODEL_KWARGS,
@@ -47,6 +48,7 @@ from ._plan import (
     choose_plan,
     component_sizes,
     default_plan,
+    mark_begins,
     model_components,
     refine,
 )
@@ -157,9 +159,9 @@ class StagedPipeline:
         # from_pretrained builds on meta (low_cpu_mem_usage, the default with accelerate)
         # and reads weights in: no random numbers drawn, so it may be prefetched.
         if self._model_kwargs.get("low_cpu_mem_usage", True) is not False:
-            load.draws_random = False  # type: ignore[attr-defined]
+            rng_free(load)
         # Only refills go to the background: from_pretrained's meta set-up reaches other threads.
-        load.background_ready = lambda: name in self._recipes  # type: ignore[attr-defined]
+        setattr(load, BACKGROUND_READY_ATTR, lambda: name in self._recipes)
         return load
 
     def _fill(self, name: str, skeleton: nn.Module) -> None:
@@ -273,9 +275,52 @@ class StagedPipeline:
         on both (``_guidance_scale``, the scheduler's timesteps and step index). With its
         own ``generator=``, each output equals that call run alone, bit for bit.
         """
-        from ._batch import run_calls
+        pipe = self._pipeline() if self._pipeline is not None else None
+        if pipe is None:
+            raise RuntimeError("this StagedPipeline's pipeline is gone; map() needs it alive")
+        if isinstance(calls, Mapping) or not isinstance(calls, Iterable):
+            raise TypeError(
+                f"calls must be a list of keyword-argument dicts for the pipeline, e.g. "
+                f"[{{'prompt': 'a cat', 'generator': torch.Generator().manual_seed(0)}}], "
+                f"got {calls!r}"
+            )
+        calls = list(calls)
+        for i, kwargs in enumerate(calls):
+            if not isinstance(kwargs, Mapping):
+                raise TypeError(
+                    f"calls[{i}] must be a dict of keyword arguments for "
+                    f"{type(pipe).__name__}.__call__, got {kwargs!r}"
+                )
 
-        return run_calls(self, calls, return_exceptions=return_exceptions)
+        def one(kwargs: Mapping[str, Any]) -> Any:
+            self._in_batch.active = True  # this thread's calls are the batch's: no call lock
+            try:
+                return _own_copy(pipe)(**kwargs)
+            finally:
+                self._in_batch.active = False
+
+        with self.calls:  # the batch is one call of the pipeline for any other thread
+            return self.models.map(one, calls, return_exceptions=return_exceptions)
+
+    def holds(self, name: str, component: nn.Module) -> bool:
+        """Whether the pipeline's ``name`` is still ``component`` (not replaced since)."""
+        pipe = self._pipeline() if self._pipeline is not None else None
+        return pipe is not None and getattr(pipe, name, None) is component
+
+    def begin(self, stage: str) -> None:
+        """Enter ``stage`` for a use of one of its resident components, if that use begins it
+        (a stage mark's call: see ``_marks``)."""
+        models = self.models
+        if self._closed_at is not None or not mark_begins(self._order, models.stage, stage):
+            return
+        if models.batch_running:
+            # A call of map(): wait for the stage outside this lock, which the other calls
+            # of the batch need while this one is parked (as use() does).
+            models.enter(stage)
+            return
+        with self._lock:
+            if self._closed_at is None and models.stage != stage:
+                models.enter(stage)
 
     def move(self, name: str, device: torch.device | None, dtype: torch.dtype | None) -> None:
         """Take ``component.to(device, dtype)``: move it now if loaded, and after each load."""
@@ -625,8 +670,8 @@ def _stream_component(
     name: str,
 ) -> nn.Module:
     """``name`` built on meta and streamed block by block from its checkpoint files."""
+    from ..core.streamed import streamed
     from ..load.placement import MAPPED
-    from ..stream import streamed
 
     files = checkpoint_of(folder, {k: v for k, v in kwargs.items() if k in _MODEL_KWARGS})
     if isinstance(files, str):
@@ -752,12 +797,10 @@ class _Gather:
             self._local.inside = False
 
     def _many(self, state: StagedPipeline, batch: list[_Pending]) -> None:
-        from ._batch import own_copy
-
         def one(p: _Pending) -> Any:
             state._in_batch.active = True
             try:
-                return p.inner(own_copy(p.pipe), **p.kwargs)
+                return p.inner(_own_copy(p.pipe), **p.kwargs)
             finally:
                 state._in_batch.active = False
 
@@ -809,3 +852,23 @@ def _mover(state: StagedPipeline, name: str) -> Any:
         state.move(name, device, dtype)
 
     return move
+
+
+def _own_copy(pipe: Any) -> Any:
+    """A shallow copy of ``pipe`` sharing its components, with its own scheduler copies.
+
+    diffusers keeps per-call state on the pipeline (``self._guidance_scale``,
+    ``self._num_timesteps``, ...) and on its scheduler (timesteps, sigmas, the step index,
+    multistep history). Calls of a batch interleave at stage changes, and Wan 2.2 changes
+    stage inside its denoising loop, so each call runs on its own copy.
+    """
+    import copy
+
+    from diffusers import SchedulerMixin
+
+    mine = copy.copy(pipe)
+    for name, component in pipe.components.items():
+        if isinstance(component, SchedulerMixin):
+            # Past DiffusionPipeline.__setattr__, which would rewrite the shared config.
+            mine.__dict__[name] = copy.deepcopy(component)
+    return mine

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._external import version_at_least
+from ..external import version_at_least
 from ..load.checkpoint import checkpoint_files
 from . import _placeholder
 

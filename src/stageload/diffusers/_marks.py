@@ -14,15 +14,26 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..hooks.registry import HookRegistry, ModuleHook
-from ._plan import mark_begins
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from . import StagedPipeline
+    from ..core.staged import StagedModels
+
+
+class Stager(Protocol):
+    """What a stage mark asks of its pipeline's stager (``StagedPipeline``)."""
+
+    models: StagedModels
+    plan: Mapping[str, tuple[str, ...]]
+
+    def holds(self, name: str, component: nn.Module) -> bool: ...
+
+    def begin(self, stage: str) -> None: ...
+
 
 #: The registry name of the hook on every submodule of a marked component.
 MARK = "stage_mark"
@@ -37,7 +48,7 @@ class StageMark(ModuleHook):
     hold: it marks nothing.
     """
 
-    def __init__(self, state: StagedPipeline, name: str, stage: str, component: nn.Module) -> None:
+    def __init__(self, state: Stager, name: str, stage: str, component: nn.Module) -> None:
         self._state = weakref.ref(state)
         self.name = name
         self.stage = stage
@@ -47,35 +58,20 @@ class StageMark(ModuleHook):
         # Runs before every submodule call of the component: inside its stage, one
         # comparison and nothing else.
         state = self._state()
-        if state is not None and state.models.stage != self.stage and self._held_by(state):
-            enter(state, self.stage)
-        return None
-
-    def _held_by(self, state: StagedPipeline) -> bool:
         # Replaced on the pipeline (pipe.vae = ...), the old module marks nothing any more.
-        pipe = state._pipeline() if state._pipeline is not None else None
-        return pipe is not None and getattr(pipe, self.name, None) is self.component
+        if (
+            state is not None
+            and state.models.stage != self.stage
+            and state.holds(self.name, self.component)
+        ):
+            state.begin(self.stage)
+        return None
 
     def __repr__(self) -> str:
         return f"StageMark({self.name!r}, stage={self.stage!r})"
 
 
-def enter(state: StagedPipeline, stage: str) -> None:
-    """Enter ``stage`` for a use of one of its resident components, if that use begins it."""
-    models = state.models
-    if state._closed_at is not None or not mark_begins(state._order, models.stage, stage):
-        return
-    if models.batch_running:
-        # A call of map(): wait for the stage outside the stager's lock, which the other
-        # calls of the batch need while this one is parked (as StagedPipeline.use does).
-        models.enter(stage)
-        return
-    with state._lock:
-        if state._closed_at is None and models.stage != stage:
-            models.enter(stage)
-
-
-def attach(state: StagedPipeline, components: Mapping[str, Any], marks: Mapping[str, str]) -> None:
+def attach(state: Stager, components: Mapping[str, Any], marks: Mapping[str, str]) -> None:
     """Put a :class:`StageMark` on every submodule of each marked component in
     ``components`` (the pipeline's); components that are not modules are skipped."""
     from torch import nn

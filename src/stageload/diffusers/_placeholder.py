@@ -51,7 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._external import (
+from ..errors import StageloadError
+from ..external import (
     CONVERT_METHOD,
     HF_HOOK_ATTR,
     as_subclass,
@@ -62,7 +63,6 @@ from .._external import (
     transformers_from_config,
     version_at_least,
 )
-from ..errors import StageloadError
 from ..hooks.registry import HookRegistry, ModuleHook, patch
 from ..hooks.release import unmark_released
 from ..load.checkpoint import DTYPES, read_header

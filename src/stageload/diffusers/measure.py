@@ -83,8 +83,8 @@ def run(
     from ..hooks.release import module_bytes
     from ..meter import MemoryMeter
 
-    # _qwen_processor: loading the Qwen fixtures needs their processor class imported.
-    from . import _dtype_kwarg, _plan, _qwen_processor, staged_pipeline  # noqa: F401
+    # qwen_processor: loading the Qwen fixtures needs their processor class imported.
+    from . import _dtype_kwarg, _plan, qwen_processor, staged_pipeline  # noqa: F401
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")

@@ -155,10 +155,17 @@ class HookRegistry:
         return registry
 
     # -- the hooks ----------------------------------------------------------------------------
-    def add(self, name: str, hook: ModuleHook) -> ModuleHook:
-        """Add ``hook`` under ``name``, replacing (in place) one of that name."""
+    def add(self, name: str, hook: ModuleHook, *, replace: bool = False) -> ModuleHook:
+        """Add ``hook`` under ``name``. A name already taken raises ValueError (two features
+        must not silently overwrite each other's hook); with ``replace``, the new hook takes
+        the old one's place in the order."""
         if not isinstance(hook, ModuleHook):
             raise TypeError(f"hook {name!r} must be a ModuleHook, got {type(hook).__name__}")
+        if not replace and name in self._hooks:
+            raise ValueError(
+                f"this module already has a hook named {name!r} "
+                f"({self._hooks[name]!r}); remove it first, or pass replace=True"
+            )
         self._hooks[name] = hook
         return hook
 

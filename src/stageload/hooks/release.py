@@ -244,7 +244,8 @@ def _release(
                     freed[skey] = size
                     devices.add(device)
                     _empty_storage(old)
-            HookRegistry.attach(sub).add(RELEASED, ReleasedHook(name, stage, module))
+            # A part released before (a streamed block) now says this release.
+            HookRegistry.attach(sub).add(RELEASED, ReleasedHook(name, stage, module), replace=True)
     replaced.clear()
     for hook in registry.hooks() if registry is not None else ():
         hook.released(module)  # after the tensors went: a staged placeholder marks them

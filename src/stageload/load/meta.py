@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from .._external import non_persistent_buffers, on_parameter_registration
+from ..external import non_persistent_buffers, on_parameter_registration
 
 if TYPE_CHECKING:
     import torch

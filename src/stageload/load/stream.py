@@ -46,8 +46,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .._external import non_persistent_buffers
 from ..errors import StageloadError
+from ..external import non_persistent_buffers
 from ..hooks.registry import HookRegistry, ModuleHook
 from ..hooks.release import release
 from .checkpoint import Entry, checkpoint_files, read_entries

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._external import non_persistent_buffers
+from ..external import non_persistent_buffers
 from ..hooks.release import advise_huge_pages, release, unmark_released
 from .checkpoint import (
     DTYPES,
@@ -33,6 +33,7 @@ from .checkpoint import (
     checkpoint_files,
     read_entries,
 )
+from .marks import rng_free
 from .placement import COPIED, Placement, empty_at
 from .progress import progress as progress_bar
 from .reader import in_background, run_chunks
@@ -248,8 +249,8 @@ def from_safetensors(
     name = getattr(build, "__qualname__", type(build).__name__)
     load.__qualname__ = f"from_safetensors({name})"
     # Built on meta and filled by reads: it draws no random numbers, so StagedModels may
-    # prefetch it on a background thread (stageload.policy.rng_free).
-    load.draws_random = False  # type: ignore[attr-defined]
+    # prefetch it on a background thread (stageload.rng_free).
+    rng_free(load)
     return load
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "DeviceMemory",
     "ProcessMemory",
     "SystemMemory",
+    "memory_cgroups",
     "read_device",
     "read_process",
     "read_system",
@@ -53,6 +54,17 @@ SAMPLE_KEYS: dict[str, str] = {
     "pressure": "pressure",
     **{key: key for key in DEVICE_KEYS},
 }
+
+
+def memory_cgroups(
+    pid: int | None = None, cgroupfs: str = "/sys/fs/cgroup"
+) -> tuple[str, list[str]]:
+    """The memory cgroup version ("cgroup1" or "cgroup2") of ``pid`` (default: this process)
+    and its folders under ``cgroupfs``, leaf first; ``("", [])`` where there are none (not
+    Linux, or no memory hierarchy). Raises OSError when ``/proc`` cannot be read."""
+    if not sys.platform.startswith("linux"):
+        return "", []
+    return _backend.cgroup_levels(pid, "/proc", cgroupfs)
 
 
 def read_process(pid: int | None = None, *, tree: bool = False) -> ProcessMemory:

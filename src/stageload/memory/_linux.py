@@ -133,7 +133,7 @@ def read_process(
     return ProcessMemory(total, count, sources, {})
 
 
-def _cgroup_levels(pid: int | None, procfs: str, cgroupfs: str) -> tuple[str, list[str]]:
+def cgroup_levels(pid: int | None, procfs: str, cgroupfs: str) -> tuple[str, list[str]]:
     """The memory cgroup version ("cgroup1"/"cgroup2") and its folders, leaf first, up to root.
 
     Returns ("", []) when the process is in no memory cgroup hierarchy we can see.
@@ -218,7 +218,7 @@ def read_cgroup_limit(
     hits the limit, just as MemAvailable counts reclaimable cache as available (this is also
     how ``docker stats`` and the kubelet compute working-set memory).
     """
-    version, levels = _cgroup_levels(pid, procfs, cgroupfs)
+    version, levels = cgroup_levels(pid, procfs, cgroupfs)
     if version == "cgroup2":
         limit_file, usage_file, cache_key = "memory.max", "memory.current", "inactive_file"
     else:

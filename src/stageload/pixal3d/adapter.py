@@ -37,12 +37,12 @@ from ..core.events import NOTE, STAGE, Event, EventSink
 from ..core.outer import emit_outer
 from ..core.policy import PolicyView, ReleaseUnlisted
 from ..core.staged import StagedModels
+from ..core.streamed import Stream, StreamError, find_blocks, stream_of, streamed
 from ..hooks.on_call import on_call
 from ..hooks.registry import patch
 from ..hooks.share import share
 from ..load.meta import build_on_meta
 from ..load.placement import COPIED
-from ..stream import Stream, StreamError, find_blocks, stream_of, streamed
 from ._fill import FastReload
 from ._parts import ExtractorRecipe, Holder, LazyEntry, NafRecipe, Unloaded, build_on_device
 from .fingerprints import Fingerprints

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..cli._args import interval, unusable_folder, unwritable_file
+from ..cli.args import interval, unusable_folder, unwritable_file
 from .plan import MODEL_NAMES, STAGES, check_stream
 
 EXIT_OK = 0
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 def budget_arg(text: str) -> str:
     """``--budget``: checked by the library's own parser, kept as given ('auto' is read
     when the run starts)."""
-    from ..core.policy import parse_budget
+    from ..memory.budget import parse_budget
 
     try:
         parse_budget(text)
@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _fail(f"--fingerprints {opts.fingerprints!r}: {problem}")
 
     from ..core.staged import ModelLoadError
-    from ..stream import StreamError
+    from ..core.streamed import StreamError
     from .adapter import run
     from .plan import UnsupportedPipelineError, plan_for
     from .port import PortError, check_device, find_port, import_port

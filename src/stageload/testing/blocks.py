@@ -112,9 +112,9 @@ def run(mode: str, checkpoint: str, out: str | None, *, rows: int = 8, prefetch:
     import json
     import time
 
+    from ..core.streamed import stream_of, streamed
     from ..load.checkpoint import read_header
     from ..load.weights import from_safetensors
-    from ..stream import stream_of, streamed
 
     if config is None:
         entries = read_header(Path(checkpoint))

@@ -78,10 +78,10 @@ def _write(path: Path, text: str) -> None:
 
 def _parent(root: str) -> tuple[str, Path]:
     """This process's memory cgroup folder and its version, or CgroupUnavailable."""
-    from ..memory import _linux
+    from ..memory import memory_cgroups
 
     try:
-        version, levels = _linux._cgroup_levels(None, "/proc", root)
+        version, levels = memory_cgroups(cgroupfs=root)
     except OSError as exc:
         raise CgroupUnavailable(f"cannot read /proc/self/cgroup: {exc}") from None
     if not levels:

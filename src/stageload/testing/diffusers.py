@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # The Qwen fixtures save this processor; loading them back needs its module imported.
-from ..diffusers._qwen_processor import Qwen3VLTextImageProcessor
+from ..diffusers.qwen_processor import Qwen3VLTextImageProcessor
 from ._components import (
     Size,
     _clip_config,

@@ -50,7 +50,7 @@ def interval(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"interval must be more than 0 seconds, got {text!r}; e.g. '0.5' or '100ms'"
         )
-    from ..meter import check_interval  # at parse time only: importing _args stays light
+    from ..meter import check_interval  # at parse time only: importing args stays light
 
     try:
         return check_interval(seconds)

@@ -13,11 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from .core.batch import current_batch
-from .core.events import BLOCK, Event, EventSink
-from .core.outer import outer_trace
-from .load.placement import COPIED, Placement
-from .load.stream import (
+from ..load.placement import COPIED, Placement
+from ..load.stream import (
     BlockDone,
     Stream,
     StreamError,
@@ -26,7 +23,10 @@ from .load.stream import (
     stream_blocks,
     stream_of,
 )
-from .load.weights import Files
+from ..load.weights import Files
+from .batch import current_batch
+from .events import BLOCK, Event, EventSink
+from .outer import outer_trace
 
 if TYPE_CHECKING:
     import torch
