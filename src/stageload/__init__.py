@@ -22,7 +22,7 @@ _EXPORTS: dict[str, str] = {
     "ReleaseUnlisted": "core.policy",
     "ResidencyPolicy": "core.policy",
     "FurthestNextUse": "core.policy",
-    "rng_free": "load.marks",
+    "rng_free": "load.loaders",
     "preserved_rng": "core.rng",
     "Event": "core.events",
     "EventSink": "core.events",
@@ -81,7 +81,7 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
     from .hooks.release import ReleasedModuleError, release, return_memory_to_os
     from .hooks.share import share
     from .load.checkpoint import CheckpointError, checkpoint_bytes
-    from .load.marks import rng_free
+    from .load.loaders import rng_free
     from .load.weights import from_safetensors, load_weights
     from .meter import MemoryMeter
     from .units import format_size, parse_size

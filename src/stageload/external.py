@@ -109,3 +109,12 @@ def as_subclass(cls: type, data: Any, requires_grad: bool) -> Any:
     import torch
 
     return torch.Tensor._make_subclass(cls, data, requires_grad)
+
+
+def module_call_code() -> Any:
+    """The code object of ``nn.Module._call_impl``, the body of every module call: a thread's
+    stack with a frame running it is inside a module call (``hooks.registry`` reads thread
+    stacks for it while it waits for calls in flight)."""
+    from torch import nn
+
+    return nn.Module._call_impl.__code__

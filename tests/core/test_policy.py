@@ -18,7 +18,7 @@ import stageload.hooks.release as release_module
 from fixtures.tiny import Block, load_block, save_block
 from stageload import ListSink, ModelLoadError, StagedModels, from_safetensors
 from stageload.core.policy import FurthestNextUse, PolicyView
-from stageload.load.marks import is_rng_free, rng_free
+from stageload.load.loaders import is_rng_free, rng_free
 from stageload.memory import read_process, read_system
 from stageload.memory.budget import AUTO_RESERVE_MIN, parse_budget
 

@@ -25,7 +25,7 @@ from stageload import (
 from stageload.hooks.release import is_released
 from stageload.load import reader
 from stageload.load import weights as load_mod
-from stageload.load.marks import is_rng_free
+from stageload.load.loaders import is_rng_free
 
 
 class Net(nn.Module):

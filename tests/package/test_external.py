@@ -218,3 +218,23 @@ def test_torch_function_off_and_as_subclass() -> None:
     with external.torch_function_off():
         t.add(1)
     assert not seen  # ... and not inside torch_function_off
+
+
+def test_module_call_code_is_on_the_stack_of_a_module_call():
+    """hooks.registry finds calls in flight by this code object in thread stacks."""
+    import sys
+
+    seen: list[bool] = []
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            frame, codes = sys._getframe(), []
+            while frame is not None:
+                codes.append(frame.f_code)
+                frame = frame.f_back
+            seen.append(external.module_call_code() in codes)
+            return x
+
+    Probe()(torch.zeros(1))
+    Probe().forward(torch.zeros(1))  # control: a direct forward() is not a module call
+    assert seen == [True, False]

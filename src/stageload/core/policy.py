@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..load.marks import is_rng_free
+from ..load.loaders import is_rng_free
 from .events import REASON_BUDGET, REASON_NOT_IN_PLAN
 from .plan import Plan
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import StageloadError
 from ..hooks.registry import HookRegistry, ModuleHook
 from ..hooks.release import held_elsewhere, is_released, module_bytes, release, releasing
-from ..load.marks import ready_for_background
+from ..load.loaders import ready_for_background
 from ..load.progress import PREFETCH_THREAD
 from ..load.reader import background_thread
 from ..memory.budget import parse_budget

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from ..errors import StageloadError
 from ..units import format_duration, format_size
@@ -301,10 +301,3 @@ def format_result(result: DemoResult) -> str:
         lines.append(f"plot: {result.plot}")
     lines.append(f"demo took {format_duration(result.wall_seconds)}")
     return "\n".join(lines)
-
-
-def _print_to(stream: TextIO) -> Callable[[str], None]:
-    def say(line: str) -> None:
-        print(line, file=stream, flush=True)
-
-    return say

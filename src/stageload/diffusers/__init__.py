@@ -28,7 +28,7 @@ from ..core.staged import StagedModels
 from ..external import progress_bars_disabled
 from ..hooks.registry import patch
 from ..hooks.release import ReleasedModuleError, release, releasing
-from ..load.marks import BACKGROUND_READY_ATTR, rng_free
+from ..load.loaders import BACKGROUND_READY_ATTR, rng_free
 from ..load.refill import Recipe, learn, reload
 from ..memory.budget import parse_budget
 from . import _marks, _placeholder

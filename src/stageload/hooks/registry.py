@@ -45,6 +45,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from ..external import module_call_code
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -332,9 +334,7 @@ def quiesced(
 
 @functools.lru_cache(maxsize=1)
 def _call_code() -> Any:
-    from torch import nn
-
-    return nn.Module._call_impl.__code__
+    return module_call_code()
 
 
 def _uncounted(ids: set[int], me: int) -> int:

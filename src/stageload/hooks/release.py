@@ -116,13 +116,6 @@ def is_released(module: nn.Module) -> bool:
     return registry is not None and RELEASED in registry
 
 
-def released_as(module: nn.Module) -> tuple[str | None, str | None] | None:
-    """``(name, stage)`` a released module was released with, else None."""
-    registry = HookRegistry.of(module)
-    hook = registry.get(RELEASED) if registry is not None else None
-    return (hook.name, hook.stage) if isinstance(hook, ReleasedHook) else None
-
-
 # This thread's open releasing() blocks, and whether a release ran inside them.
 _batch = threading.local()
 

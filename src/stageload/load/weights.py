@@ -33,7 +33,7 @@ from .checkpoint import (
     checkpoint_files,
     read_entries,
 )
-from .marks import rng_free
+from .loaders import rng_free
 from .placement import COPIED, Placement, empty_at
 from .progress import progress as progress_bar
 from .reader import in_background, run_chunks

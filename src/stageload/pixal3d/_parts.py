@@ -127,10 +127,6 @@ class LazyEntry:
         object.__setattr__(self, "_models", models)
         object.__setattr__(self, "_name", name)
 
-    @property
-    def staged_name(self) -> str:
-        return self._name
-
     def _target(self) -> Any:
         return unwrap(self._models[self._name])
 

@@ -1,9 +1,9 @@
-"""Loader marks: what a loader tells the registry about itself, by an attribute on it.
+"""What a loader declares about itself, by an attribute on it.
 
 A loader that draws no random numbers (:func:`rng_free`) may be prefetched on a background
 thread, where ``preserved_rng()`` cannot help; one with ``background_ready()`` says when a
 load on another thread is safe. Loaders are made here (``load/weights``) and in the
-adapters, and the residency policy reads the marks (``core/policy``).
+adapters, and the residency policy reads what they declare (``core/policy``).
 """
 
 from __future__ import annotations
