@@ -42,8 +42,12 @@ def interrupt_in_loader(*flags: str) -> dict[str, object]:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "loading"  # the loader runs now
         proc.send_signal(signal.SIGINT)
-        out = proc.stdout.read()
-        assert proc.wait(timeout=120) == 0
+        try:  # bounded: the child reports within HANG seconds, or something is wrong
+            out, _ = proc.communicate(timeout=HANG + 110)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError("the child never reported after SIGINT") from None
+        assert proc.returncode == 0
     return json.loads(out.strip().splitlines()[-1])
 
 
