@@ -13,6 +13,18 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# The tests send SIGINT and SIGHUP to the processes they start and expect them handled. A
+# run started under nohup, or as a background job of a script (`cmd &`), inherits those two
+# ignored, passes that on to every child, and the guard then rightly leaves them ignored
+# (nohup's request): start from the dispositions a terminal gives instead.
+if sys.platform != "win32":
+    import signal
+
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze what the imports made, once every test module is imported.
