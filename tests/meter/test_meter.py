@@ -353,18 +353,40 @@ def _meter(tmp_path: Path, *code_or_cmd: str, extra: tuple[str, ...] = ()) -> li
     return ["meter", "-o", str(tmp_path / "t.jsonl"), "--interval", "0.02", *extra, "--", *cmd]
 
 
+# A command holds its memory until the trace (flushed line by line; its path in
+# $STAGELOAD_TEST_TRACE) has a sample that saw it: a state. Sleeping 0.3 s was a guess
+# that a busy machine can break (the sampler's process gets no CPU in time). Bounded: 120 s.
+WAIT_SAMPLED = (
+    "import json, os, time; end = time.monotonic() + 120\n"
+    "def seen():\n"
+    "    try:\n"
+    "        lines = open(os.environ['STAGELOAD_TEST_TRACE']).read().splitlines()\n"
+    "    except OSError:\n"
+    "        return False\n"
+    "    for line in lines:\n"
+    '        if line.startswith(\'{{"type":"sample"\'):\n'
+    "            try:\n"
+    "                if (json.loads(line).get('footprint') or 0) >= {mib} << 20: return True\n"
+    "            except ValueError:\n"
+    "                pass\n"
+    "    return False\n"
+    "while not seen() and time.monotonic() < end: time.sleep(0.005)\n"
+)
+
+
 @pytest.mark.parametrize(
     ("code", "expected"),
     [
-        ("import time; x = b'1' * (100 << 20); time.sleep(0.3)", 0),
+        (f"x = b'1' * (100 << 20); {WAIT_SAMPLED.format(mib=100)}", 0),
         ("raise SystemExit(3)", 3),
         ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 128 + 9),
         ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", 128 + 15),
     ],
 )
 def test_meter_command_passes_the_exit_code_through(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], code: str, expected: int
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], code: str, expected: int, monkeypatch
 ) -> None:
+    monkeypatch.setenv("STAGELOAD_TEST_TRACE", str(tmp_path / "t.jsonl"))
     assert main(_meter(tmp_path, code, extra=("--label", "x"))) == expected
     records = read_records(tmp_path / "t.jsonl")
     assert records[0]["meta"] == {"label": "x"}
@@ -381,8 +403,9 @@ def test_meter_command_passes_the_exit_code_through(
         assert max((f for f in footprints if f is not None), default=0) >= 100 * MIB
 
 
-def test_meter_command_measures_the_whole_tree(tmp_path: Path) -> None:
-    grandchild = "import time; x = b'1' * (150 << 20); time.sleep(0.5)"
+def test_meter_command_measures_the_whole_tree(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("STAGELOAD_TEST_TRACE", str(tmp_path / "t.jsonl"))
+    grandchild = f"x = b'1' * (150 << 20); {WAIT_SAMPLED.format(mib=150)}"
     code = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {grandchild!r}])"
     assert main(_meter(tmp_path, code, extra=("--sampler", "thread"))) == 0
     records = read_records(tmp_path / "t.jsonl")
