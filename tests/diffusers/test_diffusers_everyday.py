@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
+import stageload.hooks.empty  # noqa: E402
 from stageload import ModelLoadError  # noqa: E402
 from stageload.diffusers import _placeholder, staged_pipeline  # noqa: E402
 from stageload.external import tensor_version  # noqa: E402
@@ -174,7 +175,7 @@ def test_weights_edited_on_an_unloaded_component_are_kept(path: Path, warm: bool
 def test_control_without_loading_on_use_an_edit_of_an_unloaded_component_is_lost(
     path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_placeholder, "_on_empty", lambda *args: None)
+    monkeypatch.setattr(stageload.hooks.empty, "_on_use", lambda *args: None)
     ref, pipe = eager(path), staged(path)
     edit(ref)
     edit(pipe)
@@ -215,7 +216,7 @@ def test_lora_set_adapters_fuse_and_unfuse_loaded_or_not(
 def test_control_without_loading_on_use_fusing_into_an_unloaded_unet_fails(
     path: Path, adapter: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_placeholder, "_on_empty", lambda *args: None)
+    monkeypatch.setattr(stageload.hooks.empty, "_on_use", lambda *args: None)
     pipe = staged(path)
     pipe.load_lora_weights(dict(adapter), adapter_name="a")
     image(pipe)

@@ -26,7 +26,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("stageload.core",),
     ("stageload.meter", "stageload.report"),
     ("stageload.guard",),
-    ("stageload.diffusers", "stageload.pixal3d", "stageload.ray", "stageload.demo"),
+    (
+        "stageload.diffusers",
+        "stageload.pixal3d",
+        "stageload.ray",
+        "stageload.demo",
+        "stageload.auto",
+    ),
     ("stageload.cli", "stageload.pixal3d.cli", "stageload.testing", "stageload.__main__"),
 ]
 

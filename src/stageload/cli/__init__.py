@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "guard": "guard",
     "run": "run",
     "queue": "queue",
+    "auto": "auto",
 }
 
 #: Exit code for bad command-line usage, as argparse uses.
@@ -33,7 +34,7 @@ EXIT_USAGE = 2
 _OUTPUT_COMMANDS = frozenset({"report", "queue"})
 # Commands that run a command and exit with its code: their stderr never fails them
 # (`stageload guard -- CMD 2>&1 | true` exits with CMD's code, not 0 or 1).
-_COMMAND_RUNNERS = frozenset({"guard", "meter", "run"})
+_COMMAND_RUNNERS = frozenset({"guard", "meter", "run", "auto"})
 
 
 class _CommandParser(argparse.ArgumentParser):

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.events import NOTE, Event, EventSink
 from ..core.staged import StagedModels
 from ..external import progress_bars_disabled
+from ..hooks.empty import mark_empty
 from ..hooks.registry import patch
 from ..hooks.release import ReleasedModuleError, release, releasing
 from ..load.loaders import BACKGROUND_READY_ATTR, rng_free
@@ -345,7 +346,7 @@ class StagedPipeline:
             elif dtype is not None:  # on meta only the dtype changes now; the device at load
                 _placeholder.real_to(skeleton, dtype=dtype)
                 if hook is not None:
-                    _placeholder.mark_empty(skeleton, hook)  # converted buffers are new tensors
+                    mark_empty(skeleton, hook)  # converted buffers are new tensors
 
     def _adapt(self, name: str) -> None:
         """Refine the default plan with this use of ``name`` (see the class docstring)."""
@@ -611,7 +612,7 @@ def staged_pipeline(
         )
         hook.stager = weakref.ref(state)
         _placeholder.attach(skeleton, hook)
-        _placeholder.mark_empty(skeleton, hook)  # released before the hook was there
+        mark_empty(skeleton, hook)  # released before the hook was there
     _marks.attach(state, pipe.components, marks)  # resident components begin their stage
     pipe.stageload = state
     _serialize_calls(type(pipe))

@@ -31,7 +31,8 @@ submodule call catches, in one place:
   reads ``base_layer.weight.data``, textual inversion copies the token embedding, a user
   edits ``pipe.unet.conv_out.weight.data.mul_(1.5)``): while the component is out, its
   tensors are meta tensors of a class whose torch functions load it first
-  (:func:`mark_empty`), metadata reads (``shape``, ``dtype``, ``device``) excepted;
+  (:mod:`stageload.hooks.empty`), metadata reads (``shape``, ``dtype``, ``device``)
+  excepted;
 - the component's own parameters and buffers (not its submodules'): no forward reaches
   them (LTX-Video reads ``vae.latents_mean`` before decoding), so they stay resident,
   read from the checkpoint when the placeholder is built (:func:`keep_own`).
@@ -43,9 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,14 +54,13 @@ from ..errors import StageloadError
 from ..external import (
     CONVERT_METHOD,
     HF_HOOK_ATTR,
-    as_subclass,
     keep_in_fp32_modules,
     own_tensor_tables,
     tensor_version,
-    torch_function_off,
     transformers_from_config,
     version_at_least,
 )
+from ..hooks.empty import mark_empty
 from ..hooks.registry import HookRegistry, ModuleHook, patch
 from ..hooks.release import unmark_released
 from ..load.checkpoint import DTYPES, read_header
@@ -152,6 +150,11 @@ class StageHook(ModuleHook):
 
     def released(self, module: nn.Module) -> None:
         mark_empty(module, self)
+
+    def fill_on_use(self) -> None:
+        """An empty tensor of the component was used (:mod:`stageload.hooks.empty`)."""
+        if not self.passthrough:
+            self.load()
 
     def before_state_dict(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         """``load_state_dict`` into the component (peft's LoRA loading does): the change
@@ -312,96 +315,6 @@ def intercept(skeleton: nn.Module, hook: StageHook) -> None:
 
 #: Tensor reads that need no values: on an empty tensor of a placeholder they answer from
 #: ``meta`` and load nothing (everything else loads the component first).
-_METADATA = (
-    "is_meta", "shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn",
-    "layout", "ndim", "names", "is_sparse", "is_quantized", "is_cuda", "is_cpu", "is_mps",
-    "is_nested", "is_mkldnn", "itemsize", "nbytes", "_version", "is_inference", "_base",
-    "is_floating_point", "is_complex", "size", "dim", "numel", "stride", "element_size",
-    "untyped_storage", "data_ptr", "is_contiguous", "storage_offset", "requires_grad_",
-    "_is_view", "__len__",
-)  # fmt: skip
-_HOOK_KEY = "_stageload_unloaded"  # in an empty tensor's __dict__: a weakref to its hook
-
-
-@functools.cache
-def _metadata() -> frozenset[Any]:
-    import torch
-
-    out = set()
-    for name in _METADATA:
-        attr = inspect.getattr_static(torch.Tensor, name, None)
-        if attr is None:
-            continue
-        out.add(attr.__get__ if hasattr(attr, "__set__") or not callable(attr) else attr)
-        out.add(getattr(torch.Tensor, name) if callable(getattr(torch.Tensor, name)) else attr)
-    return frozenset(out)
-
-
-def _hook_of(value: Any) -> StageHook | None:
-    ref = getattr(value, "__dict__", {}).get(_HOOK_KEY)
-    return ref() if ref is not None else None
-
-
-def _on_empty(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A torch function on a placeholder's empty tensor: unless it reads metadata only,
-    load the component first (its tensors are the same objects, filled in place), so
-    ``pipe.unet.conv_out.weight.data.mul_(1.5)`` on a released UNet edits its weights."""
-    if func in _metadata():
-        return
-    values = [*args, *kwargs.values()]
-    for value in values:
-        if isinstance(value, (list, tuple)):
-            values.extend(value)
-            continue
-        hook = _hook_of(value)
-        if hook is not None and not hook.passthrough:
-            hook.load()
-            return
-
-
-@functools.cache
-def _empty_classes() -> tuple[type, type]:
-    """The classes of a placeholder's empty parameters and buffers: meta tensors whose
-    torch functions load the component first (:func:`_on_empty`)."""
-    import torch
-    from torch import nn
-
-    def __torch_function__(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-        kwargs = kwargs or {}
-        with torch_function_off():
-            _on_empty(func, args, kwargs)
-            return func(*args, **kwargs)
-
-    tf = classmethod(__torch_function__)
-    doc = "An empty tensor of a staged placeholder (see stageload.diffusers._placeholder)."
-    parameter = type("EmptyParameter", (nn.Parameter,), {"__torch_function__": tf, "__doc__": doc})
-    buffer = type("EmptyBuffer", (torch.Tensor,), {"__torch_function__": tf, "__doc__": doc})
-    return parameter, buffer
-
-
-def mark_empty(module: nn.Module, hook: StageHook) -> None:
-    """Make each tensor of ``module`` on ``meta`` one whose use loads it (the same object:
-    ``torch.utils.swap_tensors``); a tensor held elsewhere stays a plain meta tensor."""
-    import torch
-    from torch import nn
-
-    parameter, buffer = _empty_classes()
-    ref = weakref.ref(hook)
-    with torch_function_off():
-        for _, t in named_tensors(module):
-            if not t.is_meta or type(t) in (parameter, buffer):
-                continue
-            cls = parameter if isinstance(t, nn.Parameter) else buffer
-            # empty_strided, not empty_like: from meta to meta that takes ~1 ms a tensor
-            # (a Python reference implementation), this ~10 us.
-            meta = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
-            twin = as_subclass(cls, meta, t.requires_grad)
-            twin.__dict__.update(t.__dict__)
-            twin.__dict__[_HOOK_KEY] = ref
-            with contextlib.suppress(RuntimeError):  # held elsewhere (a weakref, a view)
-                torch.utils.swap_tensors(t, twin)
-
-
 def real_to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
     """``.to()`` on the component's weights, past the stager's conversion patch."""
     with passthrough(module):

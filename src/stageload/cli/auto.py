@@ -1,0 +1,120 @@
+"""``stageload auto``: run an unmodified Python script with staged loading (``stageload.auto``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+
+from .args import command_after_dashes
+
+HELP = "run an unmodified Python script with its models loaded and released by stage"
+
+DESCRIPTION = """\
+Run SCRIPT in this process with stageload.auto() on: the models it makes through
+diffusers' and transformers' from_pretrained (and each --factory) load at their first call
+and are released to 'meta' when the next one would not fit the budget: the least recently
+used first; once the script's sequence of models repeats, the one used furthest ahead.
+Seeded scripts give the results they give without it, bit for bit.
+
+The command is a Python script or module: 'python script.py ARGS', 'script.py ARGS' or
+'python -m module ARGS'. Other python options are not taken (the script runs in this
+interpreter). Under 'stageload meter', the loads and releases go into the trace.
+
+Examples:
+  stageload auto -- python generate.py --prompt "a cat"
+  stageload auto --budget 12G --factory mypkg.models:load_model -- python run.py
+  stageload meter -o run.jsonl -- stageload auto -- python generate.py
+
+Exit codes: the script's own (SystemExit), 1 if it raised, 2 for bad usage.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--budget",
+        default=None,
+        metavar="SIZE",
+        help="memory the models may hold: bytes, e.g. '12G', '80%%' or 'auto' "
+        "(default: the memory available when the script starts)",
+    )
+    parser.add_argument(
+        "--factory",
+        action="append",
+        default=[],
+        metavar="MODULE:NAME",
+        help="another function or classmethod that makes a model, e.g. "
+        "mypkg.models:load_model or mypkg:Net.load (repeatable)",
+    )
+    parser.add_argument(
+        "--no-defaults",
+        action="store_true",
+        help="wrap only the --factory ones, not diffusers' and transformers' from_pretrained",
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python SCRIPT [ARGS]")
+
+
+def _target(command: list[str]) -> tuple[str, str, list[str]] | str:
+    """("path" or "module", what, its argv) from the command, or why it cannot run here."""
+    words = list(command)
+    if Path(words[0]).name.startswith("python") and not words[0].endswith(".py"):
+        words = words[1:]
+        if not words:
+            return "no script after python"
+        if words[0] == "-m":
+            if len(words) < 2:
+                return "-m needs a module name"
+            return "module", words[1], [words[1], *words[2:]]
+        if words[0].startswith("-"):
+            return (
+                f"python option {words[0]!r} is not taken: the script runs in this "
+                f"interpreter; give only the script and its arguments"
+            )
+    if not os.path.isfile(words[0]):
+        return f"no script {words[0]!r}"
+    return "path", words[0], words
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..auto import AutoError, auto
+    from . import EXIT_USAGE
+
+    command = command_after_dashes(
+        args.command, "stageload auto", "stageload auto -- python script.py"
+    )
+    if command is None:
+        return EXIT_USAGE
+    target = _target(command)
+    if isinstance(target, str):
+        print(f"stageload auto: error: {target}", file=sys.stderr)
+        return EXIT_USAGE
+    kind, what, argv = target
+    try:
+        session = auto(budget=args.budget, factories=args.factory, defaults=not args.no_defaults)
+        session.__enter__()
+    except (AutoError, ValueError, TypeError) as exc:
+        print(f"stageload auto: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(what)) if kind == "path" else os.getcwd())
+    code = 0
+    try:
+        if kind == "path":
+            runpy.run_path(what, run_name="__main__")
+        else:
+            runpy.run_module(what, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001  the script's error, printed as python would
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        session.__exit__(None, None, None)
+    return code

@@ -1,0 +1,132 @@
+"""Empty tensors that load their module when used.
+
+A released module's tensors are meta tensors. Marked by :func:`mark_empty`, each becomes a
+meta tensor of a class whose torch functions first ask its owner to fill the module
+(``fill_on_use``), metadata reads (``shape``, ``dtype``, ``device``, ...) excepted. The
+owner fills the same tensor objects in place (``torch.utils.swap_tensors``), so the
+function then runs on the loaded values: ``vae.latents_mean`` read by a pipeline, peft's
+``fuse_lora`` reading ``base_layer.weight.data``, or a user's
+``unet.conv_out.weight.data.mul_(1.5)`` all see (and change) the real weights.
+
+Used by the diffusers adapter's placeholders and by ``stageload.auto``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import weakref
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..external import as_subclass, own_tensor_tables, torch_function_off
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+class Filler(Protocol):
+    """What an empty tensor asks: fill your module now (its tensors, in place)."""
+
+    def fill_on_use(self) -> None: ...
+
+
+_METADATA = (
+    "is_meta", "shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn",
+    "layout", "ndim", "names", "is_sparse", "is_quantized", "is_cuda", "is_cpu", "is_mps",
+    "is_nested", "is_mkldnn", "itemsize", "nbytes", "_version", "is_inference", "_base",
+    "is_floating_point", "is_complex", "size", "dim", "numel", "stride", "element_size",
+    "untyped_storage", "data_ptr", "is_contiguous", "storage_offset", "requires_grad_",
+    "_is_view", "__len__",
+)  # fmt: skip
+_OWNER_KEY = "_stageload_unloaded"  # in an empty tensor's __dict__: a weakref to its owner
+
+
+@functools.cache
+def _metadata() -> frozenset[Any]:
+    import torch
+
+    out = set()
+    for name in _METADATA:
+        attr = inspect.getattr_static(torch.Tensor, name, None)
+        if attr is None:
+            continue
+        out.add(attr.__get__ if hasattr(attr, "__set__") or not callable(attr) else attr)
+        out.add(getattr(torch.Tensor, name) if callable(getattr(torch.Tensor, name)) else attr)
+    return frozenset(out)
+
+
+def owner_of(value: Any) -> Filler | None:
+    """The owner an empty tensor asks to fill its module, or None."""
+    ref = getattr(value, "__dict__", {}).get(_OWNER_KEY)
+    return ref() if ref is not None else None
+
+
+def _on_use(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A torch function on an empty tensor: unless it reads metadata only, fill first."""
+    if func in _metadata():
+        return
+    values = [*args, *kwargs.values()]
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            values.extend(value)
+            continue
+        owner = owner_of(value)
+        if owner is not None:
+            owner.fill_on_use()
+            return
+
+
+@functools.cache
+def _empty_classes() -> tuple[type, type]:
+    """The classes of empty parameters and buffers: meta tensors whose torch functions
+    fill their module first (:func:`_on_use`)."""
+    import torch
+    from torch import nn
+
+    def __torch_function__(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        with torch_function_off():
+            _on_use(func, args, kwargs)
+            return func(*args, **kwargs)
+
+    tf = classmethod(__torch_function__)
+    doc = "An empty tensor of a released module (see stageload.hooks.empty)."
+    parameter = type("EmptyParameter", (nn.Parameter,), {"__torch_function__": tf, "__doc__": doc})
+    buffer = type("EmptyBuffer", (torch.Tensor,), {"__torch_function__": tf, "__doc__": doc})
+    return parameter, buffer
+
+
+def mark_empty(module: nn.Module, owner: Filler) -> None:
+    """Make each tensor of ``module`` on ``meta`` one whose use asks ``owner`` (held weakly)
+    to fill it (the same object: ``torch.utils.swap_tensors``); a tensor held elsewhere
+    stays a plain meta tensor."""
+    import torch
+    from torch import nn
+
+    parameter, buffer = _empty_classes()
+    ref = weakref.ref(owner)
+    with torch_function_off():
+        for t in _tensors(module):
+            if not t.is_meta or type(t) in (parameter, buffer):
+                continue
+            cls = parameter if isinstance(t, nn.Parameter) else buffer
+            # empty_strided, not empty_like: from meta to meta that takes ~1 ms a tensor
+            # (a Python reference implementation), this ~10 us.
+            meta = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+            twin = as_subclass(cls, meta, t.requires_grad)
+            twin.__dict__.update(t.__dict__)
+            twin.__dict__[_OWNER_KEY] = ref
+            with contextlib.suppress(RuntimeError):  # held elsewhere (a weakref, a view)
+                torch.utils.swap_tensors(t, twin)
+
+
+def _tensors(module: nn.Module) -> list[Any]:
+    """Each parameter and buffer of ``module`` once, tied ones included once."""
+    seen: dict[int, Any] = {}
+    for sub in module.modules():
+        params, buffers = own_tensor_tables(sub)
+        for t in (*params.values(), *buffers.values()):
+            if t is not None:
+                seen.setdefault(id(t), t)
+    return list(seen.values())

@@ -1,0 +1,226 @@
+"""``stageload.auto``: staged loading for scripts with no line of stageload in them.
+
+Reference for every equality here: the same script's functions run without auto, in this
+process, with the same torch threads (one, conftest's ``one_thread``) on both sides; the
+CLI test runs both in subprocesses with ``OMP_NUM_THREADS=1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import stageload.auto  # noqa: E402
+from fixtures import auto_script  # noqa: E402
+from stageload import ListSink  # noqa: E402
+from stageload.auto import auto  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FACTORY = "fixtures.auto_script:load_model"
+SIZE = auto_script.model_bytes()
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+TESTS = str(Path(__file__).resolve().parents[1])
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("auto")
+    auto_script.save_models(str(path))
+    return str(path)
+
+
+def eager(folder: str, laps: int = 2) -> Any:
+    models = [auto_script.load_model(f"{folder}/{n}.pt") for n in auto_script.NAMES]
+    return auto_script.run(models, laps)
+
+
+def staged(folder: str, budget: int, laps: int = 2, **kwargs: Any) -> tuple[Any, ListSink, Any]:
+    sink = ListSink()
+    with auto(budget=budget, factories=[FACTORY], defaults=False, events=sink, **kwargs) as s:
+        models = [auto_script.load_model(f"{folder}/{n}.pt") for n in auto_script.NAMES]
+        out = auto_script.run(models, laps)
+    return out, sink, s
+
+
+def resident_before_reloads(events: list[Any]) -> list[int]:
+    """Bytes loaded just before each reload, replayed from the events."""
+    loaded: dict[str, int] = {}
+    seen = []
+    for e in events:
+        if e.kind == "reload":
+            seen.append(sum(loaded.values()))
+        if e.kind in ("load", "reload"):
+            loaded[e.model] = e.bytes
+        elif e.kind == "release":
+            loaded.pop(e.model, None)
+    return seen
+
+
+def test_three_models_under_a_budget_equal_eager_and_make_room_before_each_load(folder):
+    out, sink, session = staged(folder, budget=int(1.5 * SIZE))
+    assert torch.equal(out, eager(folder))
+    reloads = [e.model for e in sink.events if e.kind == "reload"]
+    assert reloads == ["a.pt", "b.pt", "c.pt"] * 2  # each model back at each use
+    assert all(r + SIZE <= 1.5 * SIZE for r in resident_before_reloads(sink.events))
+    stages = [e.stage for e in sink.events if e.kind == "stage"]
+    assert stages == ["a.pt", "b.pt", "c.pt"] * 2  # a stage per model in use, named after it
+
+
+def test_control_a_reload_that_draws_random_numbers_changes_the_output(folder, monkeypatch):
+    """load_model draws random numbers (its constructor): without the RNG preserved around
+    a reload, the script's later draws move."""
+    monkeypatch.setattr(stageload.auto, "preserved_rng", contextlib.nullcontext)
+    out, _, _ = staged(folder, budget=int(1.5 * SIZE))
+    assert not torch.equal(out, eager(folder))
+
+
+def test_with_room_for_all_nothing_is_released(folder):
+    out, sink, _ = staged(folder, budget=10 * SIZE)
+    assert torch.equal(out, eager(folder))
+    assert [e.kind for e in sink.events if e.kind in ("release", "reload")] == []
+
+
+def test_once_the_sequence_repeats_the_furthest_next_use_goes(folder):
+    """Room for two of three models used in a cycle: least recently used evicts the model
+    needed next at every step (each use a reload); the recorded cycle (Belady) keeps one."""
+    out, sink, session = staged(folder, budget=int(2.5 * SIZE), laps=4)
+    assert torch.equal(out, eager(folder, laps=4))
+    assert session.record.plan is not None and list(session.record.plan) == ["a.pt", "b.pt", "c.pt"]
+    # Lap 1: each use a reload (3); then 5 in 3 laps, where LRU needs 9 (control below).
+    assert sum(e.kind == "reload" for e in sink.events) == 8
+
+
+def test_control_without_the_recorded_plan_lru_reloads_at_every_use(folder, monkeypatch):
+    monkeypatch.setattr(stageload.auto._Record, "add", lambda self, name: None)
+    _, sink, _ = staged(folder, budget=int(2.5 * SIZE), laps=4)
+    assert sum(e.kind == "reload" for e in sink.events) == 12
+
+
+def test_identical_factory_calls_share_one_model(folder):
+    with auto(budget=10 * SIZE, factories=[FACTORY], defaults=False) as session:
+        a = auto_script.load_model(f"{folder}/a.pt")
+        again = auto_script.load_model(f"{folder}/a.pt")
+        b = auto_script.load_model(f"{folder}/b.pt")
+    assert again is a and b is not a
+    assert list(session.models) == ["a.pt", "b.pt"]
+
+
+def test_a_tensor_the_script_reads_itself_loads_its_model(folder):
+    """A released model's buffers and weights load it when a torch function uses them
+    (``vae.latents_mean`` in LTX), so the value is the loaded one."""
+    want = auto_script.load_model(f"{folder}/a.pt").layers[0].bias * 2
+    with auto(budget=1, factories=[FACTORY], defaults=False) as session:
+        a = auto_script.load_model(f"{folder}/a.pt")
+        auto_script.load_model(f"{folder}/b.pt")  # a goes to make room
+        assert session.resident() == ["b.pt"]
+        got = a.layers[0].bias * 2
+    assert torch.equal(got, want)
+    assert session.resident() == ["a.pt"]
+
+
+def test_control_without_loading_tensors_on_use_a_read_gets_meta(folder, monkeypatch):
+    monkeypatch.setattr(stageload.auto, "mark_empty", lambda module, owner: None)
+    with auto(budget=1, factories=[FACTORY], defaults=False):
+        a = auto_script.load_model(f"{folder}/a.pt")
+        auto_script.load_model(f"{folder}/b.pt")
+        assert (a.layers[0].bias * 2).is_meta
+
+
+def test_a_factory_that_makes_no_module_is_said_and_left_alone(tmp_path):
+    path = tmp_path / "w.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    with auto(budget=1, factories=["torch:load"], defaults=False) as session:
+        state = torch.load(path, weights_only=True)
+    assert torch.equal(state["w"], torch.ones(2))
+    assert session.notes == ["w.pt: the factory returned a dict, not a module: not staged"]
+
+
+def test_a_factory_that_cannot_be_found_is_a_clear_error():
+    missing = pytest.raises(stageload.auto.AutoError, match="has no 'nope'")
+    with missing, auto(factories=["fixtures.auto_script:nope.load"]):
+        pass
+    unqualified = pytest.raises(stageload.auto.AutoError, match="write it as module:Class")
+    with unqualified, auto(factories=["load_model"]):
+        pass
+
+
+def test_factories_are_back_as_they_were_after_the_block(folder):
+    from transformers import PreTrainedModel
+
+    before = (auto_script.load_model, PreTrainedModel.__dict__["from_pretrained"])
+    with auto(budget=1, factories=[FACTORY]):
+        assert auto_script.load_model is not before[0]
+    assert (auto_script.load_model, PreTrainedModel.__dict__["from_pretrained"]) == before
+
+
+def test_a_diffusers_pipeline_loaded_with_plain_from_pretrained_equals_eager(tmp_path):
+    """Stable Diffusion loaded by diffusers' own ``from_pretrained``, no stageload in the
+    calls: with a budget that holds no component, each loads at its use, and two seeded
+    calls give eager's images bit for bit (eager: the same ``from_pretrained``)."""
+    pytest.importorskip("diffusers")
+    from stageload.testing.families import FAMILIES, folder
+
+    family = FAMILIES["sd"]
+    path = folder(family, tmp_path)
+
+    def calls() -> list[Any]:
+        pipe = family.load(path)
+        return [pipe(**family.call(seed)).images for seed in (0, 1)]
+
+    want = calls()
+    sink = ListSink()
+    with auto(budget=1, events=sink):
+        got = calls()
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    reloads = [e.model for e in sink.events if e.kind == "reload"]
+    assert reloads == ["text_encoder", "unet", "vae"] * 2
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS]), "OMP_NUM_THREADS": "1"}
+    env.pop("STAGELOAD_TRACE", None)
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_cli_runs_the_unmodified_script_staged_and_meters_it(folder, tmp_path):
+    script = str(Path(auto_script.__file__).with_name("auto_main.py"))
+    plain = _run([script, folder, str(tmp_path / "eager.pt")], tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    trace = tmp_path / "run.jsonl"
+    staged_run = _run(
+        [
+            "-m", "stageload", "meter", "-o", str(trace), "--",
+            sys.executable, "-m", "stageload", "auto", "--budget", str(int(1.5 * SIZE)),
+            "--no-defaults", "--factory", FACTORY, "--",
+            "python", script, folder, str(tmp_path / "auto.pt"),
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert staged_run.returncode == 0, staged_run.stderr
+    assert "Traceback" not in staged_run.stderr
+    assert torch.equal(torch.load(tmp_path / "auto.pt"), torch.load(tmp_path / "eager.pt"))
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    kinds = [r.get("kind") for r in records if r.get("type") == "event"]
+    assert kinds.count("reload") == 6 and kinds.count("release") >= 6
+
+
+def test_the_cli_says_what_it_cannot_run(tmp_path):
+    bad = _run(["-m", "stageload", "auto", "--", "python", "-u", "x.py"], tmp_path)
+    assert bad.returncode == 2 and "python option '-u' is not taken" in bad.stderr
+    missing = _run(["-m", "stageload", "auto", "--", "python", "nope.py"], tmp_path)
+    assert missing.returncode == 2 and "no script 'nope.py'" in missing.stderr
+    failing = tmp_path / "fail.py"
+    failing.write_text("import sys\nsys.exit(3)\n")
+    assert _run(["-m", "stageload", "auto", "--", "python", str(failing)], tmp_path).returncode == 3
