@@ -186,11 +186,22 @@ def test_a_diffusers_pipeline_loaded_with_plain_from_pretrained_equals_eager(tmp
     assert reloads == ["text_encoder", "unet", "vae"] * 2
 
 
-def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS]), "OMP_NUM_THREADS": "1"}
     env.pop("STAGELOAD_TRACE", None)
+    return env
+
+
+def _run(
+    args: list[str], cwd: Path, extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, *args],
+        cwd=cwd,
+        env={**_env(), **(extra or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -224,3 +235,101 @@ def test_the_cli_says_what_it_cannot_run(tmp_path):
     failing = tmp_path / "fail.py"
     failing.write_text("import sys\nsys.exit(3)\n")
     assert _run(["-m", "stageload", "auto", "--", "python", str(failing)], tmp_path).returncode == 3
+
+
+def test_a_script_chaining_three_transformers_models_equals_eager(tmp_path):
+    """BERT, GPT-2 and a T5 encoder by ``AutoModel``/``T5EncoderModel.from_pretrained``,
+    chained with seeded draws between them; eager: the same ``from_pretrained`` calls."""
+    pytest.importorskip("transformers")
+    from fixtures import auto_transformers
+
+    auto_transformers.build(str(tmp_path))
+    want = auto_transformers.run(str(tmp_path))
+    sink = ListSink()
+    with auto(budget=1, events=sink):
+        got = auto_transformers.run(str(tmp_path))
+    assert torch.equal(got, want)
+    loads = [e.model for e in sink.events if e.kind in ("load", "reload")]
+    assert loads == ["bert", "gpt2", "t5"] * 3  # made, then loaded at each use
+
+
+PIXAL3D_FACTORIES = (
+    "pixal3d.models:from_pretrained",
+    "pixal3d.modules.dinov3:DINOv3ViTModel.from_pretrained",
+    "pixal3d.utils.camera:MoGeModel.from_pretrained",
+)
+
+
+def test_the_pixal3d_stub_through_its_own_entry_point_writes_eagers_glb(stub, image, tmp_path):
+    """The port's ``generate_mps.py`` run as is, its factories named on the command line,
+    with room for no model: each loads at its use, and the GLB is byte for byte the one
+    the port writes alone (eager: the same command without auto; one thread on both)."""
+    pytest.importorskip("PIL.Image")
+    args = [str(image), "--device", "cpu", "--seed", "7", "--output"]
+    plain = _run(["generate_mps.py", *args, str(tmp_path / "eager.glb")], stub)
+    assert plain.returncode == 0, plain.stderr
+    factories = [w for f in PIXAL3D_FACTORIES for w in ("--factory", f)]
+    trace = tmp_path / "run.jsonl"
+    staged_run = _run(
+        [
+            "-m", "stageload", "meter", "-o", str(trace), "--",
+            sys.executable, "-m", "stageload", "auto", "--budget", "1", *factories, "--",
+            "python", "generate_mps.py", *args, str(tmp_path / "auto.glb"),
+        ],
+        stub,
+    )  # fmt: skip
+    assert staged_run.returncode == 0, staged_run.stderr
+    assert (tmp_path / "auto.glb").read_bytes() == (tmp_path / "eager.glb").read_bytes()
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    events = [r for r in records if r.get("type") == "event"]
+    reloaded = {r["model"] for r in events if r.get("kind") == "reload"}
+    assert {"sparse_structure_flow_model", "tex_slat_decoder"} <= reloaded
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memory cgroups are Linux only")
+def test_in_a_cgroup_between_the_two_peaks_auto_finishes_where_the_script_is_oom_killed(
+    tmp_path,
+):
+    """Three models of 128 MiB. Both peaks are measured first in a roomy cgroup; the limit
+    is set halfway between them. Reference: the plain script in the roomy cgroup, one
+    thread in every run (``OMP_NUM_THREADS=1``)."""
+    from stageload.testing.cgroup import cgroup_or_skip
+
+    env = {"AUTO_SCRIPT_WIDTH": "2048", "AUTO_SCRIPT_DEPTH": "8"}  # 8 x 16 MiB a model
+    folder = tmp_path / "models"
+    folder.mkdir()
+    save = f"from fixtures import auto_script; auto_script.save_models({str(folder)!r})"
+    made = _run(["-c", save], tmp_path, env)
+    assert made.returncode == 0, made.stderr
+    script = str(Path(auto_script.__file__).with_name("auto_main.py"))
+
+    def args(mode: str) -> list[str]:
+        out = str(tmp_path / f"{mode}.pt")
+        staged = ["-m", "stageload", "auto", "--budget", "160M", "--no-defaults"]
+        staged += ["--factory", FACTORY, "--", "python"]
+        return [
+            sys.executable,
+            *(staged if mode.startswith("auto") else []),
+            script,
+            str(folder),
+            out,
+        ]
+
+    def run_in(cgroup: Any, mode: str) -> Any:
+        return cgroup.run(args(mode), env={**_env(), **env}, timeout=600)
+
+    with cgroup_or_skip(4 << 30) as roomy:
+        eager_free = run_in(roomy, "eager")
+    with cgroup_or_skip(4 << 30) as roomy:
+        auto_free = run_in(roomy, "auto-free")
+    assert eager_free.returncode == 0 and auto_free.returncode == 0, eager_free.stderr
+    assert auto_free.usage.peak < eager_free.usage.peak
+    limit = (auto_free.usage.peak + eager_free.usage.peak) // 2
+
+    with cgroup_or_skip(limit) as small:
+        killed = run_in(small, "eager-small")
+    assert killed.oom_killed, (killed.returncode, killed.stderr[-2000:])
+    with cgroup_or_skip(limit) as small:
+        staged_run = run_in(small, "auto")
+    assert staged_run.returncode == 0 and not staged_run.oom_killed, staged_run.stderr[-2000:]
+    assert torch.equal(torch.load(tmp_path / "auto.pt"), torch.load(tmp_path / "eager.pt"))

@@ -182,6 +182,9 @@ class AutoSession:
             finally:
                 self._making.depth -= 1
 
+        with self._lock:  # room for a model the size of the largest seen, before it loads
+            expected = max((m.size for m in self._models.values()), default=0)
+            self._make_room(expected, name)
         start = time.perf_counter()
         obj = make()
         from torch import nn
@@ -245,23 +248,30 @@ class AutoSession:
 
     def _fit(self, incoming: _Model) -> None:
         """Release models until ``incoming`` fits the budget beside the rest."""
+        self._make_room(incoming.size, incoming.name, keep=incoming)
+
+    def _make_room(self, size: int, name: str, keep: _Model | None = None) -> None:
+        """Release idle models until ``size`` more bytes fit the budget."""
+        from ..units import format_size
+
         while True:
-            others = [self._models[n] for n in self.resident() if self._models[n] is not incoming]
-            if sum(m.size for m in others) + incoming.size <= self.budget:
+            others = [self._models[n] for n in self.resident() if self._models[n] is not keep]
+            if sum(m.size for m in others) + size <= self.budget:
                 return
             idle = [m for m in others if not _busy(m)]
             if not idle:
+                what = f"beside {len(others)} models in calls" if others else "alone"
                 self._note(
-                    f"{incoming.name}: over the budget with {len(others)} models in use; "
-                    f"loaded anyway"
+                    f"{name}: {format_size(size)} {what} is over the budget of "
+                    f"{format_size(self.budget)}; loaded anyway"
                 )
                 return
-            self._release(self._victim(idle, incoming))
+            self._release(self._victim(idle, name))
 
-    def _victim(self, idle: Sequence[_Model], incoming: _Model) -> _Model:
+    def _victim(self, idle: Sequence[_Model], incoming: str) -> _Model:
         plan = self.record.plan
-        if plan is not None and incoming.name in plan and all(m.name in plan for m in idle):
-            return max(idle, key=lambda m: (plan.next_use(m.name, incoming.name), -m.last_use))
+        if plan is not None and incoming in plan and all(m.name in plan for m in idle):
+            return max(idle, key=lambda m: (plan.next_use(m.name, incoming), -m.last_use))
         return min(idle, key=lambda m: m.last_use)  # first pass: least recently used
 
     def _release(self, model: _Model) -> None:

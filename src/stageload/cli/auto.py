@@ -92,15 +92,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"stageload auto: error: {target}", file=sys.stderr)
         return EXIT_USAGE
     kind, what, argv = target
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    # As python sets them for the script, before the factories are looked up: a factory
+    # in the script's own folder (its package) imports from there.
+    sys.argv = argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(what)) if kind == "path" else os.getcwd())
     try:
         session = auto(budget=args.budget, factories=args.factory, defaults=not args.no_defaults)
         session.__enter__()
     except (AutoError, ValueError, TypeError) as exc:
+        sys.argv, sys.path[:] = saved_argv, saved_path
         print(f"stageload auto: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    saved_argv, saved_path = sys.argv, list(sys.path)
-    sys.argv = argv
-    sys.path.insert(0, os.path.dirname(os.path.abspath(what)) if kind == "path" else os.getcwd())
     code = 0
     try:
         if kind == "path":
