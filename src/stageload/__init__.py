@@ -23,6 +23,8 @@ _EXPORTS: dict[str, str] = {
     "ResidencyPolicy": "core.policy",
     "FurthestNextUse": "core.policy",
     "rng_free": "load.loaders",
+    "auto": "autostage",
+    "AutoError": "autostage",
     "preserved_rng": "core.rng",
     "Event": "core.events",
     "EventSink": "core.events",
@@ -67,6 +69,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
+    from .autostage import AutoError, auto
     from .core.batch import BatchError
     from .core.events import Event, EventSink, ListSink, TeeSink
     from .core.plan import Plan

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
         "stageload.pixal3d",
         "stageload.ray",
         "stageload.demo",
-        "stageload.auto",
+        "stageload.autostage",
     ),
     ("stageload.cli", "stageload.pixal3d.cli", "stageload.testing", "stageload.__main__"),
 ]

@@ -79,7 +79,7 @@ def _target(command: list[str]) -> tuple[str, str, list[str]] | str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..auto import AutoError, auto
+    from ..autostage import AutoError, auto
     from . import EXIT_USAGE
 
     command = command_after_dashes(

@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.abc
+import sys
 import threading
 import time
 import weakref
@@ -40,7 +42,7 @@ from ..core.rng import preserved_rng
 from ..errors import StageloadError
 from ..external import torch_function_off
 from ..hooks.empty import mark_empty
-from ..hooks.registry import HookRegistry, ModuleHook
+from ..hooks.registry import HookRegistry, ModuleHook, patch
 from ..hooks.release import is_released, release, storage_sizes, unmark_released
 from ..memory.budget import parse_budget
 
@@ -51,8 +53,8 @@ __all__ = ["AutoError", "AutoSession", "auto", "DEFAULT_FACTORIES"]
 
 #: The factories wrapped unless told otherwise: ``module:Class.method``.
 DEFAULT_FACTORIES = (
-    "diffusers:ModelMixin.from_pretrained",
-    "transformers:PreTrainedModel.from_pretrained",
+    "diffusers.models.modeling_utils:ModelMixin.from_pretrained",
+    "transformers.modeling_utils:PreTrainedModel.from_pretrained",
 )
 #: The name of auto's hook in a model's hook registry.
 AUTO = "auto"
@@ -337,33 +339,61 @@ def released_device(module: Any, found: Any) -> Any:
     return found
 
 
-def _answer_devices() -> list[Callable[[], None]]:
-    """Route ``.device`` of diffusers and transformers models through :func:`released_device`."""
+def _device_wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(inner)
+    def device(module: Any) -> Any:
+        return released_device(module, inner(module))
 
-    from ..hooks.registry import patch
+    return device
 
-    def wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(inner)
-        def device(module: Any) -> Any:
-            return released_device(module, inner(module))
 
-        return device
+def _diffusers_devices(modeling_utils: Any) -> Callable[[], None]:
+    """diffusers' ``ModelMixin.device`` asks ``get_parameter_device``: route it."""
+    return patch(modeling_utils, "get_parameter_device", _device_wrap)
 
-    undo = []
-    try:
-        from diffusers.models import modeling_utils
-    except ImportError:
-        pass
-    else:
-        undo.append(patch(modeling_utils, "get_parameter_device", wrap))
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return undo
-    owner = next((c for c in PreTrainedModel.__mro__ if "device" in vars(c)), None)
-    if owner is not None:
-        undo.append(patch(owner, "device", wrap))
-    return undo
+
+def _transformers_devices(modeling_utils: Any) -> Callable[[], None]:
+    """transformers' ``PreTrainedModel.device`` is a property of a mixin: route it."""
+    model = modeling_utils.PreTrainedModel
+    owner = next((c for c in model.__mro__ if "device" in vars(c)), None)
+    return patch(owner, "device", _device_wrap) if owner is not None else (lambda: None)
+
+
+#: For each default factory's module: where ``.device`` is answered, patched with it.
+_DEVICE_ANSWERS: dict[str, Callable[[Any], Callable[[], None]]] = {
+    "diffusers.models.modeling_utils": _diffusers_devices,
+    "transformers.modeling_utils": _transformers_devices,
+}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``waiting[name](module)`` once the module ``name`` is imported (a library the
+    script imports after auto began), so auto itself imports none of them."""
+
+    def __init__(self, waiting: dict[str, Callable[[Any], None]]) -> None:
+        self.waiting = waiting
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        then = self.waiting.get(name)
+        if then is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                break
+        else:
+            return None
+        del self.waiting[name]
+        loader, run = spec.loader, spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            then(module)
+
+        loader.exec_module = exec_module  # this spec's loader only
+        return spec
 
 
 def _bytes(module: nn.Module) -> int:
@@ -514,20 +544,31 @@ def auto(
     only those. Models made in the block stay staged only while it runs.
     """
     session = AutoSession(budget, events)
-    specs = [*(DEFAULT_FACTORIES if defaults else ()), *factories]
     undo: list[Callable[[], None]] = []
+    waiting: dict[str, Callable[[Any], None]] = {}
+    finder = _AfterImport(waiting)
     try:
-        for spec in specs:
-            try:
-                owner, attr = _resolve(spec)
-            except AutoError:
-                if spec in DEFAULT_FACTORIES:  # a library not installed: nothing to wrap
-                    continue
-                raise
+        for spec in [*(DEFAULT_FACTORIES if defaults else ()), *factories]:
+            module_name = spec.partition(":")[0]
+            if spec in DEFAULT_FACTORIES and module_name not in sys.modules:
+                # Not imported yet: wrap it when the script imports it.
+                def later(module: Any, spec: str = spec) -> None:
+                    owner, attr = _resolve(spec)
+                    undo.append(_wrap(session, owner, attr))
+                    undo.append(_DEVICE_ANSWERS[module.__name__](module))
+
+                waiting[module_name] = later
+                continue
+            owner, attr = _resolve(spec)
             undo.append(_wrap(session, owner, attr))
-        undo.extend(_answer_devices())
+            if spec in DEFAULT_FACTORIES:
+                undo.append(_DEVICE_ANSWERS[module_name](sys.modules[module_name]))
+        if waiting:
+            sys.meta_path.insert(0, finder)
         yield session
     finally:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
         for step in reversed(undo):
             step()
         session.close()

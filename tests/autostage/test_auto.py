@@ -19,10 +19,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import stageload.auto  # noqa: E402
+import stageload.autostage  # noqa: E402
 from fixtures import auto_script  # noqa: E402
 from stageload import ListSink  # noqa: E402
-from stageload.auto import auto  # noqa: E402
+from stageload.autostage import auto  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -79,7 +79,7 @@ def test_three_models_under_a_budget_equal_eager_and_make_room_before_each_load(
 def test_control_a_reload_that_draws_random_numbers_changes_the_output(folder, monkeypatch):
     """load_model draws random numbers (its constructor): without the RNG preserved around
     a reload, the script's later draws move."""
-    monkeypatch.setattr(stageload.auto, "preserved_rng", contextlib.nullcontext)
+    monkeypatch.setattr(stageload.autostage, "preserved_rng", contextlib.nullcontext)
     out, _, _ = staged(folder, budget=int(1.5 * SIZE))
     assert not torch.equal(out, eager(folder))
 
@@ -101,7 +101,7 @@ def test_once_the_sequence_repeats_the_furthest_next_use_goes(folder):
 
 
 def test_control_without_the_recorded_plan_lru_reloads_at_every_use(folder, monkeypatch):
-    monkeypatch.setattr(stageload.auto._Record, "add", lambda self, name: None)
+    monkeypatch.setattr(stageload.autostage._Record, "add", lambda self, name: None)
     _, sink, _ = staged(folder, budget=int(2.5 * SIZE), laps=4)
     assert sum(e.kind == "reload" for e in sink.events) == 12
 
@@ -129,7 +129,7 @@ def test_a_tensor_the_script_reads_itself_loads_its_model(folder):
 
 
 def test_control_without_loading_tensors_on_use_a_read_gets_meta(folder, monkeypatch):
-    monkeypatch.setattr(stageload.auto, "mark_empty", lambda module, owner: None)
+    monkeypatch.setattr(stageload.autostage, "mark_empty", lambda module, owner: None)
     with auto(budget=1, factories=[FACTORY], defaults=False):
         a = auto_script.load_model(f"{folder}/a.pt")
         auto_script.load_model(f"{folder}/b.pt")
@@ -146,10 +146,10 @@ def test_a_factory_that_makes_no_module_is_said_and_left_alone(tmp_path):
 
 
 def test_a_factory_that_cannot_be_found_is_a_clear_error():
-    missing = pytest.raises(stageload.auto.AutoError, match="has no 'nope'")
+    missing = pytest.raises(stageload.autostage.AutoError, match="has no 'nope'")
     with missing, auto(factories=["fixtures.auto_script:nope.load"]):
         pass
-    unqualified = pytest.raises(stageload.auto.AutoError, match="write it as module:Class")
+    unqualified = pytest.raises(stageload.autostage.AutoError, match="write it as module:Class")
     with unqualified, auto(factories=["load_model"]):
         pass
 
@@ -333,3 +333,47 @@ def test_in_a_cgroup_between_the_two_peaks_auto_finishes_where_the_script_is_oom
         staged_run = run_in(small, "auto")
     assert staged_run.returncode == 0 and not staged_run.oom_killed, staged_run.stderr[-2000:]
     assert torch.equal(torch.load(tmp_path / "auto.pt"), torch.load(tmp_path / "eager.pt"))
+
+
+DIFFUSERS_SCRIPT = """
+import sys
+import torch
+from diffusers import StableDiffusionPipeline
+
+torch.set_num_threads(1)
+pipe = StableDiffusionPipeline.from_pretrained(sys.argv[1])
+images = [
+    pipe("a cat", num_inference_steps=2, height=32, width=32, output_type="pt",
+         generator=torch.Generator().manual_seed(seed)).images
+    for seed in (0, 1)
+]
+torch.save(torch.stack(images), sys.argv[2])
+"""
+
+
+def test_the_cli_stages_a_diffusers_script_that_imports_diffusers_itself(tmp_path):
+    """The headline case: a script that imports diffusers only as it runs (after auto has
+    begun: its factories are wrapped at that import) and loads with plain
+    ``from_pretrained``. Eager: the same script alone; one thread in both."""
+    pytest.importorskip("diffusers")
+    from stageload.testing.families import FAMILIES, folder
+
+    path = folder(FAMILIES["sd"], tmp_path)
+    script = tmp_path / "generate.py"
+    script.write_text(DIFFUSERS_SCRIPT)
+    plain = _run([str(script), str(path), str(tmp_path / "eager.pt")], tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    trace = tmp_path / "run.jsonl"
+    staged_run = _run(
+        [
+            "-m", "stageload", "meter", "-o", str(trace), "--", sys.executable, "-m",
+            "stageload", "auto", "--budget", "1", "--", "python", str(script), str(path),
+            str(tmp_path / "auto.pt"),
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert staged_run.returncode == 0, staged_run.stderr
+    assert torch.equal(torch.load(tmp_path / "auto.pt"), torch.load(tmp_path / "eager.pt"))
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    reloads = [r["model"] for r in records if r.get("kind") == "reload"]
+    assert reloads == ["text_encoder", "unet", "vae"] * 2
