@@ -377,3 +377,36 @@ def test_the_cli_stages_a_diffusers_script_that_imports_diffusers_itself(tmp_pat
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     reloads = [r["model"] for r in records if r.get("kind") == "reload"]
     assert reloads == ["text_encoder", "unet", "vae"] * 2
+
+
+def two_threads_in_a_gate_then_another_model(folder: str) -> tuple[list[str], list[str]]:
+    """A model with two threads inside its call at once, then one with no room beside it:
+    auto's notes and the models resident at the end."""
+    import threading
+
+    factories = ["fixtures.auto_script:make_gate", FACTORY]
+    with auto(budget=1, factories=factories, defaults=False) as session:
+        gate = auto_script.make_gate()
+        x = torch.ones(4)
+        first = threading.Thread(target=gate, args=(x,))
+        first.start()
+        assert gate.inside.wait(30)  # the first thread is in the call
+        second = threading.Thread(target=gate, args=(x,))
+        second.start()
+        first.join(30)
+        second.join(30)
+        auto_script.load_model(f"{folder}/a.pt")  # no room beside the gate
+        return session.notes, session.resident()
+
+
+def test_a_model_used_from_two_threads_at_once_is_said_and_kept_loaded(folder):
+    notes, resident = two_threads_in_a_gate_then_another_model(folder)
+    said = [n for n in notes if "two threads" in n]
+    assert said == ["make_gate: used from two threads at once: kept loaded, not staged"]
+    assert "make_gate" in resident
+
+
+def test_control_without_the_pin_the_model_used_from_two_threads_goes(folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage.AutoSession, "pin", lambda self, model, why: None)
+    _, resident = two_threads_in_a_gate_then_another_model(folder)
+    assert "make_gate" not in resident

@@ -77,6 +77,9 @@ class _Model:
     loaded: bool = True
     last_use: int = 0
     loads: int = 1
+    #: Used from two threads at once: kept loaded from then on (a release would wait for
+    #: the other thread's call, and a reload would race with it).
+    pinned: bool = False
     #: Where its tensors were at the first load: what ``model.device`` answers while it is
     #: released (pipelines move their inputs to it).
     device: Any = None
@@ -111,6 +114,10 @@ class _Hook(ModuleHook):
         session = self._session()
         if session is not None:
             session.used(self.model)
+            if not self.model.pinned and module is self.model.module():
+                registry = HookRegistry.of(module)
+                if registry is not None and registry.called_elsewhere():
+                    session.pin(self.model, "used from two threads at once")
         return None
 
     def revive(self, module: nn.Module) -> bool:
@@ -226,6 +233,13 @@ class AutoSession:
                 self.record.add(model.name)
                 self._emit(Event(STAGE, stage=model.name))
 
+    def pin(self, model: _Model, why: str) -> None:
+        """Keep ``model`` loaded from now on, and say why once."""
+        with self._lock:
+            if not model.pinned:
+                model.pinned = True
+                self._note(f"{model.name}: {why}: kept loaded, not staged")
+
     def load(self, model: _Model) -> bool:
         """Reload a released model in place (its hook's ``revive``); True once it is back."""
         with self._lock:
@@ -260,7 +274,7 @@ class AutoSession:
             others = [self._models[n] for n in self.resident() if self._models[n] is not keep]
             if sum(m.size for m in others) + size <= self.budget:
                 return
-            idle = [m for m in others if not _busy(m)]
+            idle = [m for m in others if not m.pinned and not _busy(m)]
             if not idle:
                 what = f"beside {len(others)} models in calls" if others else "alone"
                 self._note(

@@ -131,6 +131,12 @@ class HookRegistry:
         state.update(_running={}, _held_by=None, _epoch=0)
         return state
 
+    def called_elsewhere(self) -> bool:
+        """Whether a thread other than this one has a call of the module running now."""
+        me = threading.get_ident()
+        with _calls:
+            return any(thread != me for thread in self._running)
+
     def calls_in_flight(self) -> int:
         """How many calls of the module are running now, on every thread."""
         with _calls:
