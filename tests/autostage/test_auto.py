@@ -183,7 +183,9 @@ def test_a_diffusers_pipeline_loaded_with_plain_from_pretrained_equals_eager(tmp
         got = calls()
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     reloads = [e.model for e in sink.events if e.kind == "reload"]
-    assert reloads == ["text_encoder", "unet", "vae"] * 2
+    # The last component from_pretrained made may still be in at the first call (diffusers
+    # loads them in an order that varies from process to process); the rest reload.
+    assert reloads[-3:] == ["text_encoder", "unet", "vae"] and len(reloads) in (5, 6)
 
 
 def _env() -> dict[str, str]:
@@ -376,7 +378,9 @@ def test_the_cli_stages_a_diffusers_script_that_imports_diffusers_itself(tmp_pat
     assert torch.equal(torch.load(tmp_path / "auto.pt"), torch.load(tmp_path / "eager.pt"))
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     reloads = [r["model"] for r in records if r.get("kind") == "reload"]
-    assert reloads == ["text_encoder", "unet", "vae"] * 2
+    # The last component from_pretrained made may still be in at the first call (diffusers
+    # loads them in an order that varies from process to process); the rest reload.
+    assert reloads[-3:] == ["text_encoder", "unet", "vae"] and len(reloads) in (5, 6)
 
 
 def two_threads_in_a_gate_then_another_model(folder: str) -> tuple[list[str], list[str]]:
@@ -410,3 +414,29 @@ def test_control_without_the_pin_the_model_used_from_two_threads_goes(folder, mo
     monkeypatch.setattr(stageload.autostage.AutoSession, "pin", lambda self, model, why: None)
     _, resident = two_threads_in_a_gate_then_another_model(folder)
     assert "make_gate" not in resident
+
+
+def run_converted(folder: str, *, staged: bool) -> Any:
+    """The models converted to float64 by the script once made, then used in turn, twice,
+    with room for one under auto: each reload must come back converted."""
+    scope = auto(budget=int(2.5 * SIZE), factories=[FACTORY], defaults=False)  # one in float64
+    with scope if staged else contextlib.nullcontext():
+        models = [
+            auto_script.load_model(f"{folder}/{n}.pt").to(torch.float64) for n in auto_script.NAMES
+        ]
+        x = torch.ones(2, auto_script.WIDTH, dtype=torch.float64)
+        for _ in range(2):
+            for model in models:
+                x = model(x)
+    return x
+
+
+def test_a_conversion_the_script_made_is_made_again_at_each_reload(folder):
+    """Reference: the same conversions without auto, in this process."""
+    assert torch.equal(run_converted(folder, staged=True), run_converted(folder, staged=False))
+
+
+def test_control_without_replaying_conversions_a_reload_comes_back_float32(folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage, "_recording", lambda model: lambda inner: inner)
+    with pytest.raises(RuntimeError, match="dtype"):
+        run_converted(folder, staged=True)

@@ -40,7 +40,7 @@ from ..core.outer import outer_trace
 from ..core.plan import Plan
 from ..core.rng import preserved_rng
 from ..errors import StageloadError
-from ..external import torch_function_off
+from ..external import CONVERT_METHOD, torch_function_off
 from ..hooks.empty import mark_empty
 from ..hooks.registry import HookRegistry, ModuleHook, patch
 from ..hooks.release import is_released, release, storage_sizes, unmark_released
@@ -80,6 +80,9 @@ class _Model:
     #: Used from two threads at once: kept loaded from then on (a release would wait for
     #: the other thread's call, and a reload would race with it).
     pinned: bool = False
+    #: Conversions applied to it (``to``, ``half``: each ``nn.Module._apply`` function), in
+    #: order: a reload applies them again, so the script's model stays as it made it.
+    conversions: list[Callable[[Any], Any]] = field(default_factory=list)
     #: Where its tensors were at the first load: what ``model.device`` answers while it is
     #: released (pipelines move their inputs to it).
     device: Any = None
@@ -158,6 +161,7 @@ class AutoSession:
         self._making = threading.local()
         self.record = _Record()
         self.notes: list[str] = []
+        self._undo: list[Callable[[], None]] = []  # patches on the models, undone at close
 
     # -- what the script sees ------------------------------------------------------------
     @property
@@ -221,6 +225,7 @@ class AutoSession:
             hook = _Hook(self, model)
             for sub in (obj, *obj.children()):
                 HookRegistry.attach(sub).add(AUTO, hook)
+            self._undo.append(patch(obj, CONVERT_METHOD, _recording(model)))
             self._fit(model)  # the others it does not leave room for go now
         return obj
 
@@ -252,6 +257,8 @@ class AutoSession:
             start = time.perf_counter()
             with preserved_rng():
                 fresh = model.make()
+                for fn in model.conversions:  # as the script converted it since
+                    getattr(fresh, CONVERT_METHOD)(fn)
             _adopt(module, fresh)
             del fresh
             model.loaded, model.loads = True, model.loads + 1
@@ -310,6 +317,9 @@ class AutoSession:
     def close(self) -> None:
         """Take auto's hooks off every model still alive; released ones stay released."""
         with self._lock:
+            for undo in reversed(self._undo):
+                undo()
+            self._undo.clear()
             for model in self._models.values():
                 module = model.module()
                 if module is None:
@@ -329,6 +339,25 @@ class AutoSession:
     def _emit(self, event: Event) -> None:
         if self._sink is not None:
             self._sink.emit(event)
+
+
+def _recording(model: _Model) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A patch of a model's ``_apply`` that records each conversion once it is done (on a
+    released model the conversion's first tensor loads it, then it converts)."""
+
+    def wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(inner)
+        def _apply(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            out = inner(fn, *args, **kwargs)
+            model.conversions.append(fn)
+            module = model.module()
+            if module is not None:  # a dtype change changes its size
+                model.size = _bytes(module)
+            return out
+
+        return _apply
+
+    return wrap
 
 
 def _busy(model: _Model) -> bool:
