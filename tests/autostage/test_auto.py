@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -440,3 +441,29 @@ def test_control_without_replaying_conversions_a_reload_comes_back_float32(folde
     monkeypatch.setattr(stageload.autostage, "_recording", lambda model: lambda inner: inner)
     with pytest.raises(RuntimeError, match="dtype"):
         run_converted(folder, staged=True)
+
+
+def test_the_same_factory_call_from_two_threads_makes_one_model(folder):
+    """The second thread waits for the first one's load and gets its object: never two
+    loads of one model by a race."""
+    import threading
+
+    auto_script.STARTED.clear(), auto_script.GO.clear(), auto_script.MADE.clear()
+    got: list[Any] = []
+    factories = ["fixtures.auto_script:slow_model"]
+    with auto(budget=10 * SIZE, factories=factories, defaults=False) as session:
+        path = f"{folder}/a.pt"
+        first = threading.Thread(target=lambda: got.append(auto_script.slow_model(path)))
+        first.start()
+        assert auto_script.STARTED.wait(30)  # the first load is running
+        second = threading.Thread(target=lambda: got.append(auto_script.slow_model(path)))
+        second.start()
+        deadline = time.monotonic() + 30
+        while session.waiting == 0 and time.monotonic() < deadline:  # the state, not a guess
+            time.sleep(0.001)
+        assert session.waiting == 1  # the second call waits for the first
+        auto_script.GO.set()
+        first.join(30)
+        second.join(30)
+    assert len(got) == 2 and got[0] is got[1]
+    assert auto_script.MADE == [1]

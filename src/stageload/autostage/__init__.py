@@ -153,7 +153,14 @@ class AutoSession:
         self._sink: EventSink | None = (
             TeeSink(*sinks) if len(sinks) > 1 else next(iter(sinks), None)
         )
+        # Which thread holds what: ``_lock`` for loads, releases and the tables (a release
+        # under it waits for the model's calls in flight); ``_uses`` for the use record
+        # only, taken by the hooks inside those calls, and never held while waiting.
         self._lock = threading.RLock()
+        self._uses = threading.Lock()
+        self._in_making: dict[Any, threading.Event] = {}  # factory calls running now
+        #: Factory calls waiting for the same call running on another thread.
+        self.waiting = 0
         self._models: dict[str, _Model] = {}  # by name
         self._shared: dict[Any, _Model] = {}  # by factory call
         self._clock = 0
@@ -182,11 +189,32 @@ class AutoSession:
         if getattr(self._making, "depth", 0):  # a factory inside a factory, or a reload
             return factory(*args, **kwargs)
         key = _key(factory, args, kwargs)
-        with self._lock:
-            known = self._shared.get(key) if key is not None else None
-            module = known.module() if known is not None else None
-            if module is not None:
-                return module
+        while True:
+            with self._lock:
+                known = self._shared.get(key) if key is not None else None
+                module = known.module() if known is not None else None
+                if module is not None:
+                    return module
+                running = self._in_making.get(key) if key is not None else None
+                if running is None:
+                    if key is not None:  # this thread makes it; the same call elsewhere waits
+                        self._in_making[key] = threading.Event()
+                    break
+            with self._lock:
+                self.waiting += 1
+            running.wait()  # another thread makes the same model: take its result
+            with self._lock:
+                self.waiting -= 1
+        try:
+            return self._make(factory, name, args, kwargs, key)
+        finally:
+            if key is not None:
+                with self._lock:
+                    self._in_making.pop(key).set()
+
+    def _make(
+        self, factory: Callable[..., Any], name: str, args: tuple, kwargs: dict, key: Any
+    ) -> Any:
 
         def make() -> Any:
             self._making.depth = getattr(self._making, "depth", 0) + 1
@@ -231,7 +259,7 @@ class AutoSession:
 
     # -- uses, loads and releases ----------------------------------------------------------
     def used(self, model: _Model) -> None:
-        with self._lock:
+        with self._uses:
             model.last_use = self._tick()
             if self._stage != model.name:
                 self._stage = model.name
@@ -240,7 +268,7 @@ class AutoSession:
 
     def pin(self, model: _Model, why: str) -> None:
         """Keep ``model`` loaded from now on, and say why once."""
-        with self._lock:
+        with self._uses:
             if not model.pinned:
                 model.pinned = True
                 self._note(f"{model.name}: {why}: kept loaded, not staged")
