@@ -467,3 +467,21 @@ def test_the_same_factory_call_from_two_threads_makes_one_model(folder):
         second.join(30)
     assert len(got) == 2 and got[0] is got[1]
     assert auto_script.MADE == [1]
+
+
+PART_CALL = "import sys; from fixtures import auto_script; print(auto_script.call_through_a_part(sys.argv[1]))"  # noqa: E501
+BROKEN = "import stageload.autostage as a; a._busy = lambda model: False; " + PART_CALL
+
+
+def test_a_model_in_a_call_through_one_of_its_parts_is_not_released_under_it(folder, tmp_path):
+    """``vae.decode()`` runs in ``vae.decoder``: no hook on the model sees that call, and a
+    reload nested in it must not free the model under it (a child process: the control
+    segfaults)."""
+    done = _run(["-c", PART_CALL, folder], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "6.0"  # 0 + 1 + 2 + 3, read through the view
+
+
+def test_control_taking_part_calls_for_idle_frees_the_weights_under_the_call(folder, tmp_path):
+    done = _run(["-c", BROKEN, folder], tmp_path)
+    assert done.returncode != 0 or done.stdout.split()[-1] != "6.0"

@@ -40,7 +40,7 @@ from ..core.outer import outer_trace
 from ..core.plan import Plan
 from ..core.rng import preserved_rng
 from ..errors import StageloadError
-from ..external import CONVERT_METHOD, torch_function_off
+from ..external import CONVERT_METHOD, module_call_code, torch_function_off
 from ..hooks.empty import mark_empty
 from ..hooks.registry import HookRegistry, ModuleHook, patch
 from ..hooks.release import is_released, release, storage_sizes, unmark_released
@@ -389,9 +389,21 @@ def _recording(model: _Model) -> Callable[[Callable[..., Any]], Callable[..., An
 
 
 def _busy(model: _Model) -> bool:
+    """Whether any thread, this one included, is inside a call of the model or of one of
+    its parts (``vae.decode()`` runs in ``vae.decoder``, which no hook on the model sees):
+    an ``nn.Module._call_impl`` frame of one of its modules is on a stack. Read when a
+    victim is chosen, which is rare; a stack walk costs microseconds per frame."""
     module = model.module()
-    registry = HookRegistry.of(module) if module is not None else None
-    return registry is not None and registry.calls_in_flight() > 0
+    if module is None:
+        return False
+    ids = {id(m) for m in module.modules()}
+    code = module_call_code()
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code is code and id(frame.f_locals.get("self")) in ids:
+                return True
+            frame = frame.f_back
+    return False
 
 
 def _tensors(module: nn.Module) -> Iterator[Any]:
