@@ -438,7 +438,7 @@ def test_a_conversion_the_script_made_is_made_again_at_each_reload(folder):
 
 
 def test_control_without_replaying_conversions_a_reload_comes_back_float32(folder, monkeypatch):
-    monkeypatch.setattr(stageload.autostage, "_recording", lambda model: lambda inner: inner)
+    monkeypatch.setattr(stageload.autostage, "_convert", lambda fresh, layout: None)
     with pytest.raises(RuntimeError, match="dtype"):
         run_converted(folder, staged=True)
 
@@ -485,3 +485,287 @@ def test_a_model_in_a_call_through_one_of_its_parts_is_not_released_under_it(fol
 def test_control_taking_part_calls_for_idle_frees_the_weights_under_the_call(folder, tmp_path):
     done = _run(["-c", BROKEN, folder], tmp_path)
     assert done.returncode != 0 or done.stdout.split()[-1] != "6.0"
+
+
+# -- what a reload gives back ---------------------------------------------------------------
+def one_then_another(folder: str, change: Any, factory: str = FACTORY) -> Any:
+    """Room for one model: ``make`` (default ``load_model``) a, change it with ``change``,
+    call it, make b (a goes, unless auto keeps it), call a again. Returns the two outputs
+    of a, the session's notes and a's reload count."""
+    x = torch.ones(2, auto_script.WIDTH)
+    sink = ListSink()
+    with auto(
+        budget=int(1.5 * SIZE), factories=[factory, FACTORY], defaults=False, events=sink
+    ) as s:
+        make = getattr(auto_script, factory.partition(":")[2])  # wrapped by now
+        a = make(f"{folder}/a.pt")
+        change(a)
+        first = a(x)
+        auto_script.load_model(f"{folder}/b.pt")(x)
+        second = a(x)
+    reloads = sum(e.kind == "reload" for e in sink.events)
+    return first, second, s.notes, reloads
+
+
+def scale_weights(model: Any) -> None:
+    with torch.no_grad():
+        model.layers[0].weight.mul_(2)
+
+
+def scale_through_data(model: Any) -> None:
+    model.layers[0].weight.data.mul_(2)  # no version counter sees this
+
+
+@pytest.mark.parametrize("change", [scale_weights, scale_through_data])
+def test_a_model_the_script_changed_is_kept_loaded_and_said(folder, change):
+    first, second, notes, reloads = one_then_another(folder, change)
+    assert torch.equal(first, second) and reloads == 0
+    assert notes == [
+        "a.pt: changed by the script since its load (layers.0.weight changed"
+        + (" in place" if change is scale_weights else "")
+        + "): kept loaded, not staged",
+        "b.pt: 1.0 MiB beside 1 model in use is over the budget of 1.5 MiB; loaded anyway",
+    ]
+
+
+def test_control_without_the_change_check_a_reload_loses_the_script_change(folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage, "_changed", lambda model: None)
+    first, second, _, reloads = one_then_another(folder, scale_weights)
+    assert reloads == 1 and not torch.equal(first, second)
+
+
+def test_a_wrapped_layer_keeps_its_model_loaded(folder):
+    """peft-style: a layer replaced by a wrapper after the factory (new parts)."""
+
+    def add_lora(model: Any) -> None:
+        model.layers[0] = auto_script.Lora(model.layers[0])
+
+    first, second, notes, reloads = one_then_another(folder, add_lora)
+    assert torch.equal(first, second) and reloads == 0
+    assert notes[0].startswith("a.pt: changed by the script since its load (parts added")
+
+
+def test_requires_grad_the_script_set_survives_a_reload(folder):
+    first, second, notes, reloads = one_then_another(folder, lambda m: m.requires_grad_(False))
+    assert reloads == 1 and notes == [] and torch.equal(first, second)
+    assert not second.requires_grad  # eager's: no parameter needs a gradient
+
+
+def test_control_without_restoring_requires_grad_the_reload_wants_gradients(folder, monkeypatch):
+    real = stageload.autostage._adopt
+    monkeypatch.setattr(
+        stageload.autostage, "_adopt", lambda module, fresh, layout: real(module, fresh, {})
+    )
+    _, second, _, _ = one_then_another(folder, lambda m: m.requires_grad_(False))
+    assert second.requires_grad
+
+
+HEADED = "fixtures.auto_script:load_headed"
+
+
+def test_a_part_left_to_random_initialisation_comes_back_the_same(folder):
+    """The head the checkpoint lacks draws the same values at each reload: the RNG is set
+    to its state before the first load."""
+    first, second, notes, reloads = one_then_another(folder, lambda m: None, HEADED)
+    assert reloads == 1 and notes == [] and torch.equal(first, second)
+
+
+def test_control_without_the_first_loads_rng_the_head_differs_and_it_is_said(folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage, "restore_rng", lambda state: None)
+    first, second, notes, _ = one_then_another(folder, lambda m: None, HEADED)
+    assert not torch.equal(first, second)
+    assert notes == ["a.pt: its factory gave other weights at reload: kept loaded, not staged"]
+
+
+# -- sharing, nesting, lifetimes --------------------------------------------------------------
+def test_calls_with_arguments_that_are_not_plain_values_are_never_shared(folder):
+    """Two state dicts whose reprs are equal (a large tensor prints summarised) are two
+    models; equal paths are one."""
+    state = dict(auto_script.load_model(f"{folder}/a.pt").state_dict())
+    other = {k: v.clone() for k, v in state.items()}
+    other["layers.0.weight"][100:110, 100:110] += 1  # inside repr's "..."
+    assert repr(state) == repr(other)
+    with auto(budget=10 * SIZE, factories=["fixtures.auto_script:from_state"], defaults=False):
+        one, two = auto_script.from_state(state), auto_script.from_state(other)
+    assert one is not two and torch.equal(two.layers[0].weight, other["layers.0.weight"])
+
+
+def test_control_a_repr_key_shares_different_state_dicts(folder, monkeypatch):
+    monkeypatch.setattr(
+        stageload.autostage, "_key", lambda f, args, kwargs: (f, repr(args), repr(kwargs))
+    )
+    state = dict(auto_script.load_model(f"{folder}/a.pt").state_dict())
+    other = {k: v.clone() for k, v in state.items()}
+    other["layers.0.weight"][100:110, 100:110] += 1
+    with auto(budget=10 * SIZE, factories=["fixtures.auto_script:from_state"], defaults=False):
+        assert auto_script.from_state(state) is auto_script.from_state(other)
+
+
+def test_a_second_block_while_one_is_on_is_a_clear_error():
+    refused = pytest.raises(stageload.autostage.AutoError, match="already on")
+    with auto(budget=1 << 30, factories=[FACTORY], defaults=False), refused:  # noqa: SIM117
+        with auto(budget=1 << 30, factories=[FACTORY], defaults=False):
+            pass
+    with auto(budget=1 << 30, factories=[FACTORY], defaults=False):  # and after it, again
+        pass
+
+
+def test_a_model_holding_another_staged_model_is_kept_loaded_and_said(folder):
+    factories = [FACTORY, "fixtures.auto_script:wrap"]
+    with auto(budget=1 << 30, factories=factories, defaults=False) as session:
+        inner = auto_script.load_model(f"{folder}/a.pt")
+        auto_script.wrap(inner)
+    assert session.notes == ["wrap: contains the staged model a.pt: kept loaded, not staged"]
+
+
+def test_after_the_block_a_released_model_loads_at_its_use(folder):
+    x = torch.ones(2, auto_script.WIDTH)
+    want = auto_script.load_model(f"{folder}/a.pt")(x)
+    with auto(budget=1, factories=[FACTORY], defaults=False) as session:
+        a = auto_script.load_model(f"{folder}/a.pt")
+        auto_script.load_model(f"{folder}/b.pt")  # a goes
+    assert session.resident() == ["b.pt"]
+    assert torch.equal(a(x), want) and torch.equal(a.scale * 2, want.new_ones(1) * 0 + a.scale * 2)
+    from stageload.hooks.registry import HookRegistry
+
+    assert all(HookRegistry.of(m) is None for m in a.modules())  # loaded: nothing left on it
+
+
+def test_control_with_the_hooks_taken_off_at_the_end_a_released_model_is_dead(folder, monkeypatch):
+    real = stageload.autostage.AutoSession.close
+
+    def close(self: Any) -> None:
+        real(self)
+        for module in self.models.values():
+            if module is not None:
+                for sub in (module, *module.children()):
+                    stageload.autostage.HookRegistry.remove(sub, "auto")
+
+    monkeypatch.setattr(stageload.autostage.AutoSession, "close", close)
+    with auto(budget=1, factories=[FACTORY], defaults=False):
+        a = auto_script.load_model(f"{folder}/a.pt")
+        auto_script.load_model(f"{folder}/b.pt")
+    with pytest.raises(Exception, match="released"):
+        a(torch.ones(2, auto_script.WIDTH))
+
+
+def test_a_model_the_script_drops_is_freed_inside_the_block(folder):
+    import gc
+    import weakref
+
+    with auto(budget=10 * SIZE, factories=[FACTORY], defaults=False) as session:
+        a = auto_script.load_model(f"{folder}/a.pt")
+        a(torch.ones(2, auto_script.WIDTH))
+        gone = weakref.ref(a)
+        del a
+        gc.collect()
+        assert gone() is None
+        auto_script.load_model(f"{folder}/b.pt")  # prunes the dropped one
+        assert list(session.models) == ["b.pt"] and session.resident() == ["b.pt"]
+
+
+# -- the plan ---------------------------------------------------------------------------------
+def uses_twice_a_lap(folder: str, laps: int, staged: bool = True) -> tuple[Any, ListSink, Any]:
+    """a, b, c, a, b: two models twice a lap (img2img's vae: encode, then decode), room
+    for two. The three are made before the first call, so every use of the first lap is
+    a reload."""
+    sink = ListSink()
+    x = torch.ones(2, auto_script.WIDTH)
+    scope = auto(budget=int(2.5 * SIZE), factories=[FACTORY], defaults=False, events=sink)
+    with scope if staged else contextlib.nullcontext() as s:
+        a, b, c = (auto_script.load_model(f"{folder}/{n}.pt") for n in auto_script.NAMES)
+        for _ in range(laps):
+            for model in (a, b, c, a, b):
+                x = model(x)
+    return x, sink, s
+
+
+def test_models_used_twice_a_lap_are_planned(folder):
+    out, sink, session = uses_twice_a_lap(folder, laps=6)
+    assert torch.equal(out, uses_twice_a_lap(folder, laps=6, staged=False)[0])
+    plan = session.record.plan
+    assert plan is not None and list(plan) == ["a.pt", "b.pt", "c.pt", "a.pt#2", "b.pt#2"]
+    # The first lap and a half run least recently used (and learn a wrong lap first).
+    assert sum(e.kind == "reload" for e in sink.events) == 14
+
+
+def test_control_without_learning_the_cycle_lru_reloads_more(folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage._Record, "_learn", lambda self: None)
+    _, sink, _ = uses_twice_a_lap(folder, laps=6)
+    assert sum(e.kind == "reload" for e in sink.events) == 20
+
+
+# -- threads ------------------------------------------------------------------------------------
+def test_a_load_while_another_thread_is_in_a_part_call_that_reloads_finishes(folder):
+    """Thread B is in ``outer.child(x)``, which will call model ``a`` (released); thread A
+    makes model ``b`` meanwhile, which needs room. Neither waits for the other while
+    holding what the other needs (the review's deadlock)."""
+    import threading
+
+    auto_script.INSIDE.clear(), auto_script.PROCEED.clear()
+    factories = [FACTORY, "fixtures.auto_script:make_slow_outer"]
+    x = torch.ones(2, auto_script.WIDTH)
+    results: list[Any] = []
+    with auto(budget=SIZE + 64, factories=factories, defaults=False):
+        a = auto_script.load_model(f"{folder}/a.pt")
+        outer = auto_script.make_slow_outer()  # a goes
+        outer.child.other = [a]
+        b_thread = threading.Thread(target=lambda: results.append(float(outer.child(x))))
+        b_thread.start()
+        assert auto_script.INSIDE.wait(30)
+        a_thread = threading.Thread(target=lambda: auto_script.load_model(f"{folder}/b.pt"))
+        a_thread.start()
+        a_thread.join(60)
+        auto_script.PROCEED.set()
+        b_thread.join(60)
+        assert not a_thread.is_alive() and not b_thread.is_alive()
+    want = float(auto_script.load_model(f"{folder}/a.pt")(x).sum() + torch.arange(8.0).sum())
+    assert results == [want]
+
+
+# -- the command line ---------------------------------------------------------------------------
+def test_the_cli_refuses_a_factory_in_the_script_itself(tmp_path):
+    script = tmp_path / "gen.py"
+    script.write_text("print('RAN')\ndef load(p):\n    return None\n")
+    done = _run(
+        ["-m", "stageload", "auto", "--factory", "gen:load", "--", "python", str(script)], tmp_path
+    )
+    assert done.returncode == 2 and "RAN" not in done.stdout
+    assert "is in the script itself" in done.stderr
+
+
+def test_the_cli_waits_for_the_scripts_threads_and_exits_130_on_ctrl_c(folder, tmp_path):
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import sys, threading, torch\n"
+        "from fixtures import auto_script as s\n"
+        "a = s.load_model(sys.argv[1] + '/a.pt'); s.load_model(sys.argv[1] + '/b.pt')\n"
+        "late = lambda: print('late', float(a(torch.ones(1, s.WIDTH)).sum()))\n"
+        "t = threading.Thread(target=late)\n"
+        "t.start()\n"
+    )
+    base = ["-m", "stageload", "auto", "--budget", "1", "--no-defaults", "--factory", FACTORY, "--"]
+    done = _run([*base, "python", str(worker), folder], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("late ")
+    interrupted = tmp_path / "intr.py"
+    interrupted.write_text("raise KeyboardInterrupt\n")
+    assert _run([*base, "python", str(interrupted)], tmp_path).returncode == 130
+
+
+def test_a_factory_module_that_imports_transformers_leaves_the_defaults_wrapped(tmp_path):
+    """The user's factory module imports transformers as auto resolves it: the import
+    finder is in place first, so from_pretrained is wrapped too (a child process, where
+    transformers is not imported yet)."""
+    (tmp_path / "mine.py").write_text(
+        "import transformers.modeling_utils\ndef load(p):\n    return None\n"
+    )
+    code = (
+        "import sys; sys.path.insert(0, '.'); import stageload\n"
+        "with stageload.auto(budget=1 << 30, factories=['mine:load']):\n"
+        "    from transformers import PreTrainedModel\n"
+        "    print(PreTrainedModel.from_pretrained.__func__.__name__)\n"
+    )
+    done = _run(["-c", code], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["through"]

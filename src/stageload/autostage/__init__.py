@@ -4,20 +4,28 @@ While the block runs, the usual model factories (diffusers' ``ModelMixin.from_pr
 transformers' ``PreTrainedModel.from_pretrained``, and any named with ``factories=``) are
 wrapped. Each model they make is the script's own object, of its own class, with one hook:
 
-- a call of a released model reloads it first (the factory again, with the RNG preserved,
-  and its tensors moved into the object the script holds), so seeded scripts give eager's
-  results bit for bit;
+- a call of a released model (or a torch function on one of its tensors) reloads it first:
+  the factory again, with the RNG as it was at the first load (a part the checkpoint does
+  not cover draws the same values) and the script's RNG untouched, converted to the dtypes
+  and devices the script gave it, its tensors moved into the objects the script holds;
 - before a load, models are released (to ``meta``: the memory goes back to the OS) until
   the new one fits the budget: the least recently used first, while the script makes its
-  first pass; once the sequence of uses has repeated, the model whose next use in that
+  first pass; once the sequence of uses repeats, the model whose next use in that
   recorded cycle is furthest away (Belady's rule, as :class:`~stageload.FurthestNextUse`);
-- identical factory calls (same factory, same arguments) return one object while it lives.
+- identical factory calls (same factory, same plain arguments) return one object while it
+  lives and the script has not changed it.
 
-A model in a call is never released under it. Events (loads, releases, and one stage per
-model in use, named after it) go to ``events`` and, under ``stageload meter``, the trace.
+What auto cannot stage it says once (``notes``, and a ``note`` event) and keeps loaded: a
+model used from two threads at once, one the script changed since its load (weights or
+parts), one whose reload gave other weights, one that contains another staged model. A
+model in a call, through any of its parts, is never released under it.
 
-Which thread does what: factory calls and loads run on the script's threads, one load at a
-time (a lock); a release waits for the model's calls in flight (``stageload.release``).
+Which thread does what: factory calls, loads and releases run on the script's threads.
+``_lock`` guards the tables and each model's state, and is never held while a factory
+runs or a release waits for calls in flight: a release marks its model ``releasing``, a
+load marks it ``loading``, and other threads that need that model wait for the state to
+change. One model is released at a time, so a thread waits only on a model that is
+being released or loaded right now.
 """
 
 from __future__ import annotations
@@ -32,18 +40,18 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
 from ..core.events import LOAD, NOTE, RELEASE, RELOAD, STAGE, Event, EventSink, TeeSink
 from ..core.outer import outer_trace
 from ..core.plan import Plan
-from ..core.rng import preserved_rng
+from ..core.rng import RngState, capture_rng, preserved_rng, restore_rng
 from ..errors import StageloadError
-from ..external import CONVERT_METHOD, module_call_code, torch_function_off
+from ..external import module_call_code, tensor_version, torch_function_off
 from ..hooks.empty import mark_empty
 from ..hooks.registry import HookRegistry, ModuleHook, patch
-from ..hooks.release import is_released, release, storage_sizes, unmark_released
+from ..hooks.release import release, storage_sizes, unmark_released
 from ..memory.budget import parse_budget
 
 if TYPE_CHECKING:
@@ -60,10 +68,21 @@ DEFAULT_FACTORIES = (
 AUTO = "auto"
 #: Why auto released a model: the ``reason`` of its ``release`` events.
 REASON_AUTO = "auto: budget"
+#: A model's states. Only the thread that set ``loading`` or ``releasing`` changes it.
+LOADED, LOADING, RELEASING, RELEASED = "loaded", "loading", "releasing", "released"
+#: Uses kept in the record: enough to see a cycle of this many stages twice.
+USES_KEPT = 512
 
 
 class AutoError(StageloadError, ValueError):
-    """A factory named for ``stageload.auto`` cannot be found or wrapped."""
+    """``stageload.auto`` cannot start: a factory that cannot be found or wrapped, or a
+    second block while one is on."""
+
+
+#: Each tensor of a model by name: (the tensor object's id, its version counter).
+Seen = dict[str, tuple[int, int]]
+#: Each tensor of a model by name: (dtype, device, requires_grad) as the script left it.
+Layout = dict[str, tuple[Any, Any, bool]]
 
 
 @dataclass(eq=False)
@@ -74,58 +93,91 @@ class _Model:
     make: Callable[[], Any]
     module: weakref.ref[nn.Module]
     size: int
-    loaded: bool = True
+    #: The global RNG just before the first load: each reload starts from it.
+    rng: RngState
+    state: str = LOADED
+    #: The thread loading or releasing it now.
+    owner: int | None = None
     last_use: int = 0
     loads: int = 1
-    #: Used from two threads at once: kept loaded from then on (a release would wait for
-    #: the other thread's call, and a reload would race with it).
+    #: Kept loaded from now on (said once in the notes), for the reason in ``said``.
     pinned: bool = False
-    #: Conversions applied to it (``to``, ``half``: each ``nn.Module._apply`` function), in
-    #: order: a reload applies them again, so the script's model stays as it made it.
-    conversions: list[Callable[[Any], Any]] = field(default_factory=list)
-    #: Where its tensors were at the first load: what ``model.device`` answers while it is
-    #: released (pipelines move their inputs to it).
+    said: set[str] = field(default_factory=set)
+    #: The tensors as auto last loaded them, and a few of their values: whether the script
+    #: changed the model since.
+    seen: Seen = field(default_factory=dict)
+    samples: dict[str, Any] = field(default_factory=dict)
+    #: Dtypes, devices and requires_grad as the script left them at the last release: a
+    #: reload gives them back.
+    layout: Layout = field(default_factory=dict)
+    #: What ``model.device`` answers while it is released (pipelines move inputs to it).
     device: Any = None
 
 
 @dataclass
 class _Record:
-    """The sequence of models in use, one entry per change: the plan once it repeats."""
+    """The models in use, one entry per change, and the cycle learned from them: once the
+    last lap of uses repeats the one before (a model may appear twice in a lap: img2img's
+    vae), it is the plan, one stage per use; a use off the plan forgets it until the
+    sequence repeats again."""
 
     uses: list[str] = field(default_factory=list)
     plan: Plan | None = None
+    #: Where in ``plan`` the script is now.
+    stage: str | None = None
 
     def add(self, name: str) -> None:
         if self.uses and self.uses[-1] == name:
             return
         self.uses.append(name)
-        if self.plan is None and len(self.uses) > 1 and name == self.uses[0]:
-            lap = self.uses[:-1]
-            if len(set(lap)) == len(lap):  # a clean first lap: each model once
-                self.plan = Plan({n: (n,) for n in lap})
+        del self.uses[:-USES_KEPT]
+        if self.plan is not None and self.stage is not None:
+            after = self.plan.next_stage(self.stage)
+            if self.plan[after] == (name,):
+                self.stage = after
+                return
+            self.plan = self.stage = None  # off the cycle: learn it again
+        self._learn()
+
+    def _learn(self) -> None:
+        """The shortest lap that ends with the use before this one and starts with the same
+        model as this use, and has every model of the lap before it."""
+        uses, last = self.uses, self.uses[-1]
+        for p in range(2, len(uses)):
+            if uses[-1 - p] != last:
+                continue
+            lap = uses[-1 - p : -1]
+            if not set(uses[-1 - 2 * p :]) <= set(lap):
+                continue
+            stages: dict[str, tuple[str, ...]] = {}
+            for name in lap:
+                n = sum(1 for s in stages.values() if s == (name,))
+                stages[name if n == 0 else f"{name}#{n + 1}"] = (name,)
+            self.plan = Plan(stages)
+            self.stage = self.plan.order[0]
+            return
 
 
 class _Hook(ModuleHook):
     """On each model and its direct children: a call marks the model used (and reloads it
-    when it is released: ``revive``)."""
+    when it is released: ``revive``). Holds its session: a model released when the block
+    ended still reloads on use."""
 
     def __init__(self, session: AutoSession, model: _Model) -> None:
-        self._session = weakref.ref(session)
+        self.session = session
         self.model = model
 
     def pre_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        session = self._session()
-        if session is not None:
-            session.used(self.model)
-            if not self.model.pinned and module is self.model.module():
-                registry = HookRegistry.of(module)
-                if registry is not None and registry.called_elsewhere():
-                    session.pin(self.model, "used from two threads at once")
+        session = self.session
+        session.used(self.model)
+        if not self.model.pinned and module is self.model.module():
+            registry = HookRegistry.of(module)
+            if registry is not None and registry.called_elsewhere():
+                session.pin(self.model, "used from two threads at once")
         return None
 
     def revive(self, module: nn.Module) -> bool:
-        session = self._session()
-        return session is not None and session.load(self.model)
+        return self.session.load(self.model)
 
     def released(self, module: nn.Module) -> None:
         if module is self.model.module():  # the model, not one of its children
@@ -133,42 +185,35 @@ class _Hook(ModuleHook):
 
     def fill_on_use(self) -> None:
         """One of the released model's tensors was used (:mod:`stageload.hooks.empty`)."""
-        self.revive(None)  # type: ignore[arg-type]
+        self.session.load(self.model)
 
 
 class AutoSession:
     """The models made under one :func:`auto` block, the budget, and the recorded plan."""
 
     def __init__(self, budget: int | str | None = None, events: EventSink | None = None) -> None:
-        if budget is None:
-            from ..memory import read_system
-
-            available = read_system().available
-            if available is None:
-                raise AutoError("auto() needs a budget here: the available memory is unknown")
-            budget = available
-        self.budget = parse_budget(budget)
+        self.budget = parse_budget("auto" if budget is None else budget)
         outer = outer_trace()
         sinks = [s for s in (events, outer) if s is not None]
         self._sink: EventSink | None = (
             TeeSink(*sinks) if len(sinks) > 1 else next(iter(sinks), None)
         )
-        # Which thread holds what: ``_lock`` for loads, releases and the tables (a release
-        # under it waits for the model's calls in flight); ``_uses`` for the use record
-        # only, taken by the hooks inside those calls, and never held while waiting.
-        self._lock = threading.RLock()
-        self._uses = threading.Lock()
+        # The tables and every model's state; never held while a factory runs or a
+        # release waits (see the module docstring). Reentrant: a hook inside a section
+        # that holds it (an event sink's write) may ask again.
+        self._lock = threading.Condition(threading.RLock())
         self._in_making: dict[Any, threading.Event] = {}  # factory calls running now
         #: Factory calls waiting for the same call running on another thread.
         self.waiting = 0
         self._models: dict[str, _Model] = {}  # by name
         self._shared: dict[Any, _Model] = {}  # by factory call
+        self._dead: list[str] = []  # models the script dropped, pruned under the lock
         self._clock = 0
         self._stage: str | None = None
         self._making = threading.local()
+        self._closed = False
         self.record = _Record()
         self.notes: list[str] = []
-        self._undo: list[Callable[[], None]] = []  # patches on the models, undone at close
 
     # -- what the script sees ------------------------------------------------------------
     @property
@@ -178,7 +223,7 @@ class AutoSession:
 
     def resident(self) -> list[str]:
         """The models loaded now."""
-        return [n for n, m in self._models.items() if m.loaded and m.module() is not None]
+        return [n for n, m in self._models.items() if m.state == LOADED and m.module() is not None]
 
     def resident_bytes(self) -> int:
         return sum(self._models[n].size for n in self.resident())
@@ -191,16 +236,16 @@ class AutoSession:
         key = _key(factory, args, kwargs)
         while True:
             with self._lock:
+                self._prune()
                 known = self._shared.get(key) if key is not None else None
                 module = known.module() if known is not None else None
-                if module is not None:
+                if module is not None and known is not None and not known.pinned:
                     return module
                 running = self._in_making.get(key) if key is not None else None
                 if running is None:
                     if key is not None:  # this thread makes it; the same call elsewhere waits
                         self._in_making[key] = threading.Event()
                     break
-            with self._lock:
                 self.waiting += 1
             running.wait()  # another thread makes the same model: take its result
             with self._lock:
@@ -225,7 +270,8 @@ class AutoSession:
 
         with self._lock:  # room for a model the size of the largest seen, before it loads
             expected = max((m.size for m in self._models.values()), default=0)
-            self._make_room(expected, name)
+        self._make_room(expected, name)
+        rng = capture_rng()
         start = time.perf_counter()
         obj = make()
         from torch import nn
@@ -235,31 +281,45 @@ class AutoSession:
                 f"{name}: the factory returned a {type(obj).__name__}, not a module: not staged"
             )
             return obj
+        registry = HookRegistry.of(obj)
+        if registry is not None and AUTO in registry:
+            return obj  # a model auto made already (the factory keeps a cache of its own)
         with self._lock:
+            unique = _unique(name, self._models)
             model = _Model(
-                _unique(name, self._models),
+                unique,
                 make,
-                weakref.ref(obj),
+                weakref.ref(obj, self._on_drop(unique)),
                 _bytes(obj),
+                rng,
                 last_use=self._tick(),
             )
-            model.device = next((t.device for t in _tensors(obj)), None)
+            model.device = next((t.device for _, t in _named_tensors(obj)), None)
+            model.seen, model.samples = _seen(obj), _samples(obj)
+            hook = _Hook(self, model)
+            inner = []
+            for sub in (obj, *obj.children()):
+                theirs = HookRegistry.of(sub)
+                if sub is not obj and theirs is not None and AUTO in theirs:
+                    inner.append(theirs.get(AUTO).model.name)  # type: ignore[union-attr]
+                    continue
+                HookRegistry.attach(sub).add(AUTO, hook)
             self._models[model.name] = model
             if key is not None:
                 self._shared[key] = model
             self._emit(
                 Event(LOAD, model=model.name, bytes=model.size, seconds=time.perf_counter() - start)
             )
-            hook = _Hook(self, model)
-            for sub in (obj, *obj.children()):
-                HookRegistry.attach(sub).add(AUTO, hook)
-            self._undo.append(patch(obj, CONVERT_METHOD, _recording(model)))
-            self._fit(model)  # the others it does not leave room for go now
+            if inner:
+                self._pin(model, "contains the staged model " + ", ".join(inner))
+        self._make_room(model.size, model.name, keep=model)  # the others it leaves no room for
         return obj
 
     # -- uses, loads and releases ----------------------------------------------------------
     def used(self, model: _Model) -> None:
-        with self._uses:
+        with self._lock:
+            if self._closed:
+                return
             model.last_use = self._tick()
             if self._stage != model.name:
                 self._stage = model.name
@@ -268,97 +328,178 @@ class AutoSession:
 
     def pin(self, model: _Model, why: str) -> None:
         """Keep ``model`` loaded from now on, and say why once."""
-        with self._uses:
-            if not model.pinned:
-                model.pinned = True
-                self._note(f"{model.name}: {why}: kept loaded, not staged")
+        with self._lock:
+            self._pin(model, why)
 
     def load(self, model: _Model) -> bool:
         """Reload a released model in place (its hook's ``revive``); True once it is back."""
-        with self._lock:
-            module = model.module()
-            if module is None:
-                return False
-            if model.loaded and not is_released(module):
-                return True
-            self._fit(model)
-            start = time.perf_counter()
-            with preserved_rng():
-                fresh = model.make()
-                for fn in model.conversions:  # as the script converted it since
-                    getattr(fresh, CONVERT_METHOD)(fn)
-            _adopt(module, fresh)
-            del fresh
-            model.loaded, model.loads = True, model.loads + 1
-            self._emit(
-                Event(
-                    RELOAD, model=model.name, bytes=model.size, seconds=time.perf_counter() - start
-                )
-            )
-            return True
-
-    def _fit(self, incoming: _Model) -> None:
-        """Release models until ``incoming`` fits the budget beside the rest."""
-        self._make_room(incoming.size, incoming.name, keep=incoming)
-
-    def _make_room(self, size: int, name: str, keep: _Model | None = None) -> None:
-        """Release idle models until ``size`` more bytes fit the budget."""
-        from ..units import format_size
-
+        me = threading.get_ident()
         while True:
-            others = [self._models[n] for n in self.resident() if self._models[n] is not keep]
-            if sum(m.size for m in others) + size <= self.budget:
-                return
-            idle = [m for m in others if not m.pinned and not _busy(m)]
-            if not idle:
-                what = f"beside {len(others)} models in calls" if others else "alone"
-                self._note(
-                    f"{name}: {format_size(size)} {what} is over the budget of "
-                    f"{format_size(self.budget)}; loaded anyway"
-                )
-                return
-            self._release(self._victim(idle, name))
-
-    def _victim(self, idle: Sequence[_Model], incoming: str) -> _Model:
-        plan = self.record.plan
-        if plan is not None and incoming in plan and all(m.name in plan for m in idle):
-            return max(idle, key=lambda m: (plan.next_use(m.name, incoming), -m.last_use))
-        return min(idle, key=lambda m: m.last_use)  # first pass: least recently used
-
-    def _release(self, model: _Model) -> None:
-        module = model.module()
-        model.loaded = False
-        if module is None:
-            return
-        start = time.perf_counter()
-        release(module, name=model.name)  # the hook's released() marks its tensors empty
-        self._emit(
-            Event(
-                RELEASE,
-                model=model.name,
-                bytes=model.size,
-                seconds=time.perf_counter() - start,
-                reason=REASON_AUTO,
-            )
-        )
-
-    def close(self) -> None:
-        """Take auto's hooks off every model still alive; released ones stay released."""
-        with self._lock:
-            for undo in reversed(self._undo):
-                undo()
-            self._undo.clear()
-            for model in self._models.values():
+            with self._lock:
                 module = model.module()
                 if module is None:
+                    return False
+                if model.state == LOADED:
+                    return True
+                if model.state in (LOADING, RELEASING):
+                    if model.owner == me:  # used inside its own load or release
+                        return False
+                    self._lock.wait()
                     continue
-                for sub in (module, *module.children()):
-                    HookRegistry.remove(sub, AUTO)
+                victim = None if self._closed else self._victim(model.size, model.name, model)
+                if victim is None:
+                    model.state, model.owner = LOADING, me
+                    break
+                victim.state, victim.owner = RELEASING, me
+            self._release(victim)
+        ok = False
+        start = time.perf_counter()
+        try:
+            with preserved_rng():
+                restore_rng(model.rng)  # the draws of the first load: the same random parts
+                fresh = model.make()
+            _convert(fresh, model.layout)
+            _adopt(module, fresh, model.layout)
+            del fresh
+            ok = True
+        finally:
+            with self._lock:
+                model.state, model.owner = (LOADED if ok else RELEASED), None
+                if ok:
+                    model.loads += 1
+                    self._emit(
+                        Event(
+                            RELOAD,
+                            model=model.name,
+                            bytes=model.size,
+                            seconds=time.perf_counter() - start,
+                        )
+                    )
+                    if _same(_samples(module), _converted(model.samples, module)) is not None:
+                        self._pin(model, "its factory gave other weights at reload")
+                    model.seen, model.samples = _seen(module), _samples(module)
+                    if self._closed:
+                        _unhook(module)
+                self._lock.notify_all()
+        return True
+
+    def _make_room(self, size: int, name: str, keep: _Model | None = None) -> None:
+        """Release idle models, one at a time, until ``size`` more bytes fit the budget."""
+        me = threading.get_ident()
+        while True:
+            with self._lock:
+                victim = self._victim(size, name, keep)
+                if victim is None:
+                    return
+                victim.state, victim.owner = RELEASING, me
+            self._release(victim)
+
+    def _victim(self, size: int, name: str, keep: _Model | None) -> _Model | None:
+        """Under the lock: the model to release so that ``size`` more bytes fit, or None
+        when they fit (or nothing can go: said once)."""
+        from ..units import format_size
+
+        self._prune()
+        others = [
+            m
+            for m in self._models.values()
+            if m is not keep and m.state in (LOADED, LOADING) and m.module() is not None
+        ]
+        if sum(m.size for m in others) + size <= self.budget:
+            return None
+        for m in self._order([m for m in others if m.state == LOADED and not m.pinned]):
+            if _busy(m):
+                continue
+            changed = _changed(m)
+            if changed is not None:
+                self._pin(m, f"changed by the script since its load ({changed})")
+                continue
+            return m
+        if keep is not None:  # said once per model; the room made before a factory says nothing
+            n = len(others)
+            what = f"beside {n} model{'s' * (n != 1)} in use" if others else "alone"
+            self._say(
+                keep,
+                "over",
+                f"{name}: {format_size(size)} {what} is over the budget of "
+                f"{format_size(self.budget)}; loaded anyway",
+            )
+        return None
+
+    def _order(self, idle: Sequence[_Model]) -> list[_Model]:
+        """Who goes first: furthest next use in the recorded cycle once there is one (and
+        it lists them all), else least recently used."""
+        plan, stage = self.record.plan, self.record.stage
+        if plan is not None and stage is not None and all(plan.listed(m.name) for m in idle):
+            return sorted(idle, key=lambda m: (-plan.next_use(m.name, stage), m.last_use))
+        return sorted(idle, key=lambda m: m.last_use)
+
+    def _release(self, model: _Model) -> None:
+        """Release ``model``, marked ``releasing`` by this thread, without the lock: the
+        release waits for calls in flight (there should be none: it was idle)."""
+        done = False
+        start = time.perf_counter()
+        try:
+            module = model.module()
+            if module is not None:
+                layout = _layout(module)
+                size = _bytes(module)
+                release(module, name=model.name)  # the hook's released() marks its tensors
+                model.layout, model.size = layout, size
+                model.device = next(iter(layout.values()), (None, model.device))[1]
+            done = True
+        finally:
+            with self._lock:
+                model.state, model.owner = (RELEASED if done else LOADED), None
+                if done:
+                    self._emit(
+                        Event(
+                            RELEASE,
+                            model=model.name,
+                            bytes=model.size,
+                            seconds=time.perf_counter() - start,
+                            reason=REASON_AUTO,
+                        )
+                    )
+                self._lock.notify_all()
+
+    def close(self) -> None:
+        """The block ended: take auto's hooks off every loaded model; a released one keeps
+        its hook and reloads at its next use (then loses it), with no budget."""
+        with self._lock:
+            self._closed = True
+            for model in self._models.values():
+                module = model.module()
+                if module is not None and model.state == LOADED:
+                    _unhook(module)
 
     # -- helpers -------------------------------------------------------------------------
+    def _on_drop(self, name: str) -> Callable[[Any], None]:
+        def dropped(_: Any) -> None:
+            self._dead.append(name)  # any thread, inside a collection: no lock here
+
+        return dropped
+
+    def _prune(self) -> None:
+        while self._dead:
+            model = self._models.pop(self._dead.pop(), None)
+            if model is not None:
+                for key in [k for k, m in self._shared.items() if m is model]:
+                    del self._shared[key]
+
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+    def _pin(self, model: _Model, why: str) -> None:
+        if not model.pinned:
+            model.pinned = True
+            self._say(model, "pinned", f"{model.name}: {why}: kept loaded, not staged")
+
+    def _say(self, model: _Model, kind: str, text: str) -> None:
+        if kind not in model.said:
+            model.said.add(kind)
+            self._note(text)
 
     def _note(self, text: str) -> None:
         self.notes.append(text)
@@ -367,25 +508,6 @@ class AutoSession:
     def _emit(self, event: Event) -> None:
         if self._sink is not None:
             self._sink.emit(event)
-
-
-def _recording(model: _Model) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A patch of a model's ``_apply`` that records each conversion once it is done (on a
-    released model the conversion's first tensor loads it, then it converts)."""
-
-    def wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(inner)
-        def _apply(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            out = inner(fn, *args, **kwargs)
-            model.conversions.append(fn)
-            module = model.module()
-            if module is not None:  # a dtype change changes its size
-                model.size = _bytes(module)
-            return out
-
-        return _apply
-
-    return wrap
 
 
 def _busy(model: _Model) -> bool:
@@ -406,9 +528,113 @@ def _busy(model: _Model) -> bool:
     return False
 
 
-def _tensors(module: nn.Module) -> Iterator[Any]:
-    yield from module.parameters()
-    yield from module.buffers()
+def _named_tensors(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    """Every parameter and buffer by name, tied ones under each name."""
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
+
+
+def _seen(module: nn.Module) -> Seen:
+    """Each tensor's id and version counter (-1 for a tensor made in ``inference_mode``,
+    which has none: a change there shows only in its values, :func:`_samples`)."""
+    with torch_function_off():
+        return {
+            name: (id(t), -1 if t.is_inference() else tensor_version(t))
+            for name, t in _named_tensors(module)
+        }
+
+
+def _samples(module: nn.Module) -> dict[str, Any]:
+    """Three values of each tensor (first, middle, last), on the CPU: they tell a change
+    made through ``.data``, which no version counter sees, or a reload that made other
+    weights. Three reads a tensor: a change elsewhere in a tensor goes unseen."""
+    import torch
+
+    out: dict[str, Any] = {}
+    with torch_function_off(), torch.no_grad():
+        for name, t in _named_tensors(module):
+            if t.is_meta or t.numel() == 0:
+                continue
+            at = [tuple(0 for _ in t.shape), tuple(s // 2 for s in t.shape)]
+            at.append(tuple(s - 1 for s in t.shape))
+            out[name] = torch.stack([t[i] for i in at]).cpu()
+    return out
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    """The first name whose samples differ (a NaN equal to a NaN), or None."""
+    import torch
+
+    for name in sorted(a.keys() | b.keys()):
+        x, y = a.get(name), b.get(name)
+        if x is None or y is None:
+            return name
+        if not torch.equal(x, y):
+            both_nan = x.isnan() & y.isnan() if x.is_floating_point() else x != x
+            if not bool(((x == y) | both_nan).all()):
+                return name
+    return None
+
+
+def _changed(model: _Model) -> str | None:
+    """What the script changed in ``model`` since auto loaded it, or None: parts added or
+    removed, a tensor changed in place (its version counter), or values that differ from
+    the loaded ones (changed through ``.data``, or a tensor replaced by other values). A
+    tensor replaced by its own values converted (``.to``, ``.half``: buffers get new
+    objects) is no change: a reload converts the same way. None also records the tensors
+    as they are now, for the next check."""
+    module = model.module()
+    if module is None:
+        return None
+    now = _seen(module)
+    if now.keys() != model.seen.keys():
+        extra = sorted(now.keys() ^ model.seen.keys())
+        return f"parts added or removed: {extra[0]}"
+    for name, (ident, version) in now.items():
+        if model.seen[name] != (ident, version) and model.seen[name][0] == ident:
+            return f"{name} changed in place"
+    differs = _same(_samples(module), _converted(model.samples, module))
+    if differs is not None:
+        return f"{differs} changed"
+    model.seen = now
+    return None
+
+
+def _converted(samples: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+    """``samples`` in the dtypes the module's tensors have now (a conversion is no change)."""
+    with torch_function_off():
+        dtypes = {name: t.dtype for name, t in _named_tensors(module)}
+    return {n: v.to(dtypes[n]) if n in dtypes else v for n, v in samples.items()}
+
+
+def _layout(module: nn.Module) -> Layout:
+    with torch_function_off():
+        return {n: (t.dtype, t.device, t.requires_grad) for n, t in _named_tensors(module)}
+
+
+def _convert(fresh: nn.Module, layout: Layout) -> None:
+    """Give ``fresh`` (a reload) the dtypes and devices the script left: each tensor
+    converted once (tied ones stay tied: ``.data`` keeps the object)."""
+    import torch
+
+    done: set[int] = set()
+    with torch.no_grad():
+        for name, t in _named_tensors(fresh):
+            want = layout.get(name)
+            if want is None or id(t) in done:
+                continue
+            done.add(id(t))
+            dtype, device, _ = want
+            if t.dtype != dtype or t.device != device:
+                t.data = t.data.to(device=device, dtype=dtype)
+
+
+def _unhook(module: nn.Module) -> None:
+    for sub in (module, *module.children()):
+        registry = HookRegistry.of(sub)
+        hook = registry.get(AUTO) if registry is not None else None
+        if isinstance(hook, _Hook) and hook.model.module() is module:
+            HookRegistry.remove(sub, AUTO)
 
 
 def released_device(module: Any, found: Any) -> Any:
@@ -483,13 +709,22 @@ def _bytes(module: nn.Module) -> int:
     return sum(storage_sizes(module).values())
 
 
-def _adopt(module: nn.Module, fresh: nn.Module) -> None:
+def _adopt(module: nn.Module, fresh: nn.Module, layout: Layout) -> None:
     """Move ``fresh``'s tensors into ``module`` (same class, same structure), in place: each
     of ``module``'s tensor objects takes the fresh one's data (``swap_tensors``), so what
-    the script holds (a buffer read before, tied weights) is live again; then take
-    release's hooks off."""
+    the script holds (a buffer read before, tied weights) is live again, with the
+    ``requires_grad`` the script gave it; then take release's hooks off."""
     with torch_function_off():  # reading an empty tensor (.is_meta) would load it again
         _swap_in(module, fresh)
+        for name, t in _named_tensors(module):
+            if t.is_meta:
+                raise StageloadError(
+                    f"the reload of {type(module).__name__} left {name!r} empty: its "
+                    f"factory made a model without that tensor"
+                )
+            want = layout.get(name)
+            if want is not None and t.requires_grad != want[2] and t.is_leaf:
+                t.requires_grad_(want[2])
     for part in module.modules():
         unmark_released(part)
 
@@ -499,6 +734,7 @@ def _swap_in(module: nn.Module, fresh: nn.Module) -> None:
 
     mine = dict(module.named_modules(remove_duplicate=False))
     done: set[int] = set()
+    moved: dict[int, Any] = {}  # an old tensor that could not be swapped -> its successor
     for path, part in fresh.named_modules(remove_duplicate=False):
         target = mine.get(path)
         if target is None:
@@ -515,20 +751,51 @@ def _swap_in(module: nn.Module, fresh: nn.Module) -> None:
                     continue
                 done.add(id(tensor))
                 old = table.get(key)
-                if old is None or not old.is_meta:
-                    table[key] = tensor
-                    continue
+                if old is None:
+                    raise StageloadError(
+                        f"the reload of {type(module).__name__} has a tensor "
+                        f"{path + '.' if path else ''}{key} the first load had not"
+                    )
+                if not old.is_meta:
+                    continue  # never released (kept by a hook): the script's stays
                 try:
                     torch.utils.swap_tensors(old, tensor)
                 except RuntimeError:  # held elsewhere: the new object takes its place
-                    table[key] = tensor
+                    moved[id(old)] = tensor
+    if moved:  # under every name that held the old object (tied weights)
+        for sub in module.modules():
+            for table in (sub._parameters, sub._buffers):
+                for key, value in table.items():
+                    if value is not None and id(value) in moved:
+                        table[key] = moved[id(value)]
+
+
+#: Argument types whose equal values make equal factory calls (a path, a dtype, a flag).
+_PLAIN = (str, bytes, int, float, bool, type(None), PurePath)
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` as a hashable key, each part tagged with its type (1 != True here), or
+    raise TypeError for anything but plain values: a tensor, a module, a state dict or an
+    object compares by identity or not at all, and is never shared."""
+    if isinstance(value, _PLAIN):
+        return (type(value), value)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_frozen(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple(sorted((str(k), _frozen(v)) for k, v in value.items())))
+    kind = type(value)
+    if kind.__module__ == "torch" and kind.__name__ in ("dtype", "device"):
+        return (kind, str(value))
+    raise TypeError(kind.__name__)
 
 
 def _key(factory: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """What makes two factory calls identical, or None when the arguments cannot say."""
+    """What makes two factory calls identical, or None when an argument is not a plain
+    value (then the call is never shared)."""
     try:
-        return (factory, repr(args), repr(sorted(kwargs.items())))
-    except Exception:  # noqa: BLE001  an argument whose repr fails: never shared
+        return (factory, _frozen(args), _frozen(kwargs))
+    except TypeError:
         return None
 
 
@@ -547,8 +814,8 @@ def _model_name(owner: Any, args: tuple, kwargs: dict) -> str:
     sub = kwargs.get("subfolder")
     if sub:
         return str(sub)
-    if args and isinstance(args[0], (str, Path)):
-        return Path(str(args[0])).name or str(args[0])
+    if args and isinstance(args[0], (str, PurePath)):
+        return PurePath(str(args[0])).name or str(args[0])
     return getattr(owner, "__name__", "model")
 
 
@@ -622,19 +889,30 @@ def auto(
 ) -> Iterator[AutoSession]:
     """Stage the models the block makes through its factories (see the module docstring).
 
-    ``budget``: bytes, ``"12G"``, ``"80%"`` or ``"auto"``; default, the memory available
-    now. ``factories``: more factories, ``"module:Class.method"``; ``defaults=False`` wraps
-    only those. Models made in the block stay staged only while it runs.
+    ``budget``: bytes, ``"12G"``, ``"80%"`` or ``"auto"`` (the default: the memory
+    available now, less a reserve for working memory). ``factories``: more factories,
+    ``"module:Class.method"``; ``defaults=False`` wraps only those. After the block, a model
+    it released loads again at its next use and stays.
     """
-    session = AutoSession(budget, events)
+    with _ACTIVE_LOCK:
+        if _ACTIVE:
+            raise AutoError(
+                "stageload.auto() is already on: the factories are wrapped for the whole "
+                "process, so one block at a time; leave the outer one on"
+            )
+        session = AutoSession(budget, events)
+        _ACTIVE.append(session)
     undo: list[Callable[[], None]] = []
     waiting: dict[str, Callable[[Any], None]] = {}
     finder = _AfterImport(waiting)
+    # The finder goes in first: a user's factory module that imports transformers or
+    # diffusers as it is resolved below gets the defaults wrapped too.
+    sys.meta_path.insert(0, finder)
     try:
-        for spec in [*(DEFAULT_FACTORIES if defaults else ()), *factories]:
+        for spec in DEFAULT_FACTORIES if defaults else ():
             module_name = spec.partition(":")[0]
-            if spec in DEFAULT_FACTORIES and module_name not in sys.modules:
-                # Not imported yet: wrap it when the script imports it.
+            if module_name not in sys.modules:  # wrap it when the script imports it
+
                 def later(module: Any, spec: str = spec) -> None:
                     owner, attr = _resolve(spec)
                     undo.append(_wrap(session, owner, attr))
@@ -644,10 +922,10 @@ def auto(
                 continue
             owner, attr = _resolve(spec)
             undo.append(_wrap(session, owner, attr))
-            if spec in DEFAULT_FACTORIES:
-                undo.append(_DEVICE_ANSWERS[module_name](sys.modules[module_name]))
-        if waiting:
-            sys.meta_path.insert(0, finder)
+            undo.append(_DEVICE_ANSWERS[module_name](sys.modules[module_name]))
+        for spec in factories:
+            owner, attr = _resolve(spec)
+            undo.append(_wrap(session, owner, attr))
         yield session
     finally:
         if finder in sys.meta_path:
@@ -655,3 +933,10 @@ def auto(
         for step in reversed(undo):
             step()
         session.close()
+        with _ACTIVE_LOCK:
+            _ACTIVE.remove(session)
+
+
+#: The session on now (one at a time), and its lock.
+_ACTIVE: list[AutoSession] = []
+_ACTIVE_LOCK = threading.Lock()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -29,7 +31,10 @@ Examples:
   stageload auto --budget 12G --factory mypkg.models:load_model -- python run.py
   stageload meter -o run.jsonl -- stageload auto -- python generate.py
 
-Exit codes: the script's own (SystemExit), 1 if it raised, 2 for bad usage.
+A --factory must be importable without running the script: a function defined in the
+script itself is refused (move it to a module the script imports).
+
+Exit codes: the script's own (SystemExit), 1 if it raised, 130 on Ctrl-C, 2 for bad usage.
 """
 
 
@@ -93,11 +98,14 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     kind, what, argv = target
     saved_argv, saved_path = sys.argv, list(sys.path)
-    # As python sets them for the script, before the factories are looked up: a factory
-    # in the script's own folder (its package) imports from there.
+    # As python sets them for the script, before the factories are looked up: sys.path[0]
+    # is the script's folder (or the working directory for -m), in place of this
+    # command's own, so a factory in the script's package imports from there.
     sys.argv = argv
-    sys.path.insert(0, os.path.dirname(os.path.abspath(what)) if kind == "path" else os.getcwd())
+    sys.path[0] = os.path.dirname(os.path.abspath(what)) if kind == "path" else os.getcwd()
     try:
+        for spec in args.factory:
+            _not_the_script(spec, kind, what)
         session = auto(budget=args.budget, factories=args.factory, defaults=not args.no_defaults)
         session.__enter__()
     except (AutoError, ValueError, TypeError) as exc:
@@ -110,10 +118,14 @@ def run(args: argparse.Namespace) -> int:
             runpy.run_path(what, run_name="__main__")
         else:
             runpy.run_module(what, run_name="__main__", alter_sys=True)
+        _join_threads()  # as python does before it exits: the script's models stay staged
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 130
     except BaseException:  # noqa: BLE001  the script's error, printed as python would
         traceback.print_exc()
         code = 1
@@ -121,3 +133,34 @@ def run(args: argparse.Namespace) -> int:
         sys.argv, sys.path[:] = saved_argv, saved_path
         session.__exit__(None, None, None)
     return code
+
+
+def _not_the_script(spec: str, kind: str, what: str) -> None:
+    """Raise AutoError when ``--factory`` names the script itself: importing it would run
+    the whole script once, unstaged, before the real run (whose functions, in __main__,
+    are not the ones wrapped)."""
+    from ..autostage import AutoError
+
+    module = spec.partition(":")[0]
+    if kind == "module" and module == what:
+        same = True
+    else:
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            return  # auto() says it cannot import it
+        origin = getattr(found, "origin", None)
+        same = kind == "path" and origin is not None and os.path.samefile(origin, what)
+    if same:
+        raise AutoError(
+            f"factory {spec!r} is in the script itself, which would run once unstaged to "
+            f"find it; move the function to a module the script imports, and name that"
+        )
+
+
+def _join_threads() -> None:
+    """Wait for the script's non-daemon threads, as the interpreter does at exit."""
+    main = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main and thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
