@@ -118,3 +118,13 @@ def module_call_code() -> Any:
     from torch import nn
 
     return nn.Module._call_impl.__code__
+
+
+def storage_use_count(storage: Any) -> int:
+    """How many references hold ``storage`` (an ``UntypedStorage``) in torch's C++ core:
+    one per tensor on it (views included) and one per Python storage object. torch's
+    private ``_storage_Use_Count``; ``stageload.auto`` reads it to tell weights that code
+    outside the model still holds (a view) before it frees them."""
+    import torch
+
+    return int(torch._C._storage_Use_Count(storage._cdata))

@@ -34,6 +34,7 @@ import contextlib
 import functools
 import importlib
 import importlib.abc
+import inspect
 import sys
 import threading
 import time
@@ -48,9 +49,9 @@ from ..core.outer import outer_trace
 from ..core.plan import Plan
 from ..core.rng import RngState, capture_rng, preserved_rng, restore_rng
 from ..errors import StageloadError
-from ..external import module_call_code, tensor_version, torch_function_off
-from ..hooks.empty import mark_empty
-from ..hooks.registry import HookRegistry, ModuleHook, patch
+from ..external import storage_use_count, tensor_version, torch_function_off
+from ..hooks.empty import mark_empty, own_attributes
+from ..hooks.registry import HookRegistry, ModuleHook, patch, try_hold
 from ..hooks.release import release, storage_sizes, unmark_released
 from ..memory.budget import parse_budget
 
@@ -79,10 +80,12 @@ class AutoError(StageloadError, ValueError):
     second block while one is on."""
 
 
-#: Each tensor of a model by name: (the tensor object's id, its version counter).
-Seen = dict[str, tuple[int, int]]
-#: Each tensor of a model by name: (dtype, device, requires_grad) as the script left it.
-Layout = dict[str, tuple[Any, Any, bool]]
+#: Each tensor of a model by name: (the tensor object's id, its version counter, the
+#: address of its data).
+Seen = dict[str, tuple[int, int, int]]
+#: Each tensor of a model by name: (dtype, device, requires_grad, channels_last, its own
+#: attributes) as the script left it.
+Layout = dict[str, tuple[Any, Any, bool, bool, dict[str, Any]]]
 
 
 @dataclass(eq=False)
@@ -158,6 +161,14 @@ class _Record:
             return
 
 
+@dataclass
+class _Victim:
+    """A model chosen for release, and what ends the hold on its calls."""
+
+    model: _Model
+    end_hold: Callable[[], None]
+
+
 class _Hook(ModuleHook):
     """On each model and its direct children: a call marks the model used (and reloads it
     when it is released: ``revive``). Holds its session: a model released when the block
@@ -212,6 +223,7 @@ class AutoSession:
         self._stage: str | None = None
         self._making = threading.local()
         self._closed = False
+        self._last: list[Callable[[], None]] = []
         self.record = _Record()
         self.notes: list[str] = []
 
@@ -219,14 +231,19 @@ class AutoSession:
     @property
     def models(self) -> dict[str, nn.Module | None]:
         """Each model's name and object (None once the script dropped it)."""
-        return {name: m.module() for name, m in self._models.items()}
+        with self._lock:
+            return {name: m.module() for name, m in self._models.items()}
 
     def resident(self) -> list[str]:
         """The models loaded now."""
-        return [n for n, m in self._models.items() if m.state == LOADED and m.module() is not None]
+        with self._lock:
+            return [
+                n for n, m in self._models.items() if m.state == LOADED and m.module() is not None
+            ]
 
     def resident_bytes(self) -> int:
-        return sum(self._models[n].size for n in self.resident())
+        with self._lock:
+            return sum(self._models[n].size for n in self.resident())
 
     # -- the factories -------------------------------------------------------------------
     def call(self, factory: Callable[..., Any], name: str, args: tuple, kwargs: dict) -> Any:
@@ -240,7 +257,11 @@ class AutoSession:
                 known = self._shared.get(key) if key is not None else None
                 module = known.module() if known is not None else None
                 if module is not None and known is not None and not known.pinned:
-                    return module
+                    changed = _changed(known)
+                    if changed is None:
+                        return module
+                    # The script changed the first (an EMA copy, a student): a new one.
+                    self._pin(known, f"changed by the script since its load ({changed})")
                 running = self._in_making.get(key) if key is not None else None
                 if running is None:
                     if key is not None:  # this thread makes it; the same call elsewhere waits
@@ -297,13 +318,18 @@ class AutoSession:
             model.device = next((t.device for _, t in _named_tensors(obj)), None)
             model.seen, model.samples = _seen(obj), _samples(obj)
             hook = _Hook(self, model)
-            inner = []
+            inner = sorted(
+                {
+                    hooked.model.name
+                    for sub in obj.modules()
+                    if sub is not obj
+                    and isinstance(hooked := _auto_hook(sub), _Hook)
+                    and hooked.model.module() is sub
+                }
+            )
             for sub in (obj, *obj.children()):
-                theirs = HookRegistry.of(sub)
-                if sub is not obj and theirs is not None and AUTO in theirs:
-                    inner.append(theirs.get(AUTO).model.name)  # type: ignore[union-attr]
-                    continue
-                HookRegistry.attach(sub).add(AUTO, hook)
+                if _auto_hook(sub) is None:
+                    HookRegistry.attach(sub).add(AUTO, hook)
             self._models[model.name] = model
             if key is not None:
                 self._shared[key] = model
@@ -350,7 +376,7 @@ class AutoSession:
                 if victim is None:
                     model.state, model.owner = LOADING, me
                     break
-                victim.state, victim.owner = RELEASING, me
+                victim.model.state, victim.model.owner = RELEASING, me
             self._release(victim)
         ok = False
         start = time.perf_counter()
@@ -380,6 +406,7 @@ class AutoSession:
                     model.seen, model.samples = _seen(module), _samples(module)
                     if self._closed:
                         _unhook(module)
+                        self._finish()
                 self._lock.notify_all()
         return True
 
@@ -391,30 +418,48 @@ class AutoSession:
                 victim = self._victim(size, name, keep)
                 if victim is None:
                     return
-                victim.state, victim.owner = RELEASING, me
+                victim.model.state, victim.model.owner = RELEASING, me
             self._release(victim)
 
-    def _victim(self, size: int, name: str, keep: _Model | None) -> _Model | None:
+    def _victim(self, size: int, name: str, keep: _Model | None) -> _Victim | None:
         """Under the lock: the model to release so that ``size`` more bytes fit, or None
         when they fit (or nothing can go: said once)."""
         from ..units import format_size
 
         self._prune()
-        others = [
+        if self._closed:
+            return None
+        others = [  # a model being released still holds its memory
             m
             for m in self._models.values()
-            if m is not keep and m.state in (LOADED, LOADING) and m.module() is not None
+            if m is not keep and m.state != RELEASED and m.module() is not None
         ]
         if sum(m.size for m in others) + size <= self.budget:
             return None
         for m in self._order([m for m in others if m.state == LOADED and not m.pinned]):
-            if _busy(m):
+            module = m.module()
+            if module is None or _busy(m):
                 continue
             changed = _changed(m)
             if changed is not None:
                 self._pin(m, f"changed by the script since its load ({changed})")
                 continue
-            return m
+            held = _held_elsewhere(module)
+            if held is not None:  # freeing it would free memory under the holder
+                self._say(
+                    m,
+                    "held",
+                    f"{m.name}: {held} is held outside the model (a view the script keeps, "
+                    f"or an output's autograd graph: run under torch.no_grad()): kept "
+                    f"loaded while it is",
+                )
+                continue
+            # Chosen and held in one step: a call that starts now waits for the release
+            # (then reloads), instead of being waited for by it.
+            end = try_hold(module.modules())
+            if end is None:
+                continue
+            return _Victim(m, end)
         if keep is not None:  # said once per model; the room made before a factory says nothing
             n = len(others)
             what = f"beside {n} model{'s' * (n != 1)} in use" if others else "alone"
@@ -434,9 +479,10 @@ class AutoSession:
             return sorted(idle, key=lambda m: (-plan.next_use(m.name, stage), m.last_use))
         return sorted(idle, key=lambda m: m.last_use)
 
-    def _release(self, model: _Model) -> None:
-        """Release ``model``, marked ``releasing`` by this thread, without the lock: the
-        release waits for calls in flight (there should be none: it was idle)."""
+    def _release(self, victim: _Victim) -> None:
+        """Release the victim's model, marked ``releasing`` and held by this thread, without
+        the lock."""
+        model = victim.model
         done = False
         start = time.perf_counter()
         try:
@@ -449,6 +495,7 @@ class AutoSession:
                 model.device = next(iter(layout.values()), (None, model.device))[1]
             done = True
         finally:
+            victim.end_hold()
             with self._lock:
                 model.state, model.owner = (RELEASED if done else LOADED), None
                 if done:
@@ -463,15 +510,28 @@ class AutoSession:
                     )
                 self._lock.notify_all()
 
-    def close(self) -> None:
+    def close(self, last: Iterable[Callable[[], None]] = ()) -> None:
         """The block ended: take auto's hooks off every loaded model; a released one keeps
-        its hook and reloads at its next use (then loses it), with no budget."""
+        its hook and reloads at its next use (then loses it), with no budget. ``last``
+        runs once no released model is left (the ``.device`` answers a released model
+        needs until then)."""
         with self._lock:
             self._closed = True
+            self._last = list(last)
             for model in self._models.values():
                 module = model.module()
                 if module is not None and model.state == LOADED:
                     _unhook(module)
+            self._finish()
+
+    def _finish(self) -> None:
+        """Under the lock, once closed: run ``last`` when no released model is alive."""
+        self._prune()
+        if any(m.state != LOADED and m.module() is not None for m in self._models.values()):
+            return
+        last, self._last = self._last, []
+        for step in reversed(last):
+            step()
 
     # -- helpers -------------------------------------------------------------------------
     def _on_drop(self, name: str) -> Callable[[Any], None]:
@@ -511,18 +571,18 @@ class AutoSession:
 
 
 def _busy(model: _Model) -> bool:
-    """Whether any thread, this one included, is inside a call of the model or of one of
-    its parts (``vae.decode()`` runs in ``vae.decoder``, which no hook on the model sees):
-    an ``nn.Module._call_impl`` frame of one of its modules is on a stack. Read when a
+    """Whether any thread, this one included, is inside a method of the model or of one of
+    its parts: a call (``vae.decoder`` inside ``vae.decode()``, which no hook on the model
+    sees) or any other method (``vae.decode`` itself, ``generate``), which may hold a view
+    of a weight: a frame whose ``self`` is one of its modules is on a stack. Read when a
     victim is chosen, which is rare; a stack walk costs microseconds per frame."""
     module = model.module()
     if module is None:
         return False
     ids = {id(m) for m in module.modules()}
-    code = module_call_code()
     for frame in sys._current_frames().values():
         while frame is not None:
-            if frame.f_code is code and id(frame.f_locals.get("self")) in ids:
+            if "self" in frame.f_code.co_varnames and id(frame.f_locals.get("self")) in ids:
                 return True
             frame = frame.f_back
     return False
@@ -539,7 +599,7 @@ def _seen(module: nn.Module) -> Seen:
     which has none: a change there shows only in its values, :func:`_samples`)."""
     with torch_function_off():
         return {
-            name: (id(t), -1 if t.is_inference() else tensor_version(t))
+            name: (id(t), -1 if t.is_inference() else tensor_version(t), t.data_ptr())
             for name, t in _named_tensors(module)
         }
 
@@ -590,13 +650,40 @@ def _changed(model: _Model) -> str | None:
     if now.keys() != model.seen.keys():
         extra = sorted(now.keys() ^ model.seen.keys())
         return f"parts added or removed: {extra[0]}"
-    for name, (ident, version) in now.items():
-        if model.seen[name] != (ident, version) and model.seen[name][0] == ident:
+    for name, (ident, version, address) in now.items():
+        then = model.seen[name]
+        # The same object and data, another version: changed in place. New data under the
+        # same object is a conversion that swapped it in (torch's
+        # swap_module_params_on_conversion) or a new ``.data``: the values decide below.
+        if then[0] == ident and then[1] != version and then[2] == address:
             return f"{name} changed in place"
     differs = _same(_samples(module), _converted(model.samples, module))
     if differs is not None:
         return f"{differs} changed"
     model.seen = now
+    return None
+
+
+def _held_elsewhere(module: nn.Module) -> str | None:
+    """The first tensor of ``module`` whose memory something outside the model still
+    holds (a view the script took, ``w = model.weight[0:4]``, or a tensor shared with
+    another model), or None. A release frees that memory; the holder would read freed
+    memory. Counted per storage: the model's own tensors on it, plus the one storage
+    object held here."""
+    counts: dict[tuple[Any, int], list[Any]] = {}  # storage -> [first name, tensors, storage]
+    seen: set[int] = set()
+    with torch_function_off():
+        for name, t in _named_tensors(module):
+            if id(t) in seen or t.is_meta:
+                continue
+            seen.add(id(t))
+            storage = t.untyped_storage()
+            entry = counts.setdefault((t.device, storage.data_ptr()), [name, 0, storage])
+            entry[1] += 1
+            del storage
+        for name, tensors, storage in counts.values():
+            if storage.nbytes() and storage_use_count(storage) > tensors + 1:
+                return name
     return None
 
 
@@ -608,8 +695,21 @@ def _converted(samples: dict[str, Any], module: nn.Module) -> dict[str, Any]:
 
 
 def _layout(module: nn.Module) -> Layout:
+    import torch
+
     with torch_function_off():
-        return {n: (t.dtype, t.device, t.requires_grad) for n, t in _named_tensors(module)}
+        return {
+            n: (
+                t.dtype,
+                t.device,
+                t.requires_grad,
+                t.dim() == 4
+                and not t.is_contiguous()
+                and t.is_contiguous(memory_format=torch.channels_last),
+                own_attributes(t),
+            )
+            for n, t in _named_tensors(module)
+        }
 
 
 def _convert(fresh: nn.Module, layout: Layout) -> None:
@@ -624,9 +724,16 @@ def _convert(fresh: nn.Module, layout: Layout) -> None:
             if want is None or id(t) in done:
                 continue
             done.add(id(t))
-            dtype, device, _ = want
+            dtype, device, _, channels_last, _ = want
             if t.dtype != dtype or t.device != device:
                 t.data = t.data.to(device=device, dtype=dtype)
+            if channels_last:  # as the script left it (.to(memory_format=channels_last))
+                t.data = t.data.contiguous(memory_format=torch.channels_last)
+
+
+def _auto_hook(module: nn.Module) -> ModuleHook | None:
+    registry = HookRegistry.of(module)
+    return registry.get(AUTO) if registry is not None else None
 
 
 def _unhook(module: nn.Module) -> None:
@@ -723,8 +830,11 @@ def _adopt(module: nn.Module, fresh: nn.Module, layout: Layout) -> None:
                     f"factory made a model without that tensor"
                 )
             want = layout.get(name)
-            if want is not None and t.requires_grad != want[2] and t.is_leaf:
+            if want is None:
+                continue
+            if t.requires_grad != want[2] and t.is_leaf:
                 t.requires_grad_(want[2])
+            t.__dict__.update(want[4])  # the attributes the script set on it
     for part in module.modules():
         unmark_released(part)
 
@@ -783,7 +893,7 @@ def _frozen(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return (type(value), tuple(_frozen(v) for v in value))
     if isinstance(value, dict):
-        return (dict, tuple(sorted((str(k), _frozen(v)) for k, v in value.items())))
+        return (dict, tuple(sorted(((_frozen(k), _frozen(v)) for k, v in value.items()), key=repr)))
     kind = type(value)
     if kind.__module__ == "torch" and kind.__name__ in ("dtype", "device"):
         return (kind, str(value))
@@ -845,8 +955,24 @@ def _resolve(spec: str) -> tuple[Any, str]:
 
 
 def _wrap(session: AutoSession, owner: Any, attr: str) -> Callable[[], None]:
-    """Wrap ``owner.attr`` for ``session``; return what undoes it."""
-    raw = owner.__dict__.get(attr) if isinstance(owner, type) else None
+    """Wrap ``owner.attr`` for ``session``; return what undoes it. A classmethod (its own
+    or inherited) stays a classmethod, so a subclass's call makes the subclass."""
+    own = isinstance(owner, type) and attr in owner.__dict__
+    raw = inspect.getattr_static(owner, attr)
+    if isinstance(owner, type):
+
+        def undo() -> None:
+            if own:
+                setattr(owner, attr, raw)
+            else:  # it was inherited: the parent's serves again
+                delattr(owner, attr)
+
+    else:
+        original = getattr(owner, attr)
+
+        def undo() -> None:
+            setattr(owner, attr, original)
+
     if isinstance(raw, classmethod):
         func = raw.__func__
 
@@ -855,16 +981,15 @@ def _wrap(session: AutoSession, owner: Any, attr: str) -> Callable[[], None]:
             return session.call(_Bound(func, cls), name, args, kwargs)
 
         setattr(owner, attr, classmethod(through))
-        return lambda: setattr(owner, attr, raw)
-    original = getattr(owner, attr)
+        return undo
+    original_call = getattr(owner, attr)
 
     def plain(*args: Any, **kwargs: Any) -> Any:
-        return session.call(original, _model_name(original, args, kwargs), args, kwargs)
+        name = _model_name(original_call, args, kwargs)
+        return session.call(original_call, name, args, kwargs)
 
-    setattr(owner, attr, plain)
-    if isinstance(owner, type):
-        return lambda: setattr(owner, attr, raw) if raw is not None else delattr(owner, attr)
-    return lambda: setattr(owner, attr, original)
+    setattr(owner, attr, staticmethod(plain) if isinstance(raw, staticmethod) else plain)
+    return undo
 
 
 @dataclass(frozen=True)
@@ -903,6 +1028,7 @@ def auto(
         session = AutoSession(budget, events)
         _ACTIVE.append(session)
     undo: list[Callable[[], None]] = []
+    devices: list[Callable[[], None]] = []  # undone once no released model is left
     waiting: dict[str, Callable[[Any], None]] = {}
     finder = _AfterImport(waiting)
     # The finder goes in first: a user's factory module that imports transformers or
@@ -916,13 +1042,13 @@ def auto(
                 def later(module: Any, spec: str = spec) -> None:
                     owner, attr = _resolve(spec)
                     undo.append(_wrap(session, owner, attr))
-                    undo.append(_DEVICE_ANSWERS[module.__name__](module))
+                    devices.append(_DEVICE_ANSWERS[module.__name__](module))
 
                 waiting[module_name] = later
                 continue
             owner, attr = _resolve(spec)
             undo.append(_wrap(session, owner, attr))
-            undo.append(_DEVICE_ANSWERS[module_name](sys.modules[module_name]))
+            devices.append(_DEVICE_ANSWERS[module_name](sys.modules[module_name]))
         for spec in factories:
             owner, attr = _resolve(spec)
             undo.append(_wrap(session, owner, attr))
@@ -930,11 +1056,13 @@ def auto(
     finally:
         if finder in sys.meta_path:
             sys.meta_path.remove(finder)
-        for step in reversed(undo):
-            step()
-        session.close()
-        with _ACTIVE_LOCK:
-            _ACTIVE.remove(session)
+        try:
+            for step in reversed(undo):
+                step()
+            session.close(last=devices)
+        finally:
+            with _ACTIVE_LOCK:
+                _ACTIVE.remove(session)
 
 
 #: The session on now (one at a time), and its lock.

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import os
 import runpy
 import sys
-import threading
 import traceback
 from pathlib import Path
 
@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     # is the script's folder (or the working directory for -m), in place of this
     # command's own, so a factory in the script's package imports from there.
     sys.argv = argv
-    sys.path[0] = os.path.dirname(os.path.abspath(what)) if kind == "path" else os.getcwd()
+    if not sys.flags.safe_path:  # python -P adds no folder: sys.path[0] is PYTHONPATH's
+        sys.path[0] = os.path.dirname(os.path.abspath(what)) if kind == "path" else os.getcwd()
     try:
         for spec in args.factory:
             _not_the_script(spec, kind, what)
@@ -112,13 +113,15 @@ def run(args: argparse.Namespace) -> int:
         sys.argv, sys.path[:] = saved_argv, saved_path
         print(f"stageload auto: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    # auto stays on until the interpreter exits: it joins the script's non-daemon threads
+    # (and stops idle pool workers) first, as for the script alone, then runs this.
+    atexit.register(session.__exit__, None, None, None)
     code = 0
     try:
         if kind == "path":
             runpy.run_path(what, run_name="__main__")
         else:
             runpy.run_module(what, run_name="__main__", alter_sys=True)
-        _join_threads()  # as python does before it exits: the script's models stay staged
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
@@ -129,9 +132,6 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:  # noqa: BLE001  the script's error, printed as python would
         traceback.print_exc()
         code = 1
-    finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
-        session.__exit__(None, None, None)
     return code
 
 
@@ -142,25 +142,20 @@ def _not_the_script(spec: str, kind: str, what: str) -> None:
     from ..autostage import AutoError
 
     module = spec.partition(":")[0]
-    if kind == "module" and module == what:
-        same = True
+    if kind == "module":  # python -m pkg runs pkg.__main__ (or the module pkg itself)
+        same = module in (what, f"{what}.__main__")
     else:
         try:
             found = importlib.util.find_spec(module)
         except (ImportError, ValueError):
             return  # auto() says it cannot import it
         origin = getattr(found, "origin", None)
-        same = kind == "path" and origin is not None and os.path.samefile(origin, what)
+        try:
+            same = origin is not None and os.path.samefile(origin, what)
+        except OSError:  # "built-in", "frozen": not a file
+            same = False
     if same:
         raise AutoError(
             f"factory {spec!r} is in the script itself, which would run once unstaged to "
             f"find it; move the function to a module the script imports, and name that"
         )
-
-
-def _join_threads() -> None:
-    """Wait for the script's non-daemon threads, as the interpreter does at exit."""
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and thread is not threading.current_thread() and not thread.daemon:
-            thread.join()

@@ -62,6 +62,12 @@ def owner_of(value: Any) -> Filler | None:
     return ref() if ref is not None else None
 
 
+def own_attributes(value: Any) -> dict[str, Any]:
+    """The attributes code set on a tensor object (``param.my_tag = ...``), without the
+    mark of an empty tensor: what a refill puts back after swapping in new data."""
+    return {k: v for k, v in getattr(value, "__dict__", {}).items() if k != _OWNER_KEY}
+
+
 def _on_use(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A torch function on an empty tensor: unless it reads metadata only, fill first."""
     if func in _metadata():

@@ -338,6 +338,34 @@ def quiesced(
             _calls.notify_all()
 
 
+def try_hold(modules: Iterable[nn.Module]) -> Callable[[], None] | None:
+    """Hold new calls of the hooked modules among ``modules`` back now, if no other thread
+    has a call of one in flight; return what ends the hold, or None (nothing held).
+
+    Unlike :func:`quiesced` it never waits, so a caller may choose a module and hold it
+    in one step under a lock of its own: a call that starts afterwards waits for the hold
+    to end instead of being waited for. A :func:`quiesced` (a ``release``) by this thread
+    inside the hold proceeds at once."""
+    me = threading.get_ident()
+    registries = [r for m in modules if (r := HookRegistry.of(m)) is not None]
+    with _calls:
+        if _others(registries, me) or any(r._held_by not in (None, me) for r in registries):
+            return None
+        mine = [r for r in registries if r._held_by is None]
+        for r in mine:
+            r._held_by = me
+            r._epoch += 1
+
+    def end() -> None:
+        with _calls:
+            for r in mine:
+                r._held_by = None
+                r._epoch += 1
+            _calls.notify_all()
+
+    return end
+
+
 @functools.lru_cache(maxsize=1)
 def _call_code() -> Any:
     return module_call_code()
