@@ -113,7 +113,9 @@ def child(mode: str, folder: str, laps: int, sample: bool, budget: int) -> None:
     )
     with scope:
         if mode == "hand":
-            loaders = {n: (lambda p=p: module.load_model(p)) for n, p in zip(NAMES, paths, strict=True)}
+            loaders = {
+                n: (lambda p=p: module.load_model(p)) for n, p in zip(NAMES, paths, strict=True)
+            }
             models = stageload.StagedModels(loaders, stages={n: [n] for n in NAMES})
             for _ in range(laps):
                 start = time.perf_counter()
