@@ -187,6 +187,9 @@ def test_a_diffusers_pipeline_loaded_with_plain_from_pretrained_equals_eager(tmp
     # The last component from_pretrained made may still be in at the first call (diffusers
     # loads them in an order that varies from process to process); the rest reload.
     assert reloads[-3:] == ["text_encoder", "unet", "vae"] and len(reloads) in (5, 6)
+    # Each from its files, as the diffusers adapter refills: from_pretrained reads them
+    # unchanged (checked byte for byte at the first load).
+    assert {e.note for e in sink.events if e.kind == "reload"} == {"files"}
 
 
 def _env() -> dict[str, str]:
@@ -254,6 +257,7 @@ def test_a_script_chaining_three_transformers_models_equals_eager(tmp_path):
     assert torch.equal(got, want)
     loads = [e.model for e in sink.events if e.kind in ("load", "reload")]
     assert loads == ["bert", "gpt2", "t5"] * 3  # made, then loaded at each use
+    assert {e.note for e in sink.events if e.kind == "reload"} == {"files"}
 
 
 PIXAL3D_FACTORIES = (
@@ -382,6 +386,9 @@ def test_the_cli_stages_a_diffusers_script_that_imports_diffusers_itself(tmp_pat
     # The last component from_pretrained made may still be in at the first call (diffusers
     # loads them in an order that varies from process to process); the rest reload.
     assert reloads[-3:] == ["text_encoder", "unet", "vae"] and len(reloads) in (5, 6)
+    # Each from its files, as the diffusers adapter refills: from_pretrained reads them
+    # unchanged (checked byte for byte at the first load).
+    assert {e.note for e in sink.events if e.kind == "reload"} == {"files"}
 
 
 def two_threads_in_a_gate_then_another_model(folder: str) -> tuple[list[str], list[str]]:
@@ -565,10 +572,8 @@ def test_requires_grad_the_script_set_survives_a_reload(folder):
 
 
 def test_control_without_restoring_requires_grad_the_reload_wants_gradients(folder, monkeypatch):
-    real = stageload.autostage._adopt
-    monkeypatch.setattr(
-        stageload.autostage, "_adopt", lambda module, fresh, layout: real(module, fresh, {})
-    )
+    real = stageload.autostage._settle
+    monkeypatch.setattr(stageload.autostage, "_settle", lambda module, layout: real(module, {}))
     _, second, _, _ = one_then_another(folder, lambda m: m.requires_grad_(False), grad=True)
     assert second.requires_grad
 
@@ -989,3 +994,86 @@ with auto(budget=int(1.5 * size), factories=factories, defaults=False) as sessio
     c = s.load_model(sys.argv[1] + "/c.pt")  # now a and b may go
     print(",".join(session.resident()), sum("held outside" in n for n in session.notes))
 """
+
+
+# -- reloads from the files ---------------------------------------------------------------
+ST = "fixtures.auto_script:load_st"
+NUDGED = "fixtures.auto_script:load_st_nudged"
+
+
+@pytest.fixture(scope="module")
+def st_folder(folder: str) -> str:
+    auto_script.save_safetensors(folder)
+    return folder
+
+
+def st_run(folder: str, factory: str, staged: bool, convert: bool = False) -> tuple[Any, Any]:
+    """The three models by ``factory`` (room for one under auto), ``b`` converted to
+    float64 and back to float32 when ``convert`` (a round trip changes nothing, and each
+    reload must make it again); returns the output and the events."""
+    sink = ListSink()
+    scope = (
+        auto(budget=int(1.5 * SIZE), factories=[factory], defaults=False, events=sink)
+        if staged
+        else contextlib.nullcontext()
+    )
+    auto_script.READ.clear()
+    with scope:
+        load = getattr(auto_script, factory.partition(":")[2])  # wrapped in the block
+        models = [load(f"{folder}/{n}.safetensors") for n in auto_script.NAMES]
+        if convert:
+            models[1].double()
+            models[1].float()
+        out = auto_script.run(models, 2)
+    return out, sink
+
+
+def test_a_factory_reading_safetensors_reloads_from_its_files(st_folder):
+    """Reference: the same factory without auto, in this process. Every reload reads the
+    file at read speed (``refill``), and the factory runs only for each first load."""
+    want, _ = st_run(st_folder, ST, staged=False)
+    got, sink = st_run(st_folder, ST, staged=True)
+    assert torch.equal(got, want)
+    reloads = [(e.model, e.note) for e in sink.events if e.kind == "reload"]
+    assert reloads == [(f"{n}.safetensors", "files") for n in auto_script.NAMES] * 2
+    assert len(auto_script.READ) == 3
+
+
+def test_control_without_the_recipe_every_reload_calls_the_factory(st_folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage, "_learn", lambda module, args, kwargs: None)
+    got, sink = st_run(st_folder, ST, staged=True)
+    assert {e.note for e in sink.events if e.kind == "reload"} == {"factory"}
+    assert len(auto_script.READ) == 9
+
+
+def test_a_reload_from_the_files_makes_the_scripts_conversions_again(st_folder):
+    want, _ = st_run(st_folder, ST, staged=False, convert=True)
+    got, sink = st_run(st_folder, ST, staged=True, convert=True)
+    assert torch.equal(got, want)
+    assert {e.note for e in sink.events if e.kind == "reload"} == {"files"}
+
+
+def test_a_factory_that_changes_what_it_read_reloads_through_itself(st_folder):
+    """The change is past the first 4 KiB of its tensor: every byte is compared at the
+    first load, so the reload goes through the factory, said once per model."""
+    want, _ = st_run(st_folder, NUDGED, staged=False)
+    got, sink = st_run(st_folder, NUDGED, staged=True)
+    assert torch.equal(got, want)
+    assert {e.note for e in sink.events if e.kind == "reload"} == {"factory"}
+    notes = [e.note for e in sink.events if e.kind == "note"]
+    assert notes[0] == (
+        "a.safetensors: reloads through its factory: 'layers.0.weight' differs from the "
+        "file's (converted on load?)"
+    )
+    assert len(notes) == 3
+
+
+def test_control_comparing_the_first_4_kib_reloads_other_weights(st_folder, monkeypatch):
+    from stageload.load.refill import learn
+
+    monkeypatch.setattr(
+        stageload.autostage, "learn", lambda module, files, whole: learn(module, files)
+    )
+    want, _ = st_run(st_folder, NUDGED, staged=False)
+    got, _ = st_run(st_folder, NUDGED, staged=True)
+    assert not torch.equal(got, want)

@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import stageload.diffusers as sd  # noqa: E402
 from stageload import ListSink  # noqa: E402
-from stageload.diffusers import _args, staged_pipeline  # noqa: E402
+from stageload.diffusers import staged_pipeline  # noqa: E402
+from stageload.load.checkpoint import pretrained_checkpoint  # noqa: E402
 from stageload.load.refill import Recipe, learn  # noqa: E402
 
 try:  # the fixtures' home after the layout change, and before it
@@ -117,7 +118,7 @@ def test_renamed_keys_fall_back_to_from_pretrained_with_a_note(
 
 
 def test_learn_refuses_values_that_differ_from_the_file(flux):
-    files = _args.checkpoint_of(flux / "transformer", {})
+    files = pretrained_checkpoint(flux / "transformer", {})
     assert isinstance(files, list)
     from diffusers import FluxTransformer2DModel
 
@@ -129,6 +130,8 @@ def test_learn_refuses_values_that_differ_from_the_file(flux):
     assert "'proj_out.weight' differs from the file's" in str(learn(model, files))
 
 
-def test_checkpoint_of_follows_variant_and_use_safetensors(flux):
-    assert _args.checkpoint_of(flux / "vae", {"use_safetensors": False}) == "use_safetensors=False"
-    assert "for variant 'fp16'" in str(_args.checkpoint_of(flux / "vae", {"variant": "fp16"}))
+def test_pretrained_checkpoint_follows_variant_and_use_safetensors(flux):
+    assert (
+        pretrained_checkpoint(flux / "vae", {"use_safetensors": False}) == "use_safetensors=False"
+    )
+    assert "for variant 'fp16'" in str(pretrained_checkpoint(flux / "vae", {"variant": "fp16"}))

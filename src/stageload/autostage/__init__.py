@@ -41,7 +41,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 from ..core.events import LOAD, NOTE, RELEASE, RELOAD, STAGE, Event, EventSink, TeeSink
@@ -53,6 +53,8 @@ from ..external import storage_use_count, tensor_version, torch_function_off
 from ..hooks.empty import mark_empty, own_attributes
 from ..hooks.registry import HookRegistry, ModuleHook, patch, try_hold
 from ..hooks.release import release, storage_sizes, unmark_released
+from ..load.checkpoint import INDEX_SUFFIX, checkpoint_files, pretrained_checkpoint
+from ..load.refill import Recipe, learn, reload
 from ..memory.budget import parse_budget
 
 if TYPE_CHECKING:
@@ -115,6 +117,11 @@ class _Model:
     layout: Layout = field(default_factory=dict)
     #: What ``model.device`` answers while it is released (pipelines move inputs to it).
     device: Any = None
+    #: How it reloads from its files, in place, when its first load read them unchanged
+    #: (:func:`stageload.load.refill.learn`); None: through its factory.
+    recipe: Recipe | None = None
+    #: Its first load made inference tensors (the factory ran under inference_mode).
+    inference: bool = False
 
 
 @dataclass
@@ -305,6 +312,7 @@ class AutoSession:
         registry = HookRegistry.of(obj)
         if registry is not None and AUTO in registry:
             return obj  # a model auto made already (the factory keeps a cache of its own)
+        recipe = _learn(obj, args, kwargs)
         with self._lock:
             unique = _unique(name, self._models)
             model = _Model(
@@ -317,6 +325,11 @@ class AutoSession:
             )
             model.device = next((t.device for _, t in _named_tensors(obj)), None)
             model.seen, model.samples = _seen(obj), _samples(obj)
+            model.inference = any(t.is_inference() for _, t in _named_tensors(obj))
+            if isinstance(recipe, str):
+                self._say(model, "factory", f"{unique}: reloads through its factory: {recipe}")
+            else:
+                model.recipe = recipe
             hook = _Hook(self, model)
             inner = sorted(
                 {
@@ -381,12 +394,18 @@ class AutoSession:
         ok = False
         start = time.perf_counter()
         try:
-            with preserved_rng():
-                restore_rng(model.rng)  # the draws of the first load: the same random parts
-                fresh = model.make()
-            _convert(fresh, model.layout)
-            _adopt(module, fresh, model.layout)
-            del fresh
+            if _refill(module, model):
+                how = "files"
+            else:
+                with preserved_rng():
+                    restore_rng(model.rng)  # the first load's draws: the same random parts
+                    fresh = model.make()
+                _convert(fresh, model.layout)
+                with torch_function_off():  # reading an empty tensor would load it again
+                    _swap_in(module, fresh)
+                del fresh
+                how = "factory"
+            _settle(module, model.layout)
             ok = True
         finally:
             with self._lock:
@@ -399,6 +418,7 @@ class AutoSession:
                             model=model.name,
                             bytes=model.size,
                             seconds=time.perf_counter() - start,
+                            note=how,
                         )
                     )
                     if _same(_samples(module), _converted(model.samples, module)) is not None:
@@ -816,13 +836,67 @@ def _bytes(module: nn.Module) -> int:
     return sum(storage_sizes(module).values())
 
 
-def _adopt(module: nn.Module, fresh: nn.Module, layout: Layout) -> None:
-    """Move ``fresh``'s tensors into ``module`` (same class, same structure), in place: each
-    of ``module``'s tensor objects takes the fresh one's data (``swap_tensors``), so what
-    the script holds (a buffer read before, tied weights) is live again, with the
-    ``requires_grad`` the script gave it; then take release's hooks off."""
+def _learn(module: nn.Module, args: tuple, kwargs: dict) -> Recipe | str | None:
+    """How ``module``, just made by a factory called with ``args`` and ``kwargs``, reloads
+    from the safetensors files those name (a file, an index, a ``from_pretrained`` folder
+    with its ``subfolder`` and ``variant``), or why it cannot (every byte of each tensor
+    is compared with the files: a factory that changed a weight after reading it reloads
+    through itself), or None when they name no file."""
+    files = _checkpoint(args, kwargs)
+    if not files:
+        return None
+    try:
+        with torch_function_off():
+            return learn(module, files, whole=True)
+    except Exception as exc:  # a damaged or unreadable file: the factory still works
+        return f"its files cannot be checked ({type(exc).__name__}: {exc})"
+
+
+def _checkpoint(args: tuple, kwargs: dict) -> list[Path]:
+    """The safetensors files a factory's arguments name: each path to a ``.safetensors``
+    file or a sharded index, and each folder where ``from_pretrained`` finds one."""
+    found: list[Path] = []
+    skip = ("subfolder", "variant")
+    for value in (*args, *(v for k, v in kwargs.items() if k not in skip)):
+        if not isinstance(value, (str, PurePath)):
+            continue
+        path = Path(value)
+        try:
+            if path.is_dir():
+                sub = kwargs.get("subfolder")
+                files = pretrained_checkpoint(path / sub if sub else path, kwargs)
+                if isinstance(files, str):
+                    continue
+            elif path.name.endswith((".safetensors", INDEX_SUFFIX)) and path.is_file():
+                files = checkpoint_files(path)
+            else:
+                continue
+        except (OSError, ValueError):  # a name too long for a path, a damaged index
+            continue
+        found.extend(files)
+    return list(dict.fromkeys(found))
+
+
+def _refill(module: nn.Module, model: _Model) -> bool:
+    """Reload ``module`` in place from its files, as its first load read them (its
+    recipe), then convert it to the layout the script left; False when it has no recipe
+    or its tensors sat on more than one device (the factory reloads it then)."""
+    import torch
+
+    devices = {want[1] for want in model.layout.values()}
+    if model.recipe is None or len(devices) != 1:
+        return False
+    with torch_function_off(), torch.inference_mode(model.inference):
+        reload(module, model.recipe, devices.pop(), progress=False)
+    _convert(module, model.layout)
+    return True
+
+
+def _settle(module: nn.Module, layout: Layout) -> None:
+    """After a reload filled ``module``'s tensor objects: check none is left empty, give
+    back the ``requires_grad`` and attributes the script set, and take release's hooks
+    off."""
     with torch_function_off():  # reading an empty tensor (.is_meta) would load it again
-        _swap_in(module, fresh)
         for name, t in _named_tensors(module):
             if t.is_meta:
                 raise StageloadError(
@@ -840,6 +914,10 @@ def _adopt(module: nn.Module, fresh: nn.Module, layout: Layout) -> None:
 
 
 def _swap_in(module: nn.Module, fresh: nn.Module) -> None:
+    """Move ``fresh``'s tensors (a reload by the factory: same class, same structure) into
+    ``module``, in place: each of ``module``'s tensor objects takes the fresh one's data
+    (``swap_tensors``), so what the script holds (a buffer read before, tied weights) is
+    live again."""
     import torch
 
     mine = dict(module.named_modules(remove_duplicate=False))

@@ -29,6 +29,7 @@ from ..external import progress_bars_disabled
 from ..hooks.empty import mark_empty
 from ..hooks.registry import patch
 from ..hooks.release import ReleasedModuleError, release, releasing
+from ..load.checkpoint import pretrained_checkpoint
 from ..load.loaders import BACKGROUND_READY_ATTR, rng_free
 from ..load.refill import Recipe, learn, reload
 from ..memory.budget import parse_budget
@@ -41,7 +42,6 @@ from ._args import (
     _load_component,
     _resolve_folder,
     check_keep,
-    checkpoint_of,
 )
 from ._placeholder import StagedChangeError, StageHook, StagingRemovedError
 from ._plan import (
@@ -198,7 +198,7 @@ class StagedPipeline:
 
     def _learn(self, name: str, skeleton: nn.Module) -> None:
         """After the first from_pretrained load: may later loads read the files directly?"""
-        files = checkpoint_of(self.path / name, self._model_kwargs)
+        files = pretrained_checkpoint(self.path / name, self._model_kwargs)
         if self._targets[name]["dtype"] is not None:
             # from_pretrained's dtype then .to(dtype) rounds twice; a direct read once.
             learned: Recipe | str = "it was converted with .to(dtype) before its first load"
@@ -559,7 +559,9 @@ def staged_pipeline(
             # The skeleton starts out "released": a call that bypasses the stager (a
             # submodule called directly) says so, instead of failing on a meta tensor.
             release(skeleton, name=name, stage=None)
-            _placeholder.keep_own(skeleton, built, checkpoint_of(folder / name, model_kwargs))
+            _placeholder.keep_own(
+                skeleton, built, pretrained_checkpoint(folder / name, model_kwargs)
+            )
 
     streams = {
         name: _stream_component(
@@ -674,7 +676,7 @@ def _stream_component(
     from ..core.streamed import streamed
     from ..load.placement import MAPPED
 
-    files = checkpoint_of(folder, {k: v for k, v in kwargs.items() if k in _MODEL_KWARGS})
+    files = pretrained_checkpoint(folder, {k: v for k, v in kwargs.items() if k in _MODEL_KWARGS})
     if isinstance(files, str):
         raise ValueError(f"cannot stream {name!r}: {files}; it needs a safetensors checkpoint")
     dtype = _placeholder.skeleton_dtype(cls, folder, torch_dtype)

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..external import version_at_least
-from ..load.checkpoint import checkpoint_files
 from . import _placeholder
 
 if TYPE_CHECKING:
@@ -146,23 +145,3 @@ def _dtype_kwarg(torch_dtype: torch.dtype | None) -> dict[str, Any]:
     if torch_dtype is None:
         return {}
     return {"dtype" if version_at_least("diffusers", "0.42") else "torch_dtype": torch_dtype}
-
-
-def checkpoint_of(folder: Path, kwargs: Mapping[str, Any]) -> list[Path] | str:
-    """The safetensors files ``from_pretrained`` reads in ``folder``, or why there are none."""
-    if kwargs.get("use_safetensors") is False:
-        return "use_safetensors=False"
-    variant = kwargs.get("variant")
-    for stem in ("diffusion_pytorch_model", "model"):
-        if variant:
-            names = [
-                f"{stem}.{variant}.safetensors",
-                f"{stem}.safetensors.index.{variant}.json",
-                f"{stem}.{variant}.safetensors.index.json",
-            ]
-        else:
-            names = [f"{stem}.safetensors", f"{stem}.safetensors.index.json"]
-        for name in names:
-            if (folder / name).is_file():
-                return checkpoint_files(folder / name)
-    return f"no safetensors checkpoint{f' for variant {variant!r}' if variant else ''} in {folder}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,6 +235,28 @@ def checkpoint_files(
         else:
             out.append(item)
     return list(dict.fromkeys(out))
+
+
+def pretrained_checkpoint(folder: Path, kwargs: Mapping[str, Any]) -> list[Path] | str:
+    """The safetensors files a diffusers or transformers ``from_pretrained`` reads in
+    ``folder`` (given its ``variant`` and ``use_safetensors`` keywords), or why there are
+    none. Used by the diffusers adapter and by ``stageload.auto``, to reload from them."""
+    if kwargs.get("use_safetensors") is False:
+        return "use_safetensors=False"
+    variant = kwargs.get("variant")
+    for stem in ("diffusion_pytorch_model", "model"):
+        if variant:
+            names = [
+                f"{stem}.{variant}.safetensors",
+                f"{stem}.safetensors.index.{variant}.json",
+                f"{stem}.{variant}.safetensors.index.json",
+            ]
+        else:
+            names = [f"{stem}.safetensors", f"{stem}.safetensors.index.json"]
+        for name in names:
+            if (folder / name).is_file():
+                return checkpoint_files(folder / name)
+    return f"no safetensors checkpoint{f' for variant {variant!r}' if variant else ''} in {folder}"
 
 
 def _index_files(index: Path) -> list[Path]:
