@@ -225,6 +225,49 @@ def test_control_the_image_comparison_tells_another_seed_apart(diffusers_runs):
     assert pixels(tmp / "other_seed.png") != pixels(tmp / "eager.png")
 
 
+# -- the auto example --------------------------------------------------------------------
+
+#: As ``SWAPS``, and a budget that holds no component (each released between its uses).
+AUTO_SWAPS = {
+    '"Qwen/Qwen-Image-2.1"': None,
+    'stageload.auto(budget="12G")': "stageload.auto(budget=1, events=SINK)",
+    "num_inference_steps=20": "num_inference_steps=2",
+}
+
+
+def auto_example(path: Path, staged: bool = True, seed: int | None = None) -> str:
+    example = next(b for b in blocks("python") if "stageload.auto(" in b)
+    for old, new in AUTO_SWAPS.items():
+        assert example.count(old) == 1, f"the README's auto example no longer has {old}"
+        example = example.replace(old, repr(str(path)) if new is None else new)
+    if not staged:
+        example = example.replace("stageload.auto(budget=1, events=SINK)", "nullcontext()")
+    if seed is not None:
+        example = re.sub(r"manual_seed\(\d+\)", f"manual_seed({seed})", example)
+    return FIXTURE + "from contextlib import nullcontext\n" + example
+
+
+def test_readme_auto_example_gives_the_eager_image_bit_for_bit(tmp_path, one_thread):
+    """Reference: the same code without ``stageload.auto``, in this process, on the same
+    torch threads (one); each component released between its uses and loaded again."""
+    pytest.importorskip("diffusers")
+    from stageload import ListSink
+    from stageload.testing.diffusers import build
+
+    path = build("qwen-image-2.1", tmp_path / "qwen")
+    sink = ListSink()
+    staged = {"__name__": "readme", "SINK": sink}
+    run_example(auto_example(path), staged)
+    eager = {"__name__": "readme"}
+    run_example(auto_example(path, staged=False), eager)
+    other = {"__name__": "readme"}
+    run_example(auto_example(path, staged=False, seed=8), other)
+    assert staged["image"].tobytes() == eager["image"].tobytes()
+    assert other["image"].tobytes() != eager["image"].tobytes()  # control: the check tells
+    reloaded = {e.model for e in sink.events if e.kind == "reload"}
+    assert {"text_encoder", "transformer", "vae"} <= reloaded
+
+
 # -- the commands ------------------------------------------------------------------------
 
 

@@ -60,7 +60,7 @@ from ..memory.budget import parse_budget
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["AutoError", "AutoSession", "auto", "DEFAULT_FACTORIES"]
+__all__ = ["AutoError", "AutoSession", "auto", "DEFAULT_FACTORIES", "PLAN_SOURCES"]
 
 #: The factories wrapped unless told otherwise: ``module:Class.method``.
 DEFAULT_FACTORIES = (
@@ -135,6 +135,11 @@ class _Record:
     plan: Plan | None = None
     #: Where in ``plan`` the script is now.
     stage: str | None = None
+
+    def seed(self, plan: Plan) -> None:
+        """A plan known before the models' first use (a plan source: diffusers' offload
+        order): followed from its first stage, forgotten at the first use off it."""
+        self.plan, self.stage = plan, plan.order[-1]
 
     def add(self, name: str) -> None:
         if self.uses and self.uses[-1] == name:
@@ -369,6 +374,25 @@ class AutoSession:
         """Keep ``model`` loaded from now on, and say why once."""
         with self._lock:
             self._pin(model, why)
+
+    def seed(self, modules: Iterable[Any], source: str) -> None:
+        """The order a plan source gives, before the first use: one stage per model of
+        this session among ``modules``, in their order; said once per plan."""
+        from torch import nn
+
+        with self._lock:
+            names: list[str] = []
+            for module in modules:
+                hook = _auto_hook(module) if isinstance(module, nn.Module) else None
+                mine = isinstance(hook, _Hook) and hook.session is self
+                if mine and hook.model.module() is module:
+                    names.append(hook.model.name)
+            if len(set(names)) < 2 or len(set(names)) != len(names):
+                return
+            plan = Plan({name: (name,) for name in names})
+            if plan != self.record.plan:
+                self.record.seed(plan)
+                self._note(f"the plan before the first use, from {source}: {' -> '.join(names)}")
 
     def load(self, model: _Model) -> bool:
         """Reload a released model in place (its hook's ``revive``); True once it is back."""
@@ -1032,9 +1056,15 @@ def _resolve(spec: str) -> tuple[Any, str]:
     return owner, attr
 
 
-def _wrap(session: AutoSession, owner: Any, attr: str) -> Callable[[], None]:
-    """Wrap ``owner.attr`` for ``session``; return what undoes it. A classmethod (its own
-    or inherited) stays a classmethod, so a subclass's call makes the subclass."""
+#: What a wrapped callable calls instead: ``around(call, who, args, kwargs)``, ``call``
+#: the original bound to the class it was called on, ``who`` that class (or the function).
+Around = Callable[[Callable[..., Any], Any, tuple, dict], Any]
+
+
+def _wrap(owner: Any, attr: str, around: Around) -> Callable[[], None]:
+    """Route each call of ``owner.attr`` through ``around``; return what undoes it. A
+    classmethod (its own or inherited) stays a classmethod, so a subclass's call makes the
+    subclass."""
     own = isinstance(owner, type) and attr in owner.__dict__
     raw = inspect.getattr_static(owner, attr)
     if isinstance(owner, type):
@@ -1055,19 +1085,62 @@ def _wrap(session: AutoSession, owner: Any, attr: str) -> Callable[[], None]:
         func = raw.__func__
 
         def through(cls: type, *args: Any, **kwargs: Any) -> Any:
-            name = _model_name(cls, args, kwargs)
-            return session.call(_Bound(func, cls), name, args, kwargs)
+            return around(_Bound(func, cls), cls, args, kwargs)
 
         setattr(owner, attr, classmethod(through))
         return undo
     original_call = getattr(owner, attr)
 
     def plain(*args: Any, **kwargs: Any) -> Any:
-        name = _model_name(original_call, args, kwargs)
-        return session.call(original_call, name, args, kwargs)
+        return around(original_call, original_call, args, kwargs)
 
     setattr(owner, attr, staticmethod(plain) if isinstance(raw, staticmethod) else plain)
     return undo
+
+
+def _as_factory(session: AutoSession) -> Around:
+    """A factory's calls: each model it makes is staged by ``session``."""
+
+    def around(call: Callable[..., Any], who: Any, args: tuple, kwargs: dict) -> Any:
+        return session.call(call, _model_name(who, args, kwargs), args, kwargs)
+
+    return around
+
+
+def _as_plan_source(session: AutoSession, order: Callable[[Any], list[Any]], source: str) -> Around:
+    """A plan source's calls: the order of the models in what it returns is the plan
+    until their first use shows otherwise."""
+
+    def around(call: Callable[..., Any], who: Any, args: tuple, kwargs: dict) -> Any:
+        result = call(*args, **kwargs)
+        session.seed(order(result), source)
+        return result
+
+    return around
+
+
+def _offload_order(pipe: Any) -> list[Any]:
+    """A diffusers pipeline's components in the order its call uses them: its
+    ``model_cpu_offload_seq`` (``"text_encoder->unet->vae"``), which diffusers' own model
+    offloading follows."""
+    seq = getattr(pipe, "model_cpu_offload_seq", None)
+    if not isinstance(seq, str):
+        return []
+    return [getattr(pipe, name.strip(), None) for name in seq.split("->")]
+
+
+#: Plan sources wrapped with the default factories: where a library knows the order of
+#: its models before their first use, and what the note calls it.
+PLAN_SOURCES: dict[str, tuple[Callable[[Any], list[Any]], str]] = {
+    "diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pretrained": (
+        _offload_order,
+        "diffusers' model_cpu_offload_seq",
+    ),
+    "diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pipe": (
+        _offload_order,
+        "diffusers' model_cpu_offload_seq",
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -1107,29 +1180,45 @@ def auto(
         _ACTIVE.append(session)
     undo: list[Callable[[], None]] = []
     devices: list[Callable[[], None]] = []  # undone once no released model is left
+
+    def factory(spec: str) -> Callable[[Any], None]:
+        def wrap(module: Any) -> None:
+            undo.append(_wrap(*_resolve(spec), _as_factory(session)))
+            answer = _DEVICE_ANSWERS.get(module.__name__)
+            if answer is not None:
+                devices.append(answer(module))
+
+        return wrap
+
+    def plan_source(spec: str) -> Callable[[Any], None]:
+        def wrap(module: Any) -> None:
+            undo.append(_wrap(*_resolve(spec), _as_plan_source(session, *PLAN_SOURCES[spec])))
+
+        return wrap
+
+    steps: dict[str, list[Callable[[Any], None]]] = {}  # by module: once it is imported
+    for spec in DEFAULT_FACTORIES if defaults else ():
+        steps.setdefault(spec.partition(":")[0], []).append(factory(spec))
+    for spec in PLAN_SOURCES if defaults else ():
+        steps.setdefault(spec.partition(":")[0], []).append(plan_source(spec))
     waiting: dict[str, Callable[[Any], None]] = {}
     finder = _AfterImport(waiting)
     # The finder goes in first: a user's factory module that imports transformers or
     # diffusers as it is resolved below gets the defaults wrapped too.
     sys.meta_path.insert(0, finder)
     try:
-        for spec in DEFAULT_FACTORIES if defaults else ():
-            module_name = spec.partition(":")[0]
-            if module_name not in sys.modules:  # wrap it when the script imports it
+        for module_name, todo in steps.items():
 
-                def later(module: Any, spec: str = spec) -> None:
-                    owner, attr = _resolve(spec)
-                    undo.append(_wrap(session, owner, attr))
-                    devices.append(_DEVICE_ANSWERS[module.__name__](module))
+            def run(module: Any, todo: list[Callable[[Any], None]] = todo) -> None:
+                for step in todo:
+                    step(module)
 
-                waiting[module_name] = later
-                continue
-            owner, attr = _resolve(spec)
-            undo.append(_wrap(session, owner, attr))
-            devices.append(_DEVICE_ANSWERS[module_name](sys.modules[module_name]))
+            if module_name in sys.modules:
+                run(sys.modules[module_name])
+            else:  # wrapped when the script imports it
+                waiting[module_name] = run
         for spec in factories:
-            owner, attr = _resolve(spec)
-            undo.append(_wrap(session, owner, attr))
+            undo.append(_wrap(*_resolve(spec), _as_factory(session)))
         yield session
     finally:
         if finder in sys.meta_path:
