@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("eager", "model_offload", "group_offload", "staged")
+MODES = ("eager", "model_offload", "group_offload", "staged", "auto")
 STAGES = ("setup", "encode", "denoise", "decode")
 GIB = 1 << 30
 
@@ -72,6 +72,8 @@ def run_mode(mode: str, fixture: Path, out: Path, call: dict[str, Any], offload:
         "--dtype", "bfloat16", "--interval", "0.1", "--result", str(out / f"{mode}.json"),
         "--offload-dir", str(offload),
     ]  # fmt: skip
+    if mode == "auto":  # room for the staged plan's largest stage (its weights), + 5 %
+        cmd += ["--budget", str(int(1.05 * max(plan_weights(fixture)[0].values())))]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -160,15 +162,30 @@ def checkpoint_weights(fixture: Path, dtype: str) -> dict[str, int]:
     return out
 
 
+def plan_weights(fixture: Path) -> tuple[dict[str, int], set[str]]:
+    """The staged pipeline's default plan: each stage's checkpoint weights at bf16, with
+    the components it keeps resident; and those components."""
+    import diffusers
+
+    from stageload.diffusers import _plan
+
+    weights = checkpoint_weights(fixture, "bfloat16")
+    models = _plan.model_components(fixture)
+    plan = _plan.default_plan(diffusers.QwenImage21Pipeline.model_cpu_offload_seq, models)
+    staged_names = [n for names in plan.values() for n in names]
+    keep = set(_plan.default_keep(_plan.weight_bytes(fixture, staged_names)))
+    stage_weights = {
+        stage: sum(weights[n] for n in set(names) | keep) for stage, names in plan.items()
+    }
+    return stage_weights, keep
+
+
 def reference(out: Path, fixture: Path, results: dict[str, dict]) -> dict[str, Any] | None:
     """baseline + max over stages of (stage weights + eager working memory); see the top."""
-    from stageload.diffusers import _plan
     from stageload.report.trace import read_trace, stage_windows
 
     if "error" in results["eager"] or "error" in results["staged"]:
         return None
-    import diffusers
-
     eager = read_trace(out / "eager.jsonl")
     working: dict[str, int] = {}
     for window in stage_windows(eager):
@@ -179,16 +196,9 @@ def reference(out: Path, fixture: Path, results: dict[str, dict]) -> dict[str, A
         if window.stage == "setup" or not inside or not before:
             continue
         working[window.stage] = max(working.get(window.stage, 0), max(inside) - before[-1])
-    weights = checkpoint_weights(fixture, "bfloat16")
-    models = _plan.model_components(fixture)
-    plan = _plan.default_plan(diffusers.QwenImage21Pipeline.model_cpu_offload_seq, models)
-    staged_names = [n for names in plan.values() for n in names]
-    keep = set(_plan.default_keep(_plan.weight_bytes(fixture, staged_names)))
-    stage_weights = {
-        stage: sum(weights[n] for n in set(names) | keep) for stage, names in plan.items()
-    }
+    stage_weights, keep = plan_weights(fixture)
     baseline = baseline_footprint(fixture, out)
-    need = {s: stage_weights[s] + working.get(s, 0) for s in plan}
+    need = {s: stage_weights[s] + working.get(s, 0) for s in stage_weights}
     bound = baseline + max(need.values())
     staged = read_trace(out / "staged.jsonl")
     peak = max(s.footprint for s in staged.samples if s.footprint)

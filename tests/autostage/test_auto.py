@@ -1131,3 +1131,48 @@ def test_control_without_the_offload_order_lru_reloads_one_more(sd_folder, monke
     monkeypatch.setattr(stageload.autostage.AutoSession, "seed", lambda self, m, source: None)
     _, sink = sd_two_calls(sd_folder, staged=True)
     assert sum(e.kind == "reload" for e in sink.events) == 6
+
+
+# -- garbage collection ---------------------------------------------------------------------
+def releases_for_one_load(folder: str) -> tuple[int, int]:
+    """Room for 2.5 models: ``a`` and ``b`` in, then a released model twice their size is
+    called: both go to make room for it. Returns (releases, collections) in that call."""
+    import stageload.hooks.release as rel
+
+    collections: list[int] = []
+    real = rel.collect_garbage
+
+    def counted() -> None:
+        collections.append(1)
+        real()
+
+    factories = [FACTORY, "fixtures.auto_script:make_wide"]
+    sink = ListSink()
+    x = torch.ones(2, auto_script.WIDTH)
+    with auto(budget=int(2.5 * SIZE), factories=factories, defaults=False, events=sink):
+        wide = auto_script.make_wide(2)
+        a = auto_script.load_model(f"{folder}/a.pt")
+        b = auto_script.load_model(f"{folder}/b.pt")
+        with torch.no_grad():
+            a(x), b(x)
+            assert wide.layers[0].weight.is_meta  # out, to make room for a and b
+            before = len(sink.events)
+            rel.collect_garbage = counted
+            try:
+                wide(x)
+            finally:
+                rel.collect_garbage = real
+    releases = sum(e.kind == "release" for e in sink.events[before:])
+    return releases, len(collections)
+
+
+def test_the_releases_that_make_room_for_one_load_collect_garbage_once(folder):
+    """A collection walks the whole heap (180 ms beside torch alone here, more beside
+    diffusers: bench/results/release_gc): once per load, as ``StagedModels.enter`` does
+    once per stage, not once per model released."""
+    assert releases_for_one_load(folder) == (2, 1)
+
+
+def test_control_without_the_releasing_block_each_release_collects(folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage, "releasing", contextlib.nullcontext)
+    assert releases_for_one_load(folder) == (2, 2)

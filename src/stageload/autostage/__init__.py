@@ -52,7 +52,7 @@ from ..errors import StageloadError
 from ..external import storage_use_count, tensor_version, torch_function_off
 from ..hooks.empty import mark_empty, own_attributes
 from ..hooks.registry import HookRegistry, ModuleHook, patch, try_hold
-from ..hooks.release import release, storage_sizes, unmark_released
+from ..hooks.release import release, releasing, storage_sizes, unmark_released
 from ..load.checkpoint import INDEX_SUFFIX, checkpoint_files, pretrained_checkpoint
 from ..load.refill import Recipe, learn, reload
 from ..memory.budget import parse_budget
@@ -397,24 +397,25 @@ class AutoSession:
     def load(self, model: _Model) -> bool:
         """Reload a released model in place (its hook's ``revive``); True once it is back."""
         me = threading.get_ident()
-        while True:
-            with self._lock:
-                module = model.module()
-                if module is None:
-                    return False
-                if model.state == LOADED:
-                    return True
-                if model.state in (LOADING, RELEASING):
-                    if model.owner == me:  # used inside its own load or release
+        with releasing():  # the releases that make room collect garbage once, before the load
+            while True:
+                with self._lock:
+                    module = model.module()
+                    if module is None:
                         return False
-                    self._lock.wait()
-                    continue
-                victim = None if self._closed else self._victim(model.size, model.name, model)
-                if victim is None:
-                    model.state, model.owner = LOADING, me
-                    break
-                victim.model.state, victim.model.owner = RELEASING, me
-            self._release(victim)
+                    if model.state == LOADED:
+                        return True
+                    if model.state in (LOADING, RELEASING):
+                        if model.owner == me:  # used inside its own load or release
+                            return False
+                        self._lock.wait()
+                        continue
+                    victim = None if self._closed else self._victim(model.size, model.name, model)
+                    if victim is None:
+                        model.state, model.owner = LOADING, me
+                        break
+                    victim.model.state, victim.model.owner = RELEASING, me
+                self._release(victim)
         ok = False
         start = time.perf_counter()
         try:
@@ -455,15 +456,17 @@ class AutoSession:
         return True
 
     def _make_room(self, size: int, name: str, keep: _Model | None = None) -> None:
-        """Release idle models, one at a time, until ``size`` more bytes fit the budget."""
+        """Release idle models, one at a time, until ``size`` more bytes fit the budget
+        (collecting garbage once, after the last: :func:`~stageload.hooks.release.releasing`)."""
         me = threading.get_ident()
-        while True:
-            with self._lock:
-                victim = self._victim(size, name, keep)
-                if victim is None:
-                    return
-                victim.model.state, victim.model.owner = RELEASING, me
-            self._release(victim)
+        with releasing():
+            while True:
+                with self._lock:
+                    victim = self._victim(size, name, keep)
+                    if victim is None:
+                        return
+                    victim.model.state, victim.model.owner = RELEASING, me
+                self._release(victim)
 
     def _victim(self, size: int, name: str, keep: _Model | None) -> _Victim | None:
         """Under the lock: the model to release so that ``size`` more bytes fit, or None

@@ -7,7 +7,8 @@ run's footprint is its own::
         --call '{"prompt": "a cat", "height": 64, "width": 64}' --result result.json
 
 Modes: ``eager`` (``from_pretrained``, everything loaded), ``staged``
-(:func:`stageload.diffusers.staged_pipeline`), ``model_offload``
+(:func:`stageload.diffusers.staged_pipeline`), ``auto`` (plain ``from_pretrained`` under
+:func:`stageload.auto`, with ``--budget``), ``model_offload``
 (``enable_model_cpu_offload``), ``group_offload`` (``enable_group_offload``, block level,
 offloaded to disk when ``--offload-dir`` is given). All modes record the same stage events
 (the first use of each stage's component), so their traces split into comparable windows.
@@ -18,6 +19,7 @@ what a process holds before any weight (interpreter, torch, diffusers, tokenizer
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import sys
@@ -26,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-MODES = ("eager", "staged", "model_offload", "group_offload", "baseline")
+MODES = ("eager", "staged", "auto", "model_offload", "group_offload", "baseline")
 
 
 class StageMarks:
@@ -68,6 +70,7 @@ def run(
     materialize: bool = False,
     device: str = "cpu",
     meta: dict[str, Any] | None = None,
+    budget: int | str | None = None,
 ) -> dict[str, Any]:
     """Build the pipeline in ``mode``, call it once, and return what happened.
 
@@ -80,6 +83,7 @@ def run(
     import torch
     from diffusers.utils import logging
 
+    from ..autostage import auto
     from ..hooks.release import module_bytes
     from ..meter import MemoryMeter
 
@@ -99,7 +103,12 @@ def run(
         "threads": torch.get_num_threads(),
         "call": call,
     }
-    with MemoryMeter(trace, interval, meta={"label": mode, **(meta or {})}) as meter:
+    with contextlib.ExitStack() as stack:
+        meter = stack.enter_context(
+            MemoryMeter(trace, interval, meta={"label": mode, **(meta or {})})
+        )
+        if mode == "auto":  # its loads and releases in the trace; stages as eager's below
+            stack.enter_context(auto(budget=budget, events=_WithoutStages(meter)))
         start = time.perf_counter()
         models = _plan.model_components(Path(path))
         if mode == "baseline":
@@ -150,6 +159,18 @@ def run(
     return result
 
 
+class _WithoutStages:
+    """auto's events but its stages (named after models): the trace takes the stage
+    events :class:`StageMarks` makes, as the other modes' do."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink = sink
+
+    def emit(self, event: Any) -> None:
+        if event.kind != "stage":
+            self.sink.emit(event)
+
+
 def _materialized(models: dict[str, type], path: str, dtype: Any) -> dict[str, Any]:
     """Model components read fully into memory; the pipeline's loader passes
     ``disable_mmap`` to diffusers models only, so transformers models are loaded here."""
@@ -177,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--materialize", action="store_true", help="read weights into memory (no mmap)"
     )
+    parser.add_argument("--budget", default=None, help="auto mode's budget: bytes, 12G, 80%%")
     args = parser.parse_args(argv)
     try:
         call = json.loads(args.call)
@@ -195,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         offload_dir=args.offload_dir,
         materialize=args.materialize,
         device=args.device,
+        budget=args.budget,
     )
     text = json.dumps(result, indent=2)
     if args.result:
