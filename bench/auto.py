@@ -115,7 +115,9 @@ def child(mode: str, folder: str, laps: int, sample: bool, budget: int) -> None:
         if mode == "auto"
         else contextlib.nullcontext()
     )
-    with scope:
+    # Inference, as scripts run it: without no_grad each output's graph holds every weight
+    # it used, and auto keeps such a model loaded (a release would free memory under it).
+    with scope, torch.no_grad():
         if mode in ("hand", "hand-files"):
             if mode == "hand":
                 loaders = {

@@ -25,6 +25,13 @@ TYPE_KEY = "type"
 #: The key of a record's time: seconds since the start record's ``monotonic``.
 T_KEY = "t"
 
+
+def line_prefix(kind: str) -> bytes:
+    """How the line of a record of type ``kind`` starts, as the writers encode it (compact
+    JSON, ``type`` first: ``core.outer.encode``): records counted without parsing them."""
+    return b'{"%s":"%s"' % (TYPE_KEY.encode(), kind.encode())
+
+
 #: The longest line read as a record (16 MiB): a start record with a long command is under
 #: 1 MiB; a longer "line" is not a trace (``/dev/zero`` has no end of line at all).
 MAX_LINE = 16 << 20

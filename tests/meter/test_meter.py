@@ -15,7 +15,7 @@ import pytest
 
 from stageload.cli import main
 from stageload.core.events import Event
-from stageload.meter import MemoryMeter
+from stageload.meter import MemoryMeter, count_samples
 from stageload.meter.tracefile import read_records
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -53,7 +53,7 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
 def _wait_samples(path: Path, n: int, timeout: float = 30.0) -> None:
     """Wait until the trace at ``path`` holds ``n`` sample records."""
     deadline = time.monotonic() + timeout
-    while path.read_bytes().count(b'{"type":"sample"') < n:
+    while (count_samples(path) or 0) < n:
         assert time.monotonic() < deadline, f"fewer than {n} samples in {timeout} s"
         time.sleep(0.01)
 
@@ -358,13 +358,14 @@ def _meter(tmp_path: Path, *code_or_cmd: str, extra: tuple[str, ...] = ()) -> li
 # that a busy machine can break (the sampler's process gets no CPU in time). Bounded: 120 s.
 WAIT_SAMPLED = (
     "import json, os, time; end = time.monotonic() + 120\n"
+    "from stageload.traceformat import line_prefix\n"
     "def seen():\n"
     "    try:\n"
-    "        lines = open(os.environ['STAGELOAD_TEST_TRACE']).read().splitlines()\n"
+    "        lines = open(os.environ['STAGELOAD_TEST_TRACE'], 'rb').read().splitlines()\n"
     "    except OSError:\n"
     "        return False\n"
     "    for line in lines:\n"
-    '        if line.startswith(\'{{"type":"sample"\'):\n'
+    "        if line.startswith(line_prefix('sample')):\n"
     "            try:\n"
     "                if (json.loads(line).get('footprint') or 0) >= {mib} << 20: return True\n"
     "            except ValueError:\n"
@@ -648,3 +649,16 @@ def test_sampler_kill_spares_a_process_that_reused_its_pid(tmp_path: Path) -> No
         if other.poll() is None:
             other.kill()
         other.wait()
+
+
+def test_count_samples_counts_the_sample_records_the_reader_reads(tmp_path: Path) -> None:
+    """``count_samples`` matches lines by their start (``traceformat.line_prefix``), not by
+    parsing: checked against the reader on a real trace, and on a file it cannot read."""
+    path = tmp_path / "t.jsonl"
+    with MemoryMeter(path, interval=0.01) as meter:
+        meter.mark("inside")
+    records = read_records(path)
+    samples = sum(r["type"] == "sample" for r in records)
+    assert samples >= 1 and count_samples(path) == samples
+    assert len(records) > samples  # start, mark and end are not counted
+    assert count_samples(tmp_path / "missing.jsonl") is None

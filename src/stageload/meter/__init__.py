@@ -22,6 +22,7 @@ from ..memory import (
     sample_sources,
     to_sample,
 )
+from ..traceformat import SAMPLE, line_prefix
 from ..units import parse_duration
 from .sampler import Channel, Messages, Sampler, check_interval, pid_alive, read_system_for
 from .tracefile import TraceWriter
@@ -373,7 +374,7 @@ class MemoryMeter:
         if reply is None or Messages.SAMPLES not in reply:
             self._writer.error("sampler", "the sampler process did not report at stop")
             self._kill_sampler()
-            return _count_samples(self.path)
+            return count_samples(self.path)
         if reply.get("failure") and self._writer.failure is None:
             # The sampler could not write the trace and said so on stderr: one line is
             # enough. The end record is still tried (the disk may have room again).
@@ -418,9 +419,12 @@ def _create_time(pid: int) -> float | None:
         return None
 
 
-def _count_samples(path: Path) -> int | None:
+def count_samples(path: str | os.PathLike[str]) -> int | None:
+    """The sample records in the trace at ``path`` so far (a trace is flushed line by
+    line, so a meter's progress can be waited for), or None when it cannot be read."""
+    prefix = line_prefix(SAMPLE)
     try:
         with open(path, "rb") as f:
-            return sum(1 for line in f if line.startswith(b'{"type":"sample"'))
+            return sum(1 for line in f if line.startswith(prefix))
     except OSError:
         return None
