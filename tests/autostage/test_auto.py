@@ -1176,3 +1176,45 @@ def test_the_releases_that_make_room_for_one_load_collect_garbage_once(folder):
 def test_control_without_the_releasing_block_each_release_collects(folder, monkeypatch):
     monkeypatch.setattr(stageload.autostage, "releasing", contextlib.nullcontext)
     assert releases_for_one_load(folder) == (2, 2)
+
+
+# -- the report -----------------------------------------------------------------------------
+def test_what_auto_cannot_stage_is_one_line_each_in_the_report(folder, tmp_path):
+    """A factory that makes no module, a model used from two threads at once, and a model
+    whose weight the script holds a view of, under ``MemoryMeter``: ``stageload report``
+    on the trace says each once (``note`` lines)."""
+    import threading
+
+    from stageload.meter import MemoryMeter
+    from stageload.report.tables import format_report
+    from stageload.report.trace import load_summary
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    trace = tmp_path / "run.jsonl"
+    factories = ["torch:load", "fixtures.auto_script:make_gate", FACTORY]
+    budget = 2 * SIZE  # room for the gate and one model
+    with (
+        MemoryMeter(trace, interval=0.05) as meter,
+        auto(budget=budget, factories=factories, defaults=False, events=meter),
+    ):
+        torch.load(tmp_path / "w.pt", weights_only=True)
+        gate = auto_script.make_gate()
+        threads = [threading.Thread(target=gate, args=(torch.ones(4),)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        a = auto_script.load_model(f"{folder}/a.pt")
+        view = a.layers[0].weight[0:4]  # the script keeps a view of a's weight
+        auto_script.load_model(f"{folder}/b.pt")  # a would go for b; the view keeps it
+        del view
+    notes = [line for line in format_report([load_summary(trace)]).splitlines() if "note" in line]
+    assert notes == [
+        "note   run: w.pt: the factory returned a dict, not a module: not staged",
+        "note   run: make_gate: used from two threads at once: kept loaded, not staged",
+        "note   run: a.pt: layers.0.weight is held outside the model (a view the script "
+        "keeps, or an output's autograd graph: run under torch.no_grad()): kept loaded "
+        "while it is",
+        "note   run: b.pt: 1.0 MiB beside 2 models in use is over the budget of 2.0 MiB; "
+        "loaded anyway",
+    ]

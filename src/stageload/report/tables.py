@@ -178,6 +178,7 @@ def format_report(summaries: Sequence[Summary]) -> str:
     for label, summary in zip(labels, summaries, strict=True):
         for mark in summary.marks:
             notes.append(f"mark   {label}: {mark.label!r} at {format_duration(mark.t)}")
+        notes += [f"note   {label}: {note}" for note in summary.notes]
         for name, message in summary.read_errors.items():
             notes.append(
                 f"unread {label}: {name} ({message})" if message else f"unread {label}: {name}"

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..core.events import (
     BLOCK,
+    NOTE,
     REASON_BUDGET,
     REASON_CLOSE,
     REASON_EVICT,
@@ -178,6 +179,9 @@ class Summary:
     dropped: dict[str, int] = field(default_factory=dict)
     #: Streamed models (``stageload.streamed``): their ``block`` events per model name.
     blocks: dict[str, Blocks] = field(default_factory=dict)
+    #: What the run said about its models (``note`` events: what ``stageload.auto`` could
+    #: not stage and why, a component that reloads through ``from_pretrained``), in order.
+    notes: list[str] = field(default_factory=list)
 
     def stage(self, name: str) -> StageSummary | None:
         """The summary of stage ``name``, or ``None`` if the run never reached it."""
@@ -213,6 +217,7 @@ class Summary:
             "releases_by_reason": {k: v.to_dict() for k, v in self.releases_by_reason.items()},
             "blocks": {k: v.to_dict() for k, v in self.blocks.items()},
             "marks": [asdict(m) for m in self.marks],
+            "notes": self.notes,
             "read_errors": self.read_errors,
             "skipped": {
                 "lines": self.bad_lines,
@@ -298,7 +303,10 @@ def summarize(trace: Trace) -> Summary:
     }
     by_reason: dict[str, Activity] = {}
     blocks: dict[str, Blocks] = {}
+    notes: list[str] = []
     for event in trace.events:
+        if event.kind == NOTE and event.note and event.note not in notes:
+            notes.append(event.note)
         if event.kind == BLOCK:
             blocks.setdefault(event.model or "?", Blocks()).add(event)
         if event.kind in activity:
@@ -345,6 +353,7 @@ def summarize(trace: Trace) -> Summary:
         meta=trace.meta,
         pid=trace.pid,
         blocks=blocks,
+        notes=notes,
     )
 
 
