@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 _PROBE = 4096  # bytes compared per tensor at the first load
+_CHUNK = 8 << 20  # bytes read and compared at a time
 
 
 @dataclass
@@ -142,20 +143,27 @@ def reload(
 
 def _same_start(tensor: torch.Tensor, entry: Any, probe: int) -> bool:
     """The first ``probe`` bytes of ``tensor`` equal the file's, converted to its dtype as
-    torch does."""
+    torch does. Read and compared ``_CHUNK`` bytes at a time: a whole-tensor compare
+    (``learn(whole=True)``) holds one chunk, not a copy of the tensor."""
     import torch
 
     src = getattr(torch, DTYPES[entry.dtype][0])
     n = min(entry.nbytes, probe - probe % entry.itemsize)
-    raw = bytearray(n)  # read into it: no second copy of a whole tensor
-    with open(entry.file, "rb") as f:
-        f.seek(entry.offset)
-        if f.readinto(raw) != n:
-            return False
     if n == 0:
         return True
-    expected = torch.frombuffer(raw, dtype=torch.uint8).view(src)
-    got = tensor.detach().reshape(-1)[: expected.numel()].to("cpu")
-    if got.dtype != expected.dtype:
-        expected = expected.to(got.dtype)  # the conversion load_weights does
-    return torch.equal(got, expected)
+    flat = tensor.detach().reshape(-1)
+    step = max(entry.itemsize, _CHUNK - _CHUNK % entry.itemsize)
+    with open(entry.file, "rb") as f:
+        f.seek(entry.offset)
+        for start in range(0, n, step):
+            raw = bytearray(min(step, n - start))  # read into it: no second copy
+            if f.readinto(raw) != len(raw):
+                return False
+            expected = torch.frombuffer(raw, dtype=torch.uint8).view(src)
+            first = start // entry.itemsize
+            got = flat[first : first + expected.numel()].to("cpu")
+            if got.dtype != expected.dtype:
+                expected = expected.to(got.dtype)  # the conversion load_weights does
+            if not torch.equal(got, expected):
+                return False
+    return True
