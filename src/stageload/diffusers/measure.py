@@ -200,6 +200,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--budget", default=None, help="auto mode's budget: bytes, 12G, 80%%")
     args = parser.parse_args(argv)
+    if args.budget is not None:
+        from ..memory.budget import parse_budget
+
+        try:
+            parse_budget(args.budget)
+        except ValueError as exc:
+            parser.error(f"--budget: {exc}")
     try:
         call = json.loads(args.call)
     except json.JSONDecodeError as exc:
