@@ -244,7 +244,8 @@ def main() -> int:
         f"{med['hand'] / mib:.0f} | {med['hand-files'] / mib:.0f} | {med['auto'] / mib:.0f} | "
         f"{med['auto'] / med['hand']:.2f} | {med['auto'] / med['hand-files']:.2f} | "
         f"{med['auto'] / med['eager']:.2f} |",
-        f"| wall of a lap after the first (warm: files in the page cache), s | {lap['eager']:.3f} | {lap['hand']:.3f} | "
+        "| wall of a lap after the first (warm: files in the page cache), s | "
+        f"{lap['eager']:.3f} | {lap['hand']:.3f} | "
         f"{lap['hand-files']:.3f} | {lap['auto']:.3f} | {lap['auto'] / lap['hand']:.2f} | "
         f"{lap['auto'] / lap['hand-files']:.2f} | {lap['auto'] / lap['eager']:.2f} |",
         "",
