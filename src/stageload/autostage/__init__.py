@@ -397,7 +397,10 @@ class AutoSession:
     def load(self, model: _Model) -> bool:
         """Reload a released model in place (its hook's ``revive``); True once it is back."""
         me = threading.get_ident()
-        with releasing():  # the releases that make room collect garbage once, before the load
+        # The releases that make room give memory back once, before the load, without a
+        # garbage collection: it walks the whole heap, and auto's releases free the weights
+        # in place (bench/results/auto: the collection was half of a lap).
+        with releasing(collect=False):
             while True:
                 with self._lock:
                     module = model.module()
@@ -457,9 +460,9 @@ class AutoSession:
 
     def _make_room(self, size: int, name: str, keep: _Model | None = None) -> None:
         """Release idle models, one at a time, until ``size`` more bytes fit the budget
-        (collecting garbage once, after the last: :func:`~stageload.hooks.release.releasing`)."""
+        (giving memory back once, after the last: :func:`~stageload.hooks.release.releasing`)."""
         me = threading.get_ident()
-        with releasing():
+        with releasing(collect=False):
             while True:
                 with self._lock:
                     victim = self._victim(size, name, keep)

@@ -24,6 +24,8 @@ from .registry import HookRegistry, ModuleHook, in_call, quiesced
 
 #: The name of the hook :func:`release` adds to every module it empties.
 RELEASED = "released"
+#: The devices whose freed memory a release gives back (malloc's heap, the CUDA and MPS caches).
+DEVICES = ("cpu", "cuda", "mps")
 
 
 class ReleasedModuleError(StageloadError, RuntimeError):
@@ -116,23 +118,33 @@ def is_released(module: nn.Module) -> bool:
     return registry is not None and RELEASED in registry
 
 
-# This thread's open releasing() blocks, and whether a release ran inside them.
+# This thread's open releasing() blocks, whether a release ran inside them, and whether one
+# of them asked for a collection.
 _batch = threading.local()
 
 
 @contextmanager
-def releasing() -> Iterator[None]:
+def releasing(*, collect: bool = True) -> Iterator[None]:
     """Releases inside the block collect garbage once, at its end, instead of once each
-    (``StagedModels.enter``, ``evict`` and ``close`` release in one such block)."""
+    (``StagedModels.enter``, ``evict`` and ``close`` release in one such block).
+
+    ``collect=False``: no collection at all. Each release empties its storage in place and
+    gives the memory back (malloc's heap trimmed, device caches emptied), so the weights
+    come back without one; the collection, which walks the whole heap (80-180 ms once
+    torch is imported here), only frees the script's own dead cycles. ``stageload.auto``
+    releases this way. Nested blocks collect if any of them asked to."""
     depth = getattr(_batch, "depth", 0)
     _batch.depth = depth + 1
+    _batch.collect = getattr(_batch, "collect", False) or collect
     try:
         yield
     finally:
         _batch.depth = depth
-        if depth == 0 and getattr(_batch, "released", False):
-            _batch.released = False
-            collect_garbage()
+        if depth == 0:
+            released, collect = getattr(_batch, "released", False), _batch.collect
+            _batch.released = _batch.collect = False
+            if released and collect:
+                collect_garbage()
 
 
 def collect_garbage() -> None:
@@ -144,7 +156,7 @@ def collect_garbage() -> None:
     :func:`releasing` block (its cost: ``bench/results/release_gc/``).
     """
     gc.collect()
-    return_memory_to_os(("cpu", "cuda", "mps"), collect=False)  # a cycle may hold any
+    return_memory_to_os(DEVICES, collect=False)  # a cycle may hold any
 
 
 def release(

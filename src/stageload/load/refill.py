@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 _PROBE = 4096  # bytes compared per tensor at the first load
-_CHUNK = 8 << 20  # bytes read and compared at a time
+_CHUNK = 1 << 20  # bytes read and compared at a time (auto's peak: 8 MiB cost it 1.1 %)
 
 
 @dataclass
@@ -153,10 +153,11 @@ def _same_start(tensor: torch.Tensor, entry: Any, probe: int) -> bool:
         return True
     flat = tensor.detach().reshape(-1)
     step = max(entry.itemsize, _CHUNK - _CHUNK % entry.itemsize)
+    buffer = bytearray(min(step, n))  # one for every chunk, read into: no second copy
     with open(entry.file, "rb") as f:
         f.seek(entry.offset)
         for start in range(0, n, step):
-            raw = bytearray(min(step, n - start))  # read into it: no second copy
+            raw = memoryview(buffer)[: min(step, n - start)]
             if f.readinto(raw) != len(raw):
                 return False
             expected = torch.frombuffer(raw, dtype=torch.uint8).view(src)
