@@ -855,7 +855,8 @@ def chosen_while_called(folder: str, monkeypatch: Any) -> tuple[bool, list[Any]]
         lazy = auto_script.make_lazy()
         lazy.path = f"{folder}/b.pt"
         made.append(lazy)
-        auto_script.load_model(f"{folder}/c.pt")
+        # Kept: a dropped model goes when it is freed, and then b fits without a release.
+        c = auto_script.load_model(f"{folder}/c.pt")
         t1 = threading.Thread(target=lambda: auto_script.load_model(f"{folder}/b.pt"), daemon=True)
         t2 = threading.Thread(
             target=lambda: (walking.wait(30), out.append(lazy(x))), daemon=True
@@ -866,6 +867,7 @@ def chosen_while_called(folder: str, monkeypatch: Any) -> tuple[bool, list[Any]]
             t.join(max(0.0, deadline - time.monotonic()))
         finished = not t1.is_alive() and not t2.is_alive()
         auto_script.PROCEED.set()
+    del c
     return finished, out
 
 
