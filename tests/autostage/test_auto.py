@@ -1087,6 +1087,62 @@ def test_control_comparing_the_first_4_kib_reloads_other_weights(st_folder, monk
     assert not torch.equal(got, want)
 
 
+def interrupted_reload(folder: str, monkeypatch: Any, *, real_signal: bool) -> tuple[Any, ...]:
+    """Room for one model: ``a``'s reload from its files gets Ctrl-C (a real SIGINT to this
+    process) between reading and installing the tensors. Returns what the script sees
+    then and after it calls ``a`` again: (interrupted, a's weight empty after it, the
+    output of the retried lap, the eager output, reload events)."""
+    import signal
+
+    import stageload.load.weights as weights
+
+    real = weights.install
+    fired: list[int] = []
+
+    def install(*args: Any, **kwargs: Any) -> Any:
+        if not fired:
+            fired.append(1)
+            if real_signal:
+                signal.raise_signal(signal.SIGINT)  # KeyboardInterrupt at the next bytecode
+        return real(*args, **kwargs)
+
+    want, _ = st_run(folder, ST, staged=False)
+    sink = ListSink()
+    with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False, events=sink):
+        models = [auto_script.load_st(f"{folder}/{n}.safetensors") for n in auto_script.NAMES]
+        assert models[0].layers[0].weight.is_meta  # out: b and c came after it
+        monkeypatch.setattr(weights, "install", install)
+        interrupted = False
+        with torch.no_grad():
+            try:
+                models[0](torch.ones(1, auto_script.WIDTH))
+            except KeyboardInterrupt:
+                interrupted = True
+        empty = models[0].layers[0].weight.is_meta
+        out = auto_script.run(models, 2)
+    reloads = [e.model for e in sink.events if e.kind == "reload"]
+    return interrupted, empty, out, want, reloads
+
+
+def test_ctrl_c_in_a_reload_leaves_the_model_released_and_the_next_use_reloads_it(
+    st_folder, monkeypatch
+):
+    """The read is undone (every tensor back on meta, no reload event); the retried run
+    gives eager's output bit for bit (reference: the same factory without auto, in this
+    process)."""
+    interrupted, empty, out, want, reloads = interrupted_reload(
+        st_folder, monkeypatch, real_signal=True
+    )
+    assert interrupted and empty
+    assert torch.equal(out, want)
+    assert reloads[0] == "a.safetensors"  # the retried load, once
+
+
+def test_control_without_ctrl_c_the_reload_is_not_interrupted(st_folder, monkeypatch):
+    interrupted, empty, out, want, _ = interrupted_reload(st_folder, monkeypatch, real_signal=False)
+    assert not interrupted and not empty and torch.equal(out, want)
+
+
 # -- plan sources ---------------------------------------------------------------------------
 def sd_two_calls(path: Path, staged: bool) -> tuple[list[Any], ListSink]:
     """Stable Diffusion's components made one by one (text encoder, unet, vae: a fixed
