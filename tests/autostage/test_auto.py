@@ -293,6 +293,56 @@ def test_the_pixal3d_stub_through_its_own_entry_point_writes_eagers_glb(stub, im
     assert {"sparse_structure_flow_model", "tex_slat_decoder"} <= reloaded
 
 
+PIXAL3D_IMAGES = """
+import contextlib, sys, tempfile, torch
+import generate_mps as g
+import stageload, stageload.autostage as a
+torch.set_num_threads(1)
+image, out, budget, plan = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+if not plan:
+    del a.PLAN_SOURCES["pixal3d.pipelines.pixal3d_image_to_3d:Pixal3DImageTo3DPipeline.run"]
+factories = FACTORIES
+sink = stageload.ListSink()
+scope = stageload.auto(budget=budget, factories=factories, events=sink) if budget else None
+with scope or contextlib.nullcontext() as session:
+    args = g.parse_args([image, "--device", "cpu", "--seed", "7", "--output", out])
+    g.load_runtime_deps()
+    pipeline = g.load_pipeline(args, "cpu")
+    for i in range(3):  # three images, one pipeline: the port's own functions
+        with tempfile.TemporaryDirectory() as tmp:
+            asset = g.image_to_asset(pipeline, g.Image.open(image), args, "cpu", tmp)
+        g.asset_to_glb(asset, f"{out}.{i}", args)
+print(sum(e.kind == "reload" for e in sink.events))
+print(sum(n.startswith("the plan before the first use") for n in getattr(session, "notes", [])))
+""".replace("FACTORIES", repr(list(PIXAL3D_FACTORIES)))
+
+
+def pixal3d_images(stub: Path, image: Path, out: Path, budget: int, plan: bool) -> list[int]:
+    done = _run(["-c", PIXAL3D_IMAGES, str(image), str(out), str(budget), str(int(plan))], stub)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [int(n) for n in done.stdout.split()[-2:]]
+
+
+def test_three_images_through_the_pixal3d_port_follow_its_stage_plan(stub, image, tmp_path):
+    """The port's stages seed the plan at each ``run`` (until one learned from the uses
+    replaces it): with room for about two flow models, three images reload 16 times, and
+    20 without the port's plan; the GLBs are byte for byte the port's own (eager: the same
+    script without auto; one thread in both)."""
+    pytest.importorskip("PIL.Image")
+    pixal3d_images(stub, image, tmp_path / "eager.glb", 0, plan=True)
+    reloads, said = pixal3d_images(stub, image, tmp_path / "auto.glb", 130_000, plan=True)
+    for i in range(3):
+        auto_glb = (tmp_path / f"auto.glb.{i}").read_bytes()
+        assert auto_glb == (tmp_path / f"eager.glb.{i}").read_bytes()
+    assert (reloads, said) == (16, 1)
+
+
+def test_control_without_the_pixal3d_plan_three_images_reload_more(stub, image, tmp_path):
+    pytest.importorskip("PIL.Image")
+    reloads, said = pixal3d_images(stub, image, tmp_path / "auto.glb", 130_000, plan=False)
+    assert (reloads, said) == (20, 0)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memory cgroups are Linux only")
 def test_in_a_cgroup_between_the_two_peaks_auto_finishes_where_the_script_is_oom_killed(
     tmp_path,

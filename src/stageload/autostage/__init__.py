@@ -60,7 +60,7 @@ from ..memory.budget import parse_budget
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["AutoError", "AutoSession", "auto", "DEFAULT_FACTORIES", "PLAN_SOURCES"]
+__all__ = ["AutoError", "AutoSession", "auto", "DEFAULT_FACTORIES", "PLAN_SOURCES", "PlanSource"]
 
 #: The factories wrapped unless told otherwise: ``module:Class.method``.
 DEFAULT_FACTORIES = (
@@ -129,17 +129,21 @@ class _Record:
     """The models in use, one entry per change, and the cycle learned from them: once the
     last lap of uses repeats the one before (a model may appear twice in a lap: img2img's
     vae), it is the plan, one stage per use; a use off the plan forgets it until the
-    sequence repeats again."""
+    sequence repeats again. A plan source's plan (:meth:`seed`) may list several models
+    per stage (Pixal3D's), and need not list every model."""
 
     uses: list[str] = field(default_factory=list)
     plan: Plan | None = None
     #: Where in ``plan`` the script is now.
     stage: str | None = None
+    #: ``plan`` came from a plan source: a use of a model it does not list keeps it.
+    seeded: bool = False
 
     def seed(self, plan: Plan) -> None:
         """A plan known before the models' first use (a plan source: diffusers' offload
-        order): followed from its first stage, forgotten at the first use off it."""
-        self.plan, self.stage = plan, plan.order[-1]
+        order, Pixal3D's stages): followed from its first stage, forgotten at the first
+        use of a model it lists out of its order."""
+        self.plan, self.stage, self.seeded = plan, plan.order[-1], True
 
     def add(self, name: str) -> None:
         if self.uses and self.uses[-1] == name:
@@ -148,10 +152,17 @@ class _Record:
         del self.uses[:-USES_KEPT]
         if self.plan is not None and self.stage is not None:
             after = self.plan.next_stage(self.stage)
-            if self.plan[after] == (name,):
+            if name in self.plan[after] and name not in self.plan[self.stage]:
                 self.stage = after
+            elif name not in self.plan[self.stage] and (
+                not self.seeded or self.plan.listed(name)  # unlisted: MoGe, before the run
+            ):
+                self.plan = self.stage = None  # off the cycle: learn it again
+                self.seeded = False
+            if self.plan is not None and not self.seeded:
                 return
-            self.plan = self.stage = None  # off the cycle: learn it again
+        # Also while a source's plan is followed: a lap learned from the uses has a stage
+        # per use, finer than a source's stages, and replaces it.
         self._learn()
 
     def _learn(self) -> None:
@@ -170,6 +181,7 @@ class _Record:
                 stages[name if n == 0 else f"{name}#{n + 1}"] = (name,)
             self.plan = Plan(stages)
             self.stage = self.plan.order[0]
+            self.seeded = False
             return
 
 
@@ -375,24 +387,39 @@ class AutoSession:
         with self._lock:
             self._pin(model, why)
 
-    def seed(self, modules: Iterable[Any], source: str) -> None:
-        """The order a plan source gives, before the first use: one stage per model of
-        this session among ``modules``, in their order; said once per plan."""
+    def seed(self, stages: Iterable[Iterable[Any]], source: str) -> None:
+        """The order a plan source gives, before the first use: its stages in order, each
+        the models of this session among the objects it lists (a stage left with none
+        goes); said once per plan."""
         from torch import nn
 
         with self._lock:
-            names: list[str] = []
-            for module in modules:
-                hook = _auto_hook(module) if isinstance(module, nn.Module) else None
-                mine = isinstance(hook, _Hook) and hook.session is self
-                if mine and hook.model.module() is module:
-                    names.append(hook.model.name)
-            if len(set(names)) < 2 or len(set(names)) != len(names):
+            plan_stages: dict[str, tuple[str, ...]] = {}
+            for objects in stages:
+                names: list[str] = []
+                for obj in objects:
+                    hook = _auto_hook(obj) if isinstance(obj, nn.Module) else None
+                    mine = isinstance(hook, _Hook) and hook.session is self
+                    if mine and hook.model.module() is obj and hook.model.name not in names:
+                        names.append(hook.model.name)
+                if not names:
+                    continue
+                key, n = "+".join(names), 1
+                while key in plan_stages:  # a model used twice a call: a stage each time
+                    n += 1
+                    key = f"{'+'.join(names)}#{n}"
+                plan_stages[key] = tuple(names)
+            listed = {name for names in plan_stages.values() for name in names}
+            if len(plan_stages) < 2 or len(listed) < 2:
                 return
-            plan = Plan({name: (name,) for name in names})
-            if plan != self.record.plan:
+            plan = Plan(plan_stages)
+            if self.record.plan is not None and not self.record.seeded:
+                return  # learned from the uses: one stage per use, finer than a source's
+            if plan != self.record.plan or plan.order != self.record.plan.order:
                 self.record.seed(plan)
-                self._note(f"the plan before the first use, from {source}: {' -> '.join(names)}")
+                self._note(
+                    f"the plan before the first use, from {source}: {' -> '.join(plan.order)}"
+                )
 
     def load(self, model: _Model) -> bool:
         """Reload a released model in place (its hook's ``revive``); True once it is back."""
@@ -525,7 +552,7 @@ class AutoSession:
         """Who goes first: furthest next use in the recorded cycle once there is one (and
         it lists them all), else least recently used."""
         plan, stage = self.record.plan, self.record.stage
-        if plan is not None and stage is not None and all(plan.listed(m.name) for m in idle):
+        if plan is not None and stage is not None:  # a model it does not list: never again
             return sorted(idle, key=lambda m: (-plan.next_use(m.name, stage), m.last_use))
         return sorted(idle, key=lambda m: m.last_use)
 
@@ -1113,38 +1140,58 @@ def _as_factory(session: AutoSession) -> Around:
     return around
 
 
-def _as_plan_source(session: AutoSession, order: Callable[[Any], list[Any]], source: str) -> Around:
-    """A plan source's calls: the order of the models in what it returns is the plan
-    until their first use shows otherwise."""
+@dataclass(frozen=True)
+class PlanSource:
+    """Where a library knows the order of its models before their first use: a call whose
+    result (or, with ``before``, whose arguments, ``self`` first) ``stages`` turns into the
+    objects it will use, stage by stage, and what the note calls it."""
+
+    stages: Callable[..., list[list[Any]]]
+    name: str
+    before: bool = False
+
+
+def _as_plan_source(session: AutoSession, source: PlanSource) -> Around:
+    """A plan source's calls: the stages it gives are the plan until a use shows otherwise."""
 
     def around(call: Callable[..., Any], who: Any, args: tuple, kwargs: dict) -> Any:
+        if source.before:
+            session.seed(source.stages(*args, **kwargs), source.name)
+            return call(*args, **kwargs)
         result = call(*args, **kwargs)
-        session.seed(order(result), source)
+        session.seed(source.stages(result), source.name)
         return result
 
     return around
 
 
-def _offload_order(pipe: Any) -> list[Any]:
-    """A diffusers pipeline's components in the order its call uses them: its
-    ``model_cpu_offload_seq`` (``"text_encoder->unet->vae"``), which diffusers' own model
-    offloading follows."""
+def _offload_order(pipe: Any) -> list[list[Any]]:
+    """A diffusers pipeline's components in the order its call uses them, one per stage:
+    its ``model_cpu_offload_seq`` (``"text_encoder->unet->vae"``), which diffusers' own
+    model offloading follows."""
     seq = getattr(pipe, "model_cpu_offload_seq", None)
     if not isinstance(seq, str):
         return []
-    return [getattr(pipe, name.strip(), None) for name in seq.split("->")]
+    return [[getattr(pipe, name.strip(), None)] for name in seq.split("->")]
 
 
-#: Plan sources wrapped with the default factories: where a library knows the order of
-#: its models before their first use, and what the note calls it.
-PLAN_SOURCES: dict[str, tuple[Callable[[Any], list[Any]], str]] = {
-    "diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pretrained": (
-        _offload_order,
-        "diffusers' model_cpu_offload_seq",
+def _pixal3d_stages(pipeline: Any, *args: Any, **kwargs: Any) -> list[list[Any]]:
+    """The Pixal3D port's ``run``: its stage plan (:mod:`stageload.pixal3d.plan`)."""
+    from ..pixal3d.plan import run_stages
+
+    return run_stages(pipeline, kwargs.get("pipeline_type"))
+
+
+#: Plan sources wrapped with the default factories, by ``module:Class.method``.
+PLAN_SOURCES: dict[str, PlanSource] = {
+    "diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pretrained": PlanSource(
+        _offload_order, "diffusers' model_cpu_offload_seq"
     ),
-    "diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pipe": (
-        _offload_order,
-        "diffusers' model_cpu_offload_seq",
+    "diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pipe": PlanSource(
+        _offload_order, "diffusers' model_cpu_offload_seq"
+    ),
+    "pixal3d.pipelines.pixal3d_image_to_3d:Pixal3DImageTo3DPipeline.run": PlanSource(
+        _pixal3d_stages, "the Pixal3D stage plan", before=True
     ),
 }
 
@@ -1198,7 +1245,7 @@ def auto(
 
     def plan_source(spec: str) -> Callable[[Any], None]:
         def wrap(module: Any) -> None:
-            undo.append(_wrap(*_resolve(spec), _as_plan_source(session, *PLAN_SOURCES[spec])))
+            undo.append(_wrap(*_resolve(spec), _as_plan_source(session, PLAN_SOURCES[spec])))
 
         return wrap
 

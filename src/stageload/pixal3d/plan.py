@@ -8,6 +8,7 @@ Light on purpose: the CLI imports it for ``--help``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from ..errors import StageloadError
 
@@ -103,6 +104,32 @@ def plan_for(pipeline_type: str) -> dict[str, tuple[str, ...]]:
     if plan is None:
         raise UnsupportedPipelineError(pipeline_type)
     return dict(plan)
+
+
+def run_stages(pipeline: Any, pipeline_type: str | None = None) -> list[list[Any]]:
+    """The objects a call of the port's ``Pixal3DImageTo3DPipeline.run`` uses, stage by
+    stage in the plan's order: ``pipeline.models[name]``, each extractor with its DINOv3
+    backbone (``.model``) and NAF upsampler (``.upsampler``), the background remover.
+    ``stageload.auto``'s plan for the call; empty for a type without a plan here."""
+    plan = PLANS.get(pipeline_type or getattr(pipeline, "default_pipeline_type", None))
+    if plan is None:
+        return []
+    models = getattr(pipeline, "models", None) or {}
+    extractor = {stage: getattr(pipeline, attr, None) for attr, stage in EXTRACTOR_STAGES.items()}
+    stages: list[list[Any]] = []
+    for stage, names in plan.items():
+        objects: list[Any] = []
+        for name in names:
+            if name == BACKBONE:
+                objects.append(getattr(extractor.get(stage), "model", None))
+            elif name == NAF:
+                objects.append(getattr(extractor.get(stage), "upsampler", None))
+            elif name in EXTRACTOR_STAGES or name == REMBG:
+                objects.append(getattr(pipeline, name, None))
+            else:
+                objects.append(models.get(name))
+        stages.append(objects)
+    return stages
 
 
 def check_stream(names: Iterable[str]) -> tuple[str, ...]:
