@@ -283,12 +283,13 @@ def goals(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write(runs: list[dict[str, Any]]) -> None:
+def write(runs: list[dict[str, Any]]) -> bool:
     rows = summarize(runs)
     (OUT / "results.json").write_text(json.dumps({"runs": runs, "rows": rows}, indent=2) + "\n")
     md = table(rows) + "\n\n" + goals(rows)
     (OUT / "results.md").write_text(md + "\n")
     print(md)
+    return all(row["identical"] for row in rows)  # False: a mode's output differs
 
 
 def main() -> None:
@@ -326,7 +327,8 @@ def main() -> None:
             for rep in range(args.repeats):
                 for mode in args.modes:  # interleaved, so machine load hits every mode alike
                     runs.append(run_one(workload, mode, n, rep, args.threads))
-    write(runs)
+    if not write(runs):
+        sys.exit("outputs DIFFER between modes (the tables say where): the figures do not stand")
 
 
 if __name__ == "__main__":

@@ -304,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    hashes = {row.get("image_sha256") for row in analysis["rows"].values() if "error" not in row}
+    if len(hashes) > 1:
+        print("ERROR: the modes made different images: the figures do not stand", file=sys.stderr)
+        return 1
     try:
         from stageload.report.plot import plot_traces
 

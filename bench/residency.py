@@ -895,16 +895,18 @@ def main() -> None:
                 for mode in args.modes:  # interleaved, so machine load hits every mode alike
                     for which in args.budgets if mode.startswith("budget") else ["-"]:
                         runs.append(run_one(workload, mode, n, which, rep))
-    write(runs)
+    if not write(runs):
+        sys.exit("outputs DIFFER between modes (the tables say where): the figures do not stand")
 
 
-def write(runs: list[dict[str, Any]]) -> None:
+def write(runs: list[dict[str, Any]]) -> bool:
     rows = summarize(runs)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "results.json").write_text(json.dumps({"runs": runs, "rows": rows}, indent=2) + "\n")
     md = table(rows)
     (OUT / "results.md").write_text(md + "\n")
     print(md)
+    return all(row["identical"] for row in rows)  # False: a mode's output differs
 
 
 if __name__ == "__main__":
