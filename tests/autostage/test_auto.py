@@ -28,6 +28,18 @@ from stageload.autostage import auto  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FACTORY = "fixtures.auto_script:load_model"
+#: ``stageload auto`` with room for no model and only FACTORY wrapped, before the command.
+AUTO_NONE = [
+    "-m",
+    "stageload",
+    "auto",
+    "--budget",
+    "1",
+    "--no-defaults",
+    "--factory",
+    FACTORY,
+    "--",
+]
 SIZE = auto_script.model_bytes()
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 TESTS = str(Path(__file__).resolve().parents[1])
@@ -811,13 +823,12 @@ def test_the_cli_waits_for_the_scripts_threads_and_exits_130_on_ctrl_c(folder, t
         "t = threading.Thread(target=late)\n"
         "t.start()\n"
     )
-    base = ["-m", "stageload", "auto", "--budget", "1", "--no-defaults", "--factory", FACTORY, "--"]
-    done = _run([*base, "python", str(worker), folder], tmp_path)
+    done = _run([*AUTO_NONE, "python", str(worker), folder], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("late ")
     interrupted = tmp_path / "intr.py"
     interrupted.write_text("raise KeyboardInterrupt\n")
-    assert _run([*base, "python", str(interrupted)], tmp_path).returncode == 130
+    assert _run([*AUTO_NONE, "python", str(interrupted)], tmp_path).returncode == 130
 
 
 def test_a_factory_module_that_imports_transformers_leaves_the_defaults_wrapped(tmp_path):
@@ -1015,8 +1026,7 @@ def test_the_cli_lets_python_end_the_script_pools_and_threads_first(folder, tmp_
         "    return 0\n"
         "sys.exit(main())\n"
     )
-    base = ["-m", "stageload", "auto", "--budget", "1", "--no-defaults", "--factory", FACTORY, "--"]
-    done = _run([*base, "python", str(script), folder], tmp_path)
+    done = _run([*AUTO_NONE, "python", str(script), folder], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["worker", "True"]
 
