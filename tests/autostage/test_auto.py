@@ -883,11 +883,12 @@ def test_control_counting_module_calls_only_frees_the_weights_under_the_method(f
     assert done.returncode != 0 or float(done.stdout.split()[-1]) != want
 
 
-def chosen_while_called(folder: str, monkeypatch: Any) -> tuple[bool, list[Any]]:
+def chosen_while_called(folder: str, monkeypatch: Any, wait: float = 30) -> tuple[bool, list[Any]]:
     """T1 makes room for ``b`` and chooses ``lazy``; T2 calls ``lazy`` in that moment, and
     its forward makes ``b`` too (so T2 waits for T1's factory call). The moment is made
     long: the release's walk over the tensors waits (at most 10 s) for T2's call to wait
-    at the hold. Returns whether both threads finished, and T2's output."""
+    at the hold. Returns whether both threads finished within ``wait`` seconds, and T2's
+    output."""
     import threading
 
     lazy_size = sum(
@@ -923,7 +924,7 @@ def chosen_while_called(folder: str, monkeypatch: Any) -> tuple[bool, list[Any]]
             target=lambda: (walking.wait(30), out.append(lazy(x))), daemon=True
         )  # daemons: the control leaves them deadlocked
         t1.start(), t2.start()
-        deadline = time.monotonic() + 30  # for both: the control deadlocks them
+        deadline = time.monotonic() + wait  # for both: the control deadlocks them
         for t in (t1, t2):
             t.join(max(0.0, deadline - time.monotonic()))
         finished = not t1.is_alive() and not t2.is_alive()
@@ -940,7 +941,7 @@ def test_a_call_that_starts_while_its_model_is_chosen_waits_for_the_release(fold
 
 def test_control_without_the_hold_the_release_and_the_call_wait_for_each_other(folder, monkeypatch):
     monkeypatch.setattr(stageload.autostage, "try_hold", lambda modules: lambda: None)
-    finished, _ = chosen_while_called(folder, monkeypatch)
+    finished, _ = chosen_while_called(folder, monkeypatch, wait=10)  # a deadlock stays one
     assert not finished
 
 
