@@ -549,10 +549,10 @@ class AutoSession:
         return None
 
     def _order(self, idle: Sequence[_Model]) -> list[_Model]:
-        """Who goes first: furthest next use in the recorded cycle once there is one (and
-        it lists them all), else least recently used."""
+        """Who goes first: furthest next use in the plan once there is one (a model it
+        does not list first, least recently used among those), else least recently used."""
         plan, stage = self.record.plan, self.record.stage
-        if plan is not None and stage is not None:  # a model it does not list: never again
+        if plan is not None and stage is not None:  # not listed: next use inf
             return sorted(idle, key=lambda m: (-plan.next_use(m.name, stage), m.last_use))
         return sorted(idle, key=lambda m: m.last_use)
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 _PROBE = 4096  # bytes compared per tensor at the first load
-_CHUNK = 1 << 20  # bytes read and compared at a time (auto's peak: 8 MiB cost it 1.1 %)
+_CHUNK = 1 << 20  # bytes read and compared at a time (8 MiB put 12 MiB, 2.7 %, on auto's peak)
 
 
 @dataclass
