@@ -718,8 +718,9 @@ def _changed(model: _Model) -> str | None:
     removed, a tensor changed in place (its version counter), or values that differ from
     the loaded ones (changed through ``.data``, or a tensor replaced by other values). A
     tensor replaced by its own values converted (``.to``, ``.half``: buffers get new
-    objects) is no change: a reload converts the same way. None also records the tensors
-    as they are now, for the next check."""
+    objects) is no change: a reload converts the same way. A released model's empty
+    tensors are no change either. None also records a loaded model's tensors as they are
+    now, for the next check."""
     module = model.module()
     if module is None:
         return None
@@ -734,10 +735,16 @@ def _changed(model: _Model) -> str | None:
         # swap_module_params_on_conversion) or a new ``.data``: the values decide below.
         if then[0] == ident and then[1] != version and then[2] == address:
             return f"{name} changed in place"
-    differs = _same(_samples(module), _converted(model.samples, module))
+    samples, then_samples = _samples(module), _converted(model.samples, module)
+    if model.state != LOADED:
+        # Released by auto (or on its way in or out): its empty tensors have nothing to
+        # compare; the ones in memory still must equal their load's.
+        then_samples = {n: s for n, s in then_samples.items() if n in samples}
+    differs = _same(samples, then_samples)
     if differs is not None:
         return f"{differs} changed"
-    model.seen = now
+    if model.state == LOADED:  # a released model's empty tensors are not what to compare to
+        model.seen = now
     return None
 
 
