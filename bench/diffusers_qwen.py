@@ -1,10 +1,12 @@
-"""Qwen-Image 2.1 on a CPU: eager, diffusers' offload modes and staged loading, each measured.
+"""A diffusers pipeline on a CPU: eager, diffusers' offload modes, staged loading and auto.
 
-Builds (once) a QwenImage21Pipeline with random weights whose text encoder and transformer
-hold about 3 GB each in bf16, then runs one image per mode, each in its own process under
-MemoryMeter, and writes to bench/results/diffusers-qwen/: the traces, a table (peak per
-stage, total time, load seconds, bytes loaded), the plot, and the staged peak against a
-reference computed without the staged run:
+Builds (once) a pipeline with random weights whose text encoder and denoiser hold about
+``--gb`` GB each in bf16: Qwen-Image 2.1 by default, or ``--family`` flux, sd3, wan2.2,
+pixart-sigma (the scalable fixtures of :mod:`stageload.testing.diffusers`). Then runs one
+image per mode, each in its own process under MemoryMeter, and writes to
+bench/results/diffusers-qwen/ (other families: diffusers-FAMILY/): the traces, a table
+(peak per stage, total time, load seconds, bytes loaded), the plot, and the staged peak
+against a reference computed without the staged run:
 
     reference = baseline + max over stages of (stage weights + stage working memory)
 
@@ -16,8 +18,8 @@ reference computed without the staged run:
 - working memory: how far the eager run's footprint rose inside each stage above where it
   stood when the stage began (all weights resident, so the rise is activations).
 
-The script exits 1, loudly, if the staged peak comes out under the reference: then the
-reference is not a floor and something in it is wrong.
+The script exits 1, loudly, if the staged peak comes out under the reference (then the
+reference is not a floor and something in it is wrong), or if the modes' images differ.
 
 The checkpoint is float16 and runs in bfloat16, so every weight is converted, i.e. copied
 into process memory, as it is on an accelerator or a Mac. A bf16 checkpoint run in bf16
@@ -25,6 +27,7 @@ on a CPU would stay mapped from the file: page cache, which the footprint does n
 
     python bench/diffusers_qwen.py                  # all modes, ~10 minutes on 2 cores
     python bench/diffusers_qwen.py --gb 0.5 --modes eager staged   # a quick look
+    python bench/diffusers_qwen.py --family flux --gb 0.5 --modes eager staged auto
     python bench/diffusers_qwen.py --analyse-only   # the recorded traces, a new baseline
 """
 
@@ -41,18 +44,49 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("eager", "model_offload", "group_offload", "staged", "auto")
-STAGES = ("setup", "encode", "denoise", "decode")
 GIB = 1 << 30
+PROMPT = "a capybara wearing a wizard hat, reading a book by candlelight"
 
 
-def build_fixture(path: Path, gb: float) -> Path:
+def _call(family: str, side: int, steps: int) -> dict[str, Any]:
+    """One call of ``family``'s pipeline: an image (Wan: 5 frames) ``side`` pixels wide."""
+    call: dict[str, Any] = {
+        "prompt": PROMPT,
+        "height": side,
+        "width": side,
+        "num_inference_steps": steps,
+    }
+    if family == "qwen-image-2.1":
+        call["output_resolution"] = side
+    else:  # the text encoders' sequence, short as the tests': the T5 fixtures are small
+        call["max_sequence_length"] = 16
+    if family == "pixart-sigma":  # its bins assume a real model's sample size
+        call["use_resolution_binning"] = False
+    if family == "wan2.2":
+        call["num_frames"] = 5
+        call["num_inference_steps"] = max(steps, 4)  # both transformers get steps
+    return call
+
+
+#: Fixture family (stageload.testing.diffusers) -> its diffusers pipeline class.
+FAMILIES = {
+    "qwen-image-2.1": "QwenImage21Pipeline",
+    "flux": "FluxPipeline",
+    "sd3": "StableDiffusion3Pipeline",
+    "wan2.2": "WanPipeline",
+    "pixart-sigma": "PixArtSigmaPipeline",
+}
+
+
+def build_fixture(path: Path, gb: float, family: str) -> Path:
     """The scaled pipeline, built in a child process (it holds ~2 x gb while saving)."""
     if (path / "model_index.json").exists():
         return path
+    extra = ", vae_dim=16" if family == "qwen-image-2.1" else ""
     code = (
         "import sys, torch; from stageload.testing import diffusers as f; "
-        f"f.build('qwen-image-2.1', {str(path)!r}, dtype=torch.float16, "
-        f"size=f.Size.for_bytes({int(gb * 1e9)}, bytes_per_param=2), vae_dim=16)"
+        f"f.build({family!r}, {str(path)!r}, dtype=torch.float16, "
+        f"size=f.Size.for_bytes({int(gb * 1e9)}, bytes_per_param=2){extra})"
     )
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", code], check=True, env=_env())
@@ -65,15 +99,17 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
 
 
-def run_mode(mode: str, fixture: Path, out: Path, call: dict[str, Any], offload: Path) -> dict:
+def run_mode(
+    mode: str, fixture: Path, out: Path, call: dict[str, Any], offload: Path, pipeline: str
+) -> dict:
     cmd = [
-        sys.executable, "-m", "stageload.diffusers.measure", mode, "QwenImage21Pipeline",
+        sys.executable, "-m", "stageload.diffusers.measure", mode, pipeline,
         str(fixture), str(out / f"{mode}.jsonl"), "--call", json.dumps(call),
         "--dtype", "bfloat16", "--interval", "0.1", "--result", str(out / f"{mode}.json"),
         "--offload-dir", str(offload),
     ]  # fmt: skip
     if mode == "auto":  # room for the staged plan's largest stage (its weights), + 5 %
-        cmd += ["--budget", str(int(1.05 * max(plan_weights(fixture)[0].values())))]
+        cmd += ["--budget", str(int(1.05 * max(plan_weights(fixture, pipeline)[0].values())))]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -91,9 +127,22 @@ def _gib(value: float | None) -> str:
     return "-" if value is None else f"{value / GIB:.2f}"
 
 
-def analyse(out: Path, fixture: Path, results: dict[str, dict]) -> dict[str, Any]:
+def stages(fixture: Path, pipeline: str) -> list[str]:
+    """setup, then the staged pipeline's default plan's stages: every mode's windows."""
+    import diffusers
+
+    from stageload.diffusers import _plan
+
+    models = _plan.model_components(fixture)
+    seq = getattr(diffusers, pipeline).model_cpu_offload_seq
+    return ["setup", *_plan.default_plan(seq, models)]
+
+
+def analyse(out: Path, fixture: Path, results: dict[str, dict], pipeline: str) -> dict[str, Any]:
     """Per-mode figures from the traces, and the staged peak against the reference."""
     from stageload.report.trace import load_summary, read_trace
+
+    names = stages(fixture, pipeline)
 
     rows: dict[str, dict[str, Any]] = {}
     for mode, result in results.items():
@@ -104,7 +153,7 @@ def analyse(out: Path, fixture: Path, results: dict[str, dict]) -> dict[str, Any
         events = read_trace(out / f"{mode}.jsonl").events
         loads = [e for e in events if e.kind in ("load", "reload")]
         stage_peaks = {
-            s: (summary.stage(s).peak_footprint if summary.stage(s) else None) for s in STAGES
+            s: (summary.stage(s).peak_footprint if summary.stage(s) else None) for s in names
         }
         # Staged loads during the call; the other modes load everything in from_pretrained.
         load_seconds = sum(e.seconds or 0 for e in loads) if loads else result["build_seconds"]
@@ -118,15 +167,16 @@ def analyse(out: Path, fixture: Path, results: dict[str, dict]) -> dict[str, Any
             "bytes_loaded": loaded,
             "image_sha256": result["image_sha256"],
         }
-    bound = reference(out, fixture, results) if {"eager", "staged"} <= rows.keys() else None
-    return {"rows": rows, "reference": bound}
+    both = {"eager", "staged"} <= rows.keys()
+    bound = reference(out, fixture, results, pipeline) if both else None
+    return {"rows": rows, "reference": bound, "stages": names}
 
 
-def baseline_footprint(fixture: Path, out: Path) -> int:
+def baseline_footprint(fixture: Path, out: Path, pipeline: str) -> int:
     """Peak footprint of a separate process that loads no model component."""
     trace = out / "baseline.jsonl"
     cmd = [
-        sys.executable, "-m", "stageload.diffusers.measure", "baseline", "QwenImage21Pipeline",
+        sys.executable, "-m", "stageload.diffusers.measure", "baseline", pipeline,
         str(fixture), str(trace), "--dtype", "bfloat16", "--interval", "0.1",
     ]  # fmt: skip
     subprocess.run(cmd, env=_env(), check=True, capture_output=True)
@@ -162,7 +212,7 @@ def checkpoint_weights(fixture: Path, dtype: str) -> dict[str, int]:
     return out
 
 
-def plan_weights(fixture: Path) -> tuple[dict[str, int], set[str]]:
+def plan_weights(fixture: Path, pipeline: str) -> tuple[dict[str, int], set[str]]:
     """The staged pipeline's default plan: each stage's checkpoint weights at bf16, with
     the components it keeps resident; and those components."""
     import diffusers
@@ -171,7 +221,7 @@ def plan_weights(fixture: Path) -> tuple[dict[str, int], set[str]]:
 
     weights = checkpoint_weights(fixture, "bfloat16")
     models = _plan.model_components(fixture)
-    plan = _plan.default_plan(diffusers.QwenImage21Pipeline.model_cpu_offload_seq, models)
+    plan = _plan.default_plan(getattr(diffusers, pipeline).model_cpu_offload_seq, models)
     staged_names = [n for names in plan.values() for n in names]
     keep = set(_plan.default_keep(_plan.weight_bytes(fixture, staged_names)))
     stage_weights = {
@@ -180,7 +230,9 @@ def plan_weights(fixture: Path) -> tuple[dict[str, int], set[str]]:
     return stage_weights, keep
 
 
-def reference(out: Path, fixture: Path, results: dict[str, dict]) -> dict[str, Any] | None:
+def reference(
+    out: Path, fixture: Path, results: dict[str, dict], pipeline: str
+) -> dict[str, Any] | None:
     """baseline + max over stages of (stage weights + eager working memory); see the top."""
     from stageload.report.trace import read_trace, stage_windows
 
@@ -196,8 +248,8 @@ def reference(out: Path, fixture: Path, results: dict[str, dict]) -> dict[str, A
         if window.stage == "setup" or not inside or not before:
             continue
         working[window.stage] = max(working.get(window.stage, 0), max(inside) - before[-1])
-    stage_weights, keep = plan_weights(fixture)
-    baseline = baseline_footprint(fixture, out)
+    stage_weights, keep = plan_weights(fixture, pipeline)
+    baseline = baseline_footprint(fixture, out, pipeline)
     need = {s: stage_weights[s] + working.get(s, 0) for s in stage_weights}
     bound = baseline + max(need.values())
     staged = read_trace(out / "staged.jsonl")
@@ -215,16 +267,16 @@ def reference(out: Path, fixture: Path, results: dict[str, dict]) -> dict[str, A
 
 def write_results(out: Path, analysis: dict[str, Any], meta: dict[str, Any]) -> str:
     rows, bound = analysis["rows"], analysis["reference"]
+    names = analysis["stages"]
     lines = [
-        "| mode | peak GiB | setup | encode | denoise | decode | total s | call s | load s "
-        "| GiB loaded |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| mode | peak GiB | {' | '.join(names)} | total s | call s | load s | GiB loaded |",
+        "| --- | ---: |" + " ---: |" * (len(names) + 4),
     ]
     for mode, row in rows.items():
         if "error" in row:
-            lines.append(f"| {mode} | failed: {row['error']} |" + " |" * 8)
+            lines.append(f"| {mode} | failed: {row['error']} |" + " |" * (len(names) + 4))
             continue
-        peaks = [_gib(row["stage_peaks"][s]) for s in STAGES]
+        peaks = [_gib(row["stage_peaks"].get(s)) for s in names]
         lines.append(
             f"| {mode} | {_gib(row['peak'])} | {' | '.join(peaks)} | {row['total_seconds']:.0f} | "
             f"{row['call_seconds']:.0f} | {row['load_seconds']:.1f} | {_gib(row['bytes_loaded'])} |"
@@ -256,34 +308,43 @@ def write_results(out: Path, analysis: dict[str, Any], meta: dict[str, Any]) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fixture", type=Path, default=Path("/tmp/stageload-bench/qwen21-3g"))
+    parser.add_argument("--family", default="qwen-image-2.1", choices=FAMILIES)
+    parser.add_argument(
+        "--fixture", type=Path, help="default: /tmp/stageload-bench/FAMILY-GBg (qwen: qwen21-3g)"
+    )
     parser.add_argument("--gb", type=float, default=3.0, help="bf16 GB per large model")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/diffusers-qwen")
+    parser.add_argument(
+        "--out", type=Path, help="default: bench/results/diffusers-qwen (other families: -FAMILY)"
+    )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--size", type=int, default=128, help="image side, pixels")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--analyse-only", action="store_true", help="re-read existing traces")
     args = parser.parse_args(argv)
+    qwen = args.family == "qwen-image-2.1"
+    if args.fixture is None:
+        name = "qwen21" if qwen else args.family
+        args.fixture = Path(f"/tmp/stageload-bench/{name}-{args.gb:g}g")
+    if args.out is None:
+        folder = "diffusers-qwen" if qwen else f"diffusers-{args.family}"
+        args.out = ROOT / "bench/results" / folder
+    pipeline = FAMILIES[args.family]
 
     args.out.mkdir(parents=True, exist_ok=True)
-    call = {
-        "prompt": "a capybara wearing a wizard hat, reading a book by candlelight",
-        "height": args.size,
-        "width": args.size,
-        "num_inference_steps": args.steps,
-        "output_resolution": args.size,
-    }
+    call = _call(args.family, args.size, args.steps)
     results: dict[str, dict] = {}
     if args.analyse_only:
         for mode in args.modes:
             if (args.out / f"{mode}.json").exists():
                 results[mode] = json.loads((args.out / f"{mode}.json").read_text())
     else:
-        fixture = build_fixture(args.fixture, args.gb)
+        fixture = build_fixture(args.fixture, args.gb, args.family)
         offload = args.fixture.parent / "group-offload"
         for mode in args.modes:
-            results[mode] = run_mode(mode, fixture, args.out, call, offload)
+            results[mode] = run_mode(mode, fixture, args.out, call, offload, pipeline)
     meta = {
+        "family": args.family,
+        "pipeline": pipeline,
         "gb_per_model": args.gb,
         "call": call,
         "cpus": os.cpu_count(),
@@ -291,9 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         "run_dtype": "bfloat16",
     }
     if args.analyse_only:
-        build_fixture(args.fixture, args.gb)  # the checkpoint headers and the baseline need it
+        # the checkpoint headers and the baseline need it
+        build_fixture(args.fixture, args.gb, args.family)
         meta["analysed_on"] = time.strftime("%Y-%m-%d")
-    analysis = analyse(args.out, args.fixture, results)
+    analysis = analyse(args.out, args.fixture, results, pipeline)
     print(write_results(args.out, analysis, meta))
     ref = analysis["reference"]
     if ref is not None and ref["ratio"] < 1:

@@ -94,6 +94,18 @@ FAMILIES = {
             ("transformer_2", "decode"),
         ),
     ),
+    "pixart-sigma": Family(
+        "PixArtSigmaPipeline",
+        {
+            "height": 32,
+            "width": 32,
+            "num_inference_steps": 2,
+            "max_sequence_length": 16,
+            "use_resolution_binning": False,
+        },
+        ("encode", "denoise", "decode"),
+        (("vae", "encode"), ("text_encoder", "denoise"), ("transformer", "decode")),
+    ),
 }
 PROMPT = "a photo of a cat sitting on a red chair"
 

@@ -269,6 +269,50 @@ def build_sd3(path: Path, *, size: Size, seed: int = 0, dtype: torch.dtype | Non
     return _save(pipe, path)
 
 
+def build_pixart_sigma(
+    path: Path, *, size: Size, seed: int = 0, dtype: torch.dtype | None = None
+) -> Path:
+    """A PixArtSigmaPipeline: T5 encoder, PixArt transformer, AutoencoderKL. Call it with
+    ``use_resolution_binning=False``: its bins assume a real model's sample size."""
+    import torch
+    from diffusers import DDIMScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+    from transformers import T5EncoderModel
+
+    dtype = dtype or torch.float32
+    tok = t5_tokenizer()
+    text_encoder = _made(lambda: T5EncoderModel(_t5_config(size, tok)), dtype, seed)
+    latent = 4
+    transformer = _made(
+        lambda: PixArtTransformer2DModel(
+            sample_size=size.image // 8,
+            num_layers=size.layers,
+            patch_size=2,
+            attention_head_dim=size.head_dim,
+            num_attention_heads=size.heads,
+            caption_channels=size.hidden,
+            in_channels=latent,
+            cross_attention_dim=size.heads * size.head_dim,
+            out_channels=2 * latent,  # the learned variance, as PixArt's real checkpoints
+            attention_bias=True,
+            activation_fn="gelu-approximate",
+            num_embeds_ada_norm=1000,
+            norm_type="ada_norm_single",
+            norm_elementwise_affine=False,
+            norm_eps=1e-6,
+        ),
+        dtype,
+        seed + 1,
+    )
+    pipe = PixArtSigmaPipeline(
+        tokenizer=tok,
+        text_encoder=text_encoder,
+        vae=_kl_vae(latent, seed=seed + 2, dtype=dtype),
+        transformer=transformer,
+        scheduler=DDIMScheduler(),
+    )
+    return _save(pipe, path)
+
+
 def build_wan22(path: Path, *, size: Size, seed: int = 0, dtype: torch.dtype | None = None) -> Path:
     """A Wan 2.2 WanPipeline: UMT5 text encoder, two Wan transformers (``transformer`` for
     the high-noise steps, ``transformer_2`` after ``boundary_ratio``), AutoencoderKLWan."""
@@ -333,6 +377,7 @@ FAMILIES: dict[str, Callable[..., Path]] = {
     "flux": build_flux,
     "sd3": build_sd3,
     "wan2.2": build_wan22,
+    "pixart-sigma": build_pixart_sigma,
 }
 
 
