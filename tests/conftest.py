@@ -26,6 +26,17 @@ if sys.platform != "win32":
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for the README's parallel run (``-n 2 --dist loadgroup``): a module's tests
+    run in one worker, so its module fixtures (built pipelines, a Ray cluster) are made
+    once; the Ray modules share one, so two local clusters never start side by side. The
+    marks do nothing in a run without ``-n``."""
+    for item in items:
+        path = Path(str(item.path))
+        group = "ray" if path.parent.name == "ray" else str(path)
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze what the imports made, once every test module is imported.
 
