@@ -321,6 +321,52 @@ def test_bf16_checkpoint_without_torch_dtype_matches_eager_dtypes(built: Any) ->
     assert torch.equal(_call(bf16, family), _eager(family, path, dtype=torch.bfloat16))
 
 
+def half_precision_run(built: Any, name: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """A float16 checkpoint run in bfloat16, staged and eager: the two outputs, and the
+    tensors whose dtype differs between the two pipelines (all loaded: ``keep``)."""
+    family = FAMILIES[name]
+    cls = getattr(diffusers, family.pipeline)
+    path = built(name, dtype=torch.float16)
+    eager = cls.from_pretrained(path, torch_dtype=torch.bfloat16)
+    names = [n for n, c in eager.components.items() if isinstance(c, torch.nn.Module)]
+    pipe = staged_pipeline(cls, path, torch_dtype=torch.bfloat16, keep=names)
+    staged_out, eager_out = _call(pipe, family), _call(eager, family)
+    differ = [
+        f"{n}.{key}"
+        for n in names
+        for key, t in eager.components[n].state_dict().items()
+        if pipe.components[n].state_dict()[key].dtype != t.dtype
+    ]
+    return staged_out, eager_out, differ
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_half_precision_run_keeps_in_float32_what_diffusers_keeps(built: Any, name: str):
+    """``_keep_in_fp32_modules`` matched against each parameter's full name, as diffusers
+    does: Wan's transformers keep their own ``scale_shift_table`` (a parameter of the model
+    itself) in float32. Reference: ``from_pretrained(torch_dtype=bfloat16)``, this process,
+    one thread."""
+    staged_out, eager_out, differ = half_precision_run(built, name)
+    assert differ == []
+    assert torch.equal(staged_out, eager_out)
+
+
+def test_control_matching_module_names_only_loses_wans_float32_table(built, monkeypatch):
+    import stageload.diffusers._placeholder as placeholder
+
+    real = placeholder.keep_in_fp32_modules
+    # The placeholder built without that name in the list: what matching module names
+    # alone did to the model's own table (the blocks' tables are filled by the load).
+    monkeypatch.setattr(
+        placeholder,
+        "keep_in_fp32_modules",
+        lambda cls: tuple(k for k in real(cls) if k != "scale_shift_table"),
+    )
+    staged_out, eager_out, differ = half_precision_run(built, "wan2.2")
+    assert "transformer.scale_shift_table" in differ
+    assert not torch.equal(staged_out, eager_out)
+
+
 def test_bad_arguments_say_what_to_fix(built: Any, tmp_path: Path) -> None:
     from diffusers import FluxPipeline
 

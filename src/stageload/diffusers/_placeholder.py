@@ -394,10 +394,13 @@ def build_empty(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
     keep_fp32 = keep_in_fp32_modules(cls)
     with torch.no_grad():
         for module_name, sub in model.named_modules():
-            in_fp32 = any(k in module_name.split(".") for k in keep_fp32)
             for key, param in list(sub.named_parameters(recurse=False)):
                 if not param.is_floating_point():
                     continue
+                # As diffusers matches: any part of the parameter's full name, so a
+                # parameter of the model itself counts too (Wan's top scale_shift_table).
+                parts = f"{module_name}.{key}".split(".")
+                in_fp32 = any(k in parts for k in keep_fp32)
                 want = (
                     torch.float32 if in_fp32 and dtype in (torch.float16, torch.bfloat16) else dtype
                 )
