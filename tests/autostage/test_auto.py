@@ -828,6 +828,47 @@ def uses_in_turn(folder: str, laps: int) -> Any:
     return x
 
 
+# -- room before a load ---------------------------------------------------------------------
+def before_a_larger_model(folder: str, tmp_path: Path) -> list[str]:
+    """Room for 2.5 models: ``a`` and ``b`` loaded, then a model twice their size is made
+    (SD3's transformer after its T5). Returns the loads and releases in order."""
+    deep = str(tmp_path / "deep.safetensors")
+    auto_script.save_deep(deep)
+    sink = ListSink()
+    factories = [ST, "fixtures.auto_script:load_deep"]
+    with auto(budget=int(2.5 * SIZE), factories=factories, defaults=False, events=sink):
+        kept = [auto_script.load_st(f"{folder}/{n}.safetensors") for n in ("a", "b")]
+        kept.append(auto_script.load_deep(deep))
+    return [f"{e.kind} {e.model}" for e in sink.events if e.kind in ("load", "release")]
+
+
+def test_room_for_a_larger_model_is_made_from_its_files_before_it_loads(st_folder, tmp_path):
+    """Its size from its file's header: ``a`` and ``b`` go before it loads, so at most two
+    models' weights are in at once (within the budget)."""
+    assert before_a_larger_model(st_folder, tmp_path) == [
+        "load a.safetensors",
+        "load b.safetensors",
+        "release a.safetensors",
+        "release b.safetensors",
+        "load deep.safetensors",
+    ]
+
+
+def test_control_room_for_the_largest_model_seen_loads_it_beside_b(
+    st_folder, tmp_path, monkeypatch
+):
+    """Without the files' size, room for one model of the size seen: three models' weights
+    are in while it loads (over the budget), and ``b`` goes only after."""
+    monkeypatch.setattr(stageload.autostage, "_file_bytes", lambda args, kwargs: 0)
+    assert before_a_larger_model(st_folder, tmp_path) == [
+        "load a.safetensors",
+        "load b.safetensors",
+        "release a.safetensors",
+        "load deep.safetensors",
+        "release b.safetensors",
+    ]
+
+
 # -- a loop of runs -----------------------------------------------------------------------
 def rebuilt_in_a_loop(folder: str, runs: int, change_at: int | None = None) -> tuple[Any, ...]:
     """A service's loop: each run builds the three models again, runs them, drops them

@@ -53,7 +53,12 @@ from ..external import storage_use_count, tensor_version, torch_function_off
 from ..hooks.empty import mark_empty, own_attributes
 from ..hooks.registry import HookRegistry, ModuleHook, patch, try_hold
 from ..hooks.release import release, releasing, storage_sizes, unmark_released
-from ..load.checkpoint import INDEX_SUFFIX, checkpoint_files, pretrained_checkpoint
+from ..load.checkpoint import (
+    INDEX_SUFFIX,
+    checkpoint_bytes,
+    checkpoint_files,
+    pretrained_checkpoint,
+)
 from ..load.refill import Recipe, learn, reload
 from ..memory.budget import parse_budget
 
@@ -313,8 +318,12 @@ class AutoSession:
             finally:
                 self._making.depth -= 1
 
-        with self._lock:  # room for a model the size of the largest seen, before it loads
-            expected = max((m.size for m in self._models.values()), default=0)
+        # Room before it loads: for its size from its files' headers when its arguments
+        # name them (a larger model than any before would otherwise load on top of the
+        # others: SD3's transformer after its T5), and for the largest model seen.
+        expected = _file_bytes(args, kwargs)
+        with self._lock:
+            expected = max([expected, *(m.size for m in self._models.values())])
         self._make_room(expected, name)
         rng = capture_rng()
         start = time.perf_counter()
@@ -914,6 +923,26 @@ def _learn(module: nn.Module, args: tuple, kwargs: dict) -> Recipe | str | None:
             return learn(module, files, whole=True)
     except Exception as exc:  # a damaged or unreadable file: the factory still works
         return f"its files cannot be checked ({type(exc).__name__}: {exc})"
+
+
+def _file_bytes(args: tuple, kwargs: dict) -> int:
+    """What the model a factory call makes will take, from the headers of the files its
+    arguments name: floating tensors at its ``torch_dtype`` (or ``dtype``) when that is a
+    floating dtype, else as stored; 0 when they name none or cannot be read."""
+    files = _checkpoint(args, kwargs)
+    if not files:
+        return 0
+    dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
+    try:
+        return checkpoint_bytes(files, dtype)
+    except ValueError:  # "auto", a dict per module, an integer dtype: as stored
+        pass
+    except Exception:  # a damaged header: the load itself will say so
+        return 0
+    try:
+        return checkpoint_bytes(files)
+    except Exception:
+        return 0
 
 
 def _checkpoint(args: tuple, kwargs: dict) -> list[Path]:
