@@ -869,6 +869,32 @@ def test_control_room_for_the_largest_model_seen_loads_it_beside_b(
     ]
 
 
+# -- what is held outside a model ----------------------------------------------------------
+def viewed_then_another(keep_base: bool) -> list[str]:
+    """Room for one model: a model whose buffer is a view (``make_viewed``), then another
+    model. Returns auto's notes and releases."""
+    auto_script.BASES.clear()
+    sink = ListSink()
+    factories = ["fixtures.auto_script:make_viewed", "fixtures.auto_script:make_wide"]
+    with auto(budget=int(1.5 * SIZE), factories=factories, defaults=False, events=sink):
+        kept = [auto_script.make_viewed(keep_base)]
+        kept.append(auto_script.make_wide(1))
+    auto_script.BASES.clear()
+    return [f"{e.kind}: {e.note or e.model}" for e in sink.events if e.kind in ("note", "release")]
+
+
+def test_a_buffer_that_is_a_view_is_the_models_own_and_the_model_is_released():
+    """The view holds the tensor it was made from; nothing else does, so the release
+    frees it (before, PixArt's transformer stayed loaded: "held outside the model")."""
+    assert viewed_then_another(keep_base=False) == ["release: make_viewed"]
+
+
+def test_control_a_base_the_script_holds_keeps_the_model_loaded():
+    said = viewed_then_another(keep_base=True)
+    assert "release: make_viewed" not in said
+    assert sum("make_viewed: table is held outside the model" in n for n in said) == 1
+
+
 # -- a loop of runs -----------------------------------------------------------------------
 def rebuilt_in_a_loop(folder: str, runs: int, change_at: int | None = None) -> tuple[Any, ...]:
     """A service's loop: each run builds the three models again, runs them, drops them

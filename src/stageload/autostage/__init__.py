@@ -761,8 +761,10 @@ def _held_elsewhere(module: nn.Module) -> str | None:
     """The first tensor of ``module`` whose memory something outside the model still
     holds (a view the script took, ``w = model.weight[0:4]``, or a tensor shared with
     another model), or None. A release frees that memory; the holder would read freed
-    memory. Counted per storage: the model's own tensors on it, plus the one storage
-    object held here."""
+    memory. Counted per storage: the model's own tensors on it, the tensors a view among
+    them was made from (a buffer registered as ``x.unsqueeze(0)``, as diffusers' PixArt
+    position embedding is: the view holds its base), plus the one storage object held
+    here."""
     counts: dict[tuple[Any, int], list[Any]] = {}  # storage -> [first name, tensors, storage]
     seen: set[int] = set()
     with torch_function_off():
@@ -773,11 +775,38 @@ def _held_elsewhere(module: nn.Module) -> str | None:
             storage = t.untyped_storage()
             entry = counts.setdefault((t.device, storage.data_ptr()), [name, 0, storage])
             entry[1] += 1
-            del storage
+            base = t._base
+            if base is not None and id(base) not in seen and _only_its_views_hold(base):
+                seen.add(id(base))
+                entry[1] += 1
+            del storage, base
         for name, tensors, storage in counts.values():
             if storage.nbytes() and storage_use_count(storage) > tensors + 1:
                 return name
     return None
+
+
+def _only_its_views_hold(base: Any) -> bool:
+    """No Python object other than the views made from it holds ``base`` (the tensor a
+    view among a model's tensors was made from, held in the caller's local): the script
+    has no way to read it."""
+    return sys.getrefcount(base) <= _refs_of_a_lone_base()
+
+
+@functools.cache
+def _refs_of_a_lone_base() -> int:
+    """What :func:`_only_its_views_hold` counts for a tensor nothing but its view holds,
+    counted the same way (a local, a parameter, getrefcount's argument): the count
+    depends on the interpreter, the comparison does not."""
+    import torch
+
+    view = torch.zeros(1).unsqueeze(0)
+    base = view._base
+    return _count(base)
+
+
+def _count(base: Any) -> int:
+    return sys.getrefcount(base)
 
 
 def _converted(samples: dict[str, Any], module: nn.Module) -> dict[str, Any]:

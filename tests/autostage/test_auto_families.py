@@ -1,0 +1,63 @@
+"""``stageload.auto`` on every diffusers family of ``stageload.testing.families``, each
+pipeline loaded by its own ``from_pretrained`` with no line of stageload in the calls:
+two seeded calls under a budget that holds no component give eager's outputs bit for bit,
+and nothing is said but the plan and the budget (no component kept loaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+
+from stageload import ListSink  # noqa: E402
+from stageload.autostage import auto  # noqa: E402
+from stageload.testing.families import FAMILIES, folder  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+#: What auto says of every pipeline under a budget of 1 byte; anything else is a finding.
+EXPECTED = ("the plan before the first use", "over the budget")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import diffusers
+
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+    return tmp_path_factory.mktemp("families")
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bit for bit: tensors, arrays, PIL images, and lists of them."""
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a.tobytes() == b.tobytes()  # numpy arrays, PIL images
+
+
+def two_calls(name: str, path: Path) -> list[Any]:
+    family = FAMILIES[name]
+    pipe = family.load(path)
+    pipe.set_progress_bar_config(disable=True)
+    return [pipe(**family.call(seed))[0] for seed in (0, 1)]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_auto_gives_eagers_outputs_and_keeps_no_component_loaded(root: Path, name: str):
+    """Reference: the same ``from_pretrained`` and calls without auto, this process, one
+    thread."""
+    path = folder(FAMILIES[name], root)
+    want = two_calls(name, path)
+    sink = ListSink()
+    with auto(budget=1, events=sink):
+        got = two_calls(name, path)
+    assert same(got, want)
+    said = [e.note for e in sink.events if e.kind == "note"]
+    assert [n for n in said if not any(e in n for e in EXPECTED)] == []
+    assert any(e.kind == "reload" for e in sink.events)
