@@ -68,10 +68,23 @@ def transformers_from_config(cls: type, config: Any) -> nn.Module:
     return cls._from_config(config)  # type: ignore[attr-defined]
 
 
-def keep_in_fp32_modules(cls: type) -> tuple[str, ...]:
-    """Submodule names that diffusers and transformers keep in float32 when loading in
-    half precision (a model class's ``_keep_in_fp32_modules``)."""
-    return tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+def keep_in_fp32_modules(cls: type, dtype: Any) -> tuple[str, ...]:
+    """Names (parts of a parameter's name, or dotted paths in it) that ``cls``'s
+    ``from_pretrained`` keeps in float32 when it loads in ``dtype``: diffusers keeps its
+    ``_keep_in_fp32_modules`` under float16 and bfloat16; transformers keeps that list
+    under float16 only, and its ``_keep_in_fp32_modules_strict`` under both."""
+    import torch
+
+    def names(attribute: str) -> tuple[str, ...]:
+        found = getattr(cls, attribute, None) or ()
+        return (found,) if isinstance(found, str) else tuple(found)
+
+    if dtype not in (torch.float16, torch.bfloat16):
+        return ()
+    if hasattr(cls, "_keep_in_fp32_modules_strict"):  # a transformers model
+        loose = names("_keep_in_fp32_modules") if dtype == torch.float16 else ()
+        return loose + names("_keep_in_fp32_modules_strict")
+    return names("_keep_in_fp32_modules")
 
 
 #: accelerate's hook attribute: diffusers' ``apply_forward_hook`` (``encode``/``decode``)

@@ -323,29 +323,36 @@ def test_bf16_checkpoint_without_torch_dtype_matches_eager_dtypes(built: Any) ->
 
 def half_precision_run(built: Any, name: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """A float16 checkpoint run in bfloat16, staged and eager: the two outputs, and the
-    tensors whose dtype differs between the two pipelines (all loaded: ``keep``)."""
+    parameters whose dtype differs between the two pipelines, before the staged one
+    loads anything (what a placeholder answers, and what a streamed read converts to)
+    and after its call (all loaded: ``keep``)."""
     family = FAMILIES[name]
     cls = getattr(diffusers, family.pipeline)
     path = built(name, dtype=torch.float16)
     eager = cls.from_pretrained(path, torch_dtype=torch.bfloat16)
     names = [n for n, c in eager.components.items() if isinstance(c, torch.nn.Module)]
     pipe = staged_pipeline(cls, path, torch_dtype=torch.bfloat16, keep=names)
+
+    def differ(when: str) -> list[str]:
+        return [
+            f"{when}: {n}.{key}"
+            for n in names
+            for key, t in eager.components[n].named_parameters()
+            if dict(pipe.components[n].named_parameters())[key].dtype != t.dtype
+        ]
+
+    before = differ("placeholder")
     staged_out, eager_out = _call(pipe, family), _call(eager, family)
-    differ = [
-        f"{n}.{key}"
-        for n in names
-        for key, t in eager.components[n].state_dict().items()
-        if pipe.components[n].state_dict()[key].dtype != t.dtype
-    ]
-    return staged_out, eager_out, differ
+    return staged_out, eager_out, before + differ("loaded")
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_a_half_precision_run_keeps_in_float32_what_diffusers_keeps(built: Any, name: str):
     """``_keep_in_fp32_modules`` matched against each parameter's full name, as diffusers
     does: Wan's transformers keep their own ``scale_shift_table`` (a parameter of the model
-    itself) in float32. Reference: ``from_pretrained(torch_dtype=bfloat16)``, this process,
-    one thread."""
+    itself) in float32; a transformers T5 keeps its ``wo`` in float32 under float16 only,
+    so its placeholder answers bfloat16 here. Reference:
+    ``from_pretrained(torch_dtype=bfloat16)``, this process, one thread."""
     staged_out, eager_out, differ = half_precision_run(built, name)
     assert differ == []
     assert torch.equal(staged_out, eager_out)
@@ -360,10 +367,10 @@ def test_control_matching_module_names_only_loses_wans_float32_table(built, monk
     monkeypatch.setattr(
         placeholder,
         "keep_in_fp32_modules",
-        lambda cls: tuple(k for k in real(cls) if k != "scale_shift_table"),
+        lambda cls, dtype: tuple(k for k in real(cls, dtype) if k != "scale_shift_table"),
     )
     staged_out, eager_out, differ = half_precision_run(built, "wan2.2")
-    assert "transformer.scale_shift_table" in differ
+    assert "loaded: transformer.scale_shift_table" in differ
     assert not torch.equal(staged_out, eager_out)
 
 

@@ -391,19 +391,18 @@ def build_empty(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
             f"ModelMixin nor a transformers PreTrainedModel; keep it loaded (leave it out of "
             f"stages=)"
         )
-    keep_fp32 = keep_in_fp32_modules(cls)
+    keep_fp32 = keep_in_fp32_modules(cls, dtype)
     with torch.no_grad():
         for module_name, sub in model.named_modules():
             for key, param in list(sub.named_parameters(recurse=False)):
                 if not param.is_floating_point():
                     continue
-                # As diffusers matches: any part of the parameter's full name, so a
-                # parameter of the model itself counts too (Wan's top scale_shift_table).
-                parts = f"{module_name}.{key}".split(".")
-                in_fp32 = any(k in parts for k in keep_fp32)
-                want = (
-                    torch.float32 if in_fp32 and dtype in (torch.float16, torch.bfloat16) else dtype
-                )
+                # As the libraries match: a part of the parameter's full name (so one of
+                # the model itself counts too: Wan's top scale_shift_table), or a dotted
+                # path inside it (transformers' "indexer.weights_proj").
+                full = f".{module_name}.{key}.".replace("..", ".")
+                in_fp32 = any(f".{k}." in full for k in keep_fp32)
+                want = torch.float32 if in_fp32 else dtype
                 meta = torch.empty_like(param, device="meta", dtype=want)
                 setattr(sub, key, torch.nn.Parameter(meta, requires_grad=param.requires_grad))
     model.eval()
