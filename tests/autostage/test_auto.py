@@ -870,15 +870,19 @@ def test_control_room_for_the_largest_model_seen_loads_it_beside_b(
 
 
 # -- what is held outside a model ----------------------------------------------------------
-def viewed_then_another(keep_base: bool) -> list[str]:
+def viewed_then_another(keep_base: bool, inference: bool = False) -> list[str]:
     """Room for one model: a model whose buffer is a view (``make_viewed``), then another
-    model. Returns auto's notes and releases."""
+    model, made under ``torch.inference_mode()`` if ``inference`` (where auto first
+    measures what holds a view's base: measured once per process). Returns auto's notes
+    and releases."""
     auto_script.BASES.clear()
+    stageload.autostage._refs_of_a_lone_base.cache_clear()
     sink = ListSink()
     factories = ["fixtures.auto_script:make_viewed", "fixtures.auto_script:make_wide"]
     with auto(budget=int(1.5 * SIZE), factories=factories, defaults=False, events=sink):
         kept = [auto_script.make_viewed(keep_base)]
-        kept.append(auto_script.make_wide(1))
+        with torch.inference_mode(inference):
+            kept.append(auto_script.make_wide(1))
     auto_script.BASES.clear()
     return [f"{e.kind}: {e.note or e.model}" for e in sink.events if e.kind in ("note", "release")]
 
@@ -889,8 +893,11 @@ def test_a_buffer_that_is_a_view_is_the_models_own_and_the_model_is_released():
     assert viewed_then_another(keep_base=False) == ["release: make_viewed"]
 
 
-def test_control_a_base_the_script_holds_keeps_the_model_loaded():
-    said = viewed_then_another(keep_base=True)
+@pytest.mark.parametrize("inference", [False, True], ids=["grad", "inference_mode"])
+def test_control_a_base_the_script_holds_keeps_the_model_loaded(inference):
+    """Also when the first such measure happens under ``inference_mode`` (a view made
+    there records no base: measured outside it)."""
+    said = viewed_then_another(keep_base=True, inference=inference)
     assert "release: make_viewed" not in said
     assert sum("make_viewed: table is held outside the model" in n for n in said) == 1
 
@@ -911,19 +918,41 @@ def rebuilt_in_a_loop(folder: str, runs: int, change_at: int | None = None) -> t
                 with torch.no_grad():
                     models[0].layers[0].bias.data += 1
             equal.append(torch.equal(auto_script.run(models, 2), want))
-            del models  # the old objects wait for a collection (modules hold cycles)
+            # The next run builds them again while this list still holds them: each factory
+            # call gets its model back, released or not (with no reference left, when a
+            # dropped model goes would be the collector's choice).
         held = len(s.models)
     loads = sum(e.kind == "load" for e in sink.events)
     return equal, loads, [e.note for e in sink.events if e.kind == "note"], held
 
 
 def test_a_hundred_runs_that_rebuild_the_models_load_each_once_and_equal_eager(folder):
-    """A rebuild while the old object is still uncollected gets that object back, released
-    or not: a released model's empty tensors are not a change (they were, before: every
+    """A rebuild while the old object is still alive gets that object back, released or
+    not: a released model's empty tensors are not a change (they were, before: every
     model was pinned loaded from its second build on, three notes a run). Reference:
     eager, the same factory without auto, in this process."""
     equal, loads, notes, held = rebuilt_in_a_loop(folder, runs=100)
     assert all(equal) and loads == 3 and notes == [] and held == 3
+
+
+def test_a_weight_replaced_while_the_model_is_released_is_a_change(folder):
+    """The tensors of a released model that are in memory are still compared: a weight
+    the script put into it while it was out makes the next build a new model."""
+    from torch import nn
+
+    sink = ListSink()
+    with auto(budget=int(1.5 * SIZE), factories=[FACTORY], defaults=False, events=sink):
+        models = [auto_script.load_model(f"{folder}/{n}.pt") for n in auto_script.NAMES]
+        with torch_function_off():
+            assert models[0].layers[0].weight.is_meta  # released: b and c came after it
+        layer = models[0].layers[0]
+        layer.weight = nn.Parameter(torch.zeros(layer.out_features, layer.in_features))
+        again = auto_script.load_model(f"{folder}/a.pt")
+    assert again is not models[0]
+    assert [e.note for e in sink.events if e.kind == "note"] == [
+        "a.pt: changed by the script since its load (layers.0.weight changed): kept loaded, "
+        "not staged"
+    ]
 
 
 def test_control_a_real_change_in_the_loop_is_still_said(folder):

@@ -286,6 +286,12 @@ class AutoSession:
                 known = self._shared.get(key) if key is not None else None
                 module = known.module() if known is not None else None
                 if module is not None and known is not None and not known.pinned:
+                    busy = known.state in (LOADING, RELEASING)
+                    if busy and known.owner != threading.get_ident():
+                        # Another thread is filling or emptying its tensors: compare them
+                        # once it is done (it notifies).
+                        self._lock.wait()
+                        continue
                     changed = _changed(known)
                     if changed is None:
                         return module
@@ -800,8 +806,11 @@ def _refs_of_a_lone_base() -> int:
     depends on the interpreter, the comparison does not."""
     import torch
 
-    view = torch.zeros(1).unsqueeze(0)
+    with torch.inference_mode(False):  # an inference tensor's view records no base
+        view = torch.zeros(1).unsqueeze(0)
     base = view._base
+    if base is None:  # never: then no base counts as the model's own
+        return 0
     return _count(base)
 
 
