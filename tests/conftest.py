@@ -3,10 +3,13 @@ several test modules share."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,15 +29,57 @@ if sys.platform != "win32":
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for the README's parallel run (``-n 2 --dist loadgroup``): a module's tests
-    run in one worker, so its module fixtures (built pipelines, a Ray cluster) are made
-    once; the Ray modules share one, so two local clusters never start side by side. The
-    marks do nothing in a run without ``-n``."""
-    for item in items:
-        path = Path(str(item.path))
-        group = "ray" if path.parent.name == "ray" else str(path)
-        item.add_marker(pytest.mark.xdist_group(group))
+#: The folder of the ``alone`` locks of a parallel run: made by the main process before
+#: it starts the workers (they inherit it), removed when the run ends.
+LOCKS = "STAGELOAD_TEST_LOCKS"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "alone: reads the machine's available memory, which another test process moves: in "
+        "a parallel run (-n 2), runs while no other test does",
+    )
+    if not hasattr(config, "workerinput") and LOCKS not in os.environ:
+        import tempfile
+
+        os.environ[LOCKS] = tempfile.mkdtemp(prefix="stageload-test-locks-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(LOCKS), ignore_errors=True))
+
+
+@contextlib.contextmanager
+def _turn(item: pytest.Item) -> Iterator[None]:
+    """In a parallel run, a test marked ``alone`` runs while no other test does: a lock
+    shared by the run's workers, held shared by every other test and exclusively by it.
+    A gate taken on the way in keeps an ``alone`` test from waiting forever behind the
+    other worker's stream of shared holders."""
+    folder = os.environ.get(LOCKS)
+    if not hasattr(item.config, "workerinput") or folder is None:  # not a parallel run
+        yield
+        return
+    import fcntl
+
+    alone = item.get_closest_marker("alone") is not None
+    with open(f"{folder}/gate", "a") as gate, open(f"{folder}/lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """The whole of a test (its fixtures' setup and teardown too) inside its turn."""
+    with _turn(item):
+        return (yield)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

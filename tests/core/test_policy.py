@@ -507,8 +507,7 @@ def test_a_failed_prefetch_raises_model_load_error_at_first_use_then_retries():
 
 
 # -- configuration -------------------------------------------------------------------------
-
-
+@pytest.mark.alone  # reads the machine's available memory
 def test_budget_parsing():
     assert parse_budget(1000) == 1000
     assert parse_budget("12G") == 12 << 30

@@ -201,6 +201,7 @@ time.sleep(60)
 # -- stopping --------------------------------------------------------------------------
 
 
+@pytest.mark.alone  # reads the machine's available memory
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="floor from /proc/meminfo")
 def test_stop_and_reach_stops_the_whole_group_at_the_floor(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], track: Callable[[int], None]

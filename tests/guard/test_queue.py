@@ -206,6 +206,7 @@ def test_declared_needs_run_together_when_they_fit(
     assert sorted(log_lines(log)) == ["a", "b"]
 
 
+@pytest.mark.alone  # reads the machine's available memory
 def test_needs_over_half_of_available_run_one_after_the_other(
     home: Path, tmp_path: Path, spawn: Spawn
 ) -> None:

@@ -93,6 +93,7 @@ def _free_b() -> dict[str, list[int]]:
     return rows
 
 
+@pytest.mark.alone  # reads the machine's available memory
 @linux_only
 @pytest.mark.skipif(shutil.which("free") is None, reason="needs free(1) from procps")
 def test_system_agrees_with_free():
@@ -114,6 +115,7 @@ def test_system_agrees_with_free():
     retry(check)
 
 
+@pytest.mark.alone  # reads the machine's available memory
 @linux_only
 def test_system_agrees_with_psutil():
     def check() -> None:

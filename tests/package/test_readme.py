@@ -279,7 +279,7 @@ def test_readme_starts_with_the_demo_and_the_test_command():
     assert "stageload demo" in first
     assert "pytest" in first
     ci = (ROOT / ".ci" / "run").read_text()
-    tests = "python -m pytest -q -n 2 --dist loadgroup"  # CI runs what the README says
+    tests = "python -m pytest -q -n 2 --dist loadfile"  # CI runs what the README says
     assert f"ruff check . && {tests}" in first
     assert "ruff check ." in ci.splitlines() or "if ! ruff check .; then" in ci
     assert tests in ci.splitlines()
