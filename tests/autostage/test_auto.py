@@ -859,13 +859,54 @@ def test_control_room_for_the_largest_model_seen_loads_it_beside_b(
 ):
     """Without the files' size, room for one model of the size seen: three models' weights
     are in while it loads (over the budget), and ``b`` goes only after."""
-    monkeypatch.setattr(stageload.autostage, "_file_bytes", lambda args, kwargs: 0)
+    monkeypatch.setattr(stageload.autostage, "_file_bytes", lambda factory, args, kwargs: 0)
     assert before_a_larger_model(st_folder, tmp_path) == [
         "load a.safetensors",
         "load b.safetensors",
         "release a.safetensors",
         "load deep.safetensors",
         "release b.safetensors",
+    ]
+
+
+def before_a_diffusers_model_without_a_dtype(tmp_path: Path) -> list[str]:
+    """A tiny model loaded (``make_gate``: 16 bytes), then a diffusers UNet saved in
+    float16 and loaded with no ``torch_dtype`` (so as float32, twice its files' size):
+    room for the two with the UNet at float16, not at float32. Returns the loads and
+    releases in order."""
+    pytest.importorskip("diffusers")
+    from diffusers import UNet2DConditionModel
+
+    from stageload.testing import families
+
+    sd = families.folder(families.FAMILIES["sd"], tmp_path / "sd")
+    unet = UNet2DConditionModel.from_pretrained(sd, subfolder="unet")
+    half = tmp_path / "unet-fp16"
+    unet.to(torch.float16).save_pretrained(half)
+    stored = sum(t.numel() * 2 for t in unet.state_dict().values())
+    sink = ListSink()
+    factories = ["fixtures.auto_script:make_gate"]
+    with auto(budget=16 + stored + stored // 2, factories=factories, events=sink):
+        kept = [auto_script.make_gate()]
+        kept.append(UNet2DConditionModel.from_pretrained(half))
+        assert kept[1].dtype == torch.float32
+    return [f"{e.kind} {e.model}" for e in sink.events if e.kind in ("load", "release")]
+
+
+def test_room_for_a_diffusers_model_counts_it_at_float32_without_a_dtype(tmp_path):
+    assert before_a_diffusers_model_without_a_dtype(tmp_path) == [
+        "load make_gate",
+        "release make_gate",
+        "load unet-fp16",
+    ]
+
+
+def test_control_counted_as_stored_the_unet_loads_beside_the_other(tmp_path, monkeypatch):
+    monkeypatch.setattr(stageload.autostage, "_is_diffusers_model", lambda cls: False)
+    assert before_a_diffusers_model_without_a_dtype(tmp_path) == [
+        "load make_gate",
+        "load unet-fp16",
+        "release make_gate",
     ]
 
 

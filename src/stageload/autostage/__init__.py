@@ -327,7 +327,7 @@ class AutoSession:
         # Room before it loads: for its size from its files' headers when its arguments
         # name them (a larger model than any before would otherwise load on top of the
         # others: SD3's transformer after its T5), and for the largest model seen.
-        expected = _file_bytes(args, kwargs)
+        expected = _file_bytes(factory, args, kwargs)
         with self._lock:
             expected = max([expected, *(m.size for m in self._models.values())])
         self._make_room(expected, name)
@@ -963,14 +963,20 @@ def _learn(module: nn.Module, args: tuple, kwargs: dict) -> Recipe | str | None:
         return f"its files cannot be checked ({type(exc).__name__}: {exc})"
 
 
-def _file_bytes(args: tuple, kwargs: dict) -> int:
+def _file_bytes(factory: Any, args: tuple, kwargs: dict) -> int:
     """What the model a factory call makes will take, from the headers of the files its
     arguments name: floating tensors at its ``torch_dtype`` (or ``dtype``) when that is a
-    floating dtype, else as stored; 0 when they name none or cannot be read."""
+    floating dtype; without one, at torch's default dtype for a diffusers model (its
+    ``from_pretrained`` loads float32 unless told), else as stored; 0 when they name none
+    or cannot be read."""
     files = _checkpoint(args, kwargs)
     if not files:
         return 0
     dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
+    if dtype is None and isinstance(factory, _Bound) and _is_diffusers_model(factory.cls):
+        import torch
+
+        dtype = torch.get_default_dtype()
     try:
         return checkpoint_bytes(files, dtype)
     except ValueError:  # "auto", a dict per module, an integer dtype: as stored
@@ -981,6 +987,15 @@ def _file_bytes(args: tuple, kwargs: dict) -> int:
         return checkpoint_bytes(files)
     except Exception:
         return 0
+
+
+def _is_diffusers_model(cls: type) -> bool:
+    """``cls`` is a diffusers ``ModelMixin`` (told by its bases' names: auto does not import
+    diffusers for it)."""
+    return any(
+        base.__name__ == "ModelMixin" and base.__module__.startswith("diffusers.")
+        for base in cls.__mro__
+    )
 
 
 def _checkpoint(args: tuple, kwargs: dict) -> list[Path]:
