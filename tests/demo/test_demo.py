@@ -184,11 +184,17 @@ def test_an_interrupted_demo_leaves_no_worker_running() -> None:
 
     workers: list[psutil.Process] = []
 
+    def command(child: psutil.Process) -> str:
+        try:
+            return " ".join(child.cmdline())
+        except psutil.Error:  # a zombie another test's child left, or one gone meanwhile
+            return ""
+
     def interrupt(line: str) -> None:
         assert line == "ready"
         # Only the worker: other tests may have left multiprocessing's resource tracker
         # running as a child of this process, which is not ours to judge.
-        workers.extend(c for c in psutil.Process().children() if worker in " ".join(c.cmdline()))
+        workers.extend(c for c in psutil.Process().children() if worker in command(c))
         raise KeyboardInterrupt
 
     worker = "import time; print('ready', flush=True); time.sleep(60)"

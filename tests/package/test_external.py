@@ -92,12 +92,20 @@ def test_load_state_dict_assign_takes_the_tensors_themselves() -> None:
     assert skeleton[1].weight is skeleton[0].weight
 
 
-def test_keep_in_fp32_modules_is_read_from_the_class() -> None:
+def test_keep_in_fp32_modules_follows_each_librarys_rule() -> None:
+    """transformers keeps its list in float32 under float16 only; diffusers under both
+    half precisions; nothing under float32."""
     pytest.importorskip("transformers")
+    pytest.importorskip("diffusers")
+    from diffusers import WanTransformer3DModel
     from transformers import T5EncoderModel
 
-    assert "wo" in external.keep_in_fp32_modules(T5EncoderModel)
-    assert external.keep_in_fp32_modules(nn.Linear) == ()
+    assert "wo" in external.keep_in_fp32_modules(T5EncoderModel, torch.float16)
+    assert "wo" not in external.keep_in_fp32_modules(T5EncoderModel, torch.bfloat16)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert "scale_shift_table" in external.keep_in_fp32_modules(WanTransformer3DModel, dtype)
+    assert external.keep_in_fp32_modules(WanTransformer3DModel, torch.float32) == ()
+    assert external.keep_in_fp32_modules(nn.Linear, torch.float16) == ()
 
 
 def test_transformers_from_config_builds_without_reading_weights() -> None:
