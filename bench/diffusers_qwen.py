@@ -192,26 +192,23 @@ def checkpoint_weights(fixture: Path, dtype: str) -> dict[str, int]:
     import torch
 
     from stageload.diffusers import _plan
+    from stageload.external import keep_in_fp32_modules, kept_in_float32
     from stageload.load.checkpoint import read_header
 
-    run = getattr(torch, dtype).itemsize
+    run = getattr(torch, dtype)
     out: dict[str, int] = {}
     for name, cls in _plan.model_components(fixture).items():
-        fp32 = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
-        if cls.__module__.startswith("transformers.") and dtype != "float16":
-            # transformers keeps these in float32 under float16 only (a T5's "wo"); its
-            # strict list, under bfloat16 too. diffusers keeps its list under both.
-            fp32 = tuple(getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
+        fp32 = keep_in_fp32_modules(cls, run)
         total = 0
         for file in sorted((fixture / name).glob("*.safetensors")):
             for key, entry in read_header(file).items():
                 numel = entry.nbytes // entry.itemsize
                 if not entry.is_floating:
                     total += entry.nbytes
-                elif run < 4 and any(m in key.split(".") for m in fp32):
+                elif kept_in_float32(key, fp32):
                     total += numel * 4
                 else:
-                    total += numel * run
+                    total += numel * run.itemsize
         out[name] = total
     return out
 

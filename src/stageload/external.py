@@ -87,6 +87,48 @@ def keep_in_fp32_modules(cls: type, dtype: Any) -> tuple[str, ...]:
     return names("_keep_in_fp32_modules")
 
 
+def kept_in_float32(name: str, keep: tuple[str, ...]) -> bool:
+    """Whether the parameter at the full dotted ``name`` is one that ``keep`` (from
+    :func:`keep_in_fp32_modules`) names, as the libraries match: a part of the name (so one
+    of the model itself counts too: Wan's top ``scale_shift_table``), or a dotted path
+    inside it (transformers' ``"indexer.weights_proj"``)."""
+    return any(f".{k}." in f".{name}." for k in keep)
+
+
+def library_model(cls: type) -> str | None:
+    """``"diffusers"`` for a diffusers ``ModelMixin``, ``"transformers"`` for a transformers
+    ``PreTrainedModel``, else None: told by the names of ``cls``'s bases, so that asking
+    imports neither library."""
+    for base in cls.__mro__:
+        if base.__name__ == "ModelMixin" and base.__module__.startswith("diffusers."):
+            return "diffusers"
+        if base.__name__ == "PreTrainedModel" and base.__module__.startswith("transformers."):
+            return "transformers"
+    return None
+
+
+def from_pretrained_dtype(cls: type, torch_dtype: Any) -> Any:
+    """The dtype ``cls.from_pretrained(..., torch_dtype=torch_dtype)`` gives its floating
+    weights, or None where they keep the checkpoint's own.
+
+    A diffusers model loads at ``torch_dtype`` when it is a ``torch.dtype``, at float32 for
+    any other value (``"auto"`` included, with a warning), and at torch's default dtype
+    without one. A transformers model loads at ``torch_dtype`` (``"auto"``: the
+    checkpoint's), and without one at the default dtype before transformers 5 and at the
+    checkpoint's from 5 on. Any other class: ``torch_dtype``, or as stored.
+    """
+    import torch
+
+    library = library_model(cls)
+    if library == "diffusers":
+        if torch_dtype is None:
+            return torch.get_default_dtype()
+        return torch_dtype if isinstance(torch_dtype, torch.dtype) else torch.float32
+    if torch_dtype is None and library == "transformers":
+        return None if version_at_least("transformers", "5") else torch.get_default_dtype()
+    return None if torch_dtype == "auto" else torch_dtype
+
+
 #: accelerate's hook attribute: diffusers' ``apply_forward_hook`` (``encode``/``decode``)
 #: calls ``module._hf_hook.pre_forward(module)``, ``DiffusionPipeline._execution_device``
 #: reads ``_hf_hook.execution_device``, and ``remove_all_hooks`` calls

@@ -902,7 +902,7 @@ def test_room_for_a_diffusers_model_counts_it_at_float32_without_a_dtype(tmp_pat
 
 
 def test_control_counted_as_stored_the_unet_loads_beside_the_other(tmp_path, monkeypatch):
-    monkeypatch.setattr(stageload.autostage, "_is_diffusers_model", lambda cls: False)
+    monkeypatch.setattr(stageload.autostage, "from_pretrained_dtype", lambda cls, dtype: dtype)
     assert before_a_diffusers_model_without_a_dtype(tmp_path) == [
         "load make_gate",
         "load unet-fp16",

@@ -108,6 +108,31 @@ def test_keep_in_fp32_modules_follows_each_librarys_rule() -> None:
     assert external.keep_in_fp32_modules(nn.Linear, torch.float16) == ()
 
 
+@pytest.mark.parametrize("given", [None, torch.bfloat16, "auto"])
+def test_from_pretrained_dtype_is_what_from_pretrained_gives(tmp_path, given) -> None:
+    """Checked against the libraries: a float16 checkpoint of each kind, loaded with no
+    dtype, ``"auto"`` and bfloat16 (None means the checkpoint's own)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("diffusers")
+    from diffusers import AutoencoderKL
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(0)
+    made = {
+        GPT2Model: GPT2Model(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=16)),
+        AutoencoderKL: AutoencoderKL(block_out_channels=(8,), norm_num_groups=8),
+    }
+    for cls, model in made.items():
+        model.half().save_pretrained(tmp_path / cls.__name__)
+        kwargs = {} if given is None else {"torch_dtype": given}
+        loaded = cls.from_pretrained(tmp_path / cls.__name__, **kwargs)
+        assert external.library_model(cls) == cls.__module__.split(".")[0]
+        expected = external.from_pretrained_dtype(cls, given) or torch.float16
+        assert loaded.dtype == expected, cls
+    assert external.library_model(nn.Linear) is None
+    assert external.from_pretrained_dtype(nn.Linear, None) is None
+
+
 def test_transformers_from_config_builds_without_reading_weights() -> None:
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2Model

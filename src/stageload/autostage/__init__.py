@@ -49,7 +49,12 @@ from ..core.outer import outer_trace
 from ..core.plan import Plan
 from ..core.rng import RngState, capture_rng, preserved_rng, restore_rng
 from ..errors import StageloadError
-from ..external import storage_use_count, tensor_version, torch_function_off
+from ..external import (
+    from_pretrained_dtype,
+    storage_use_count,
+    tensor_version,
+    torch_function_off,
+)
 from ..hooks.empty import mark_empty, own_attributes
 from ..hooks.registry import HookRegistry, ModuleHook, patch, try_hold
 from ..hooks.release import release, releasing, storage_sizes, unmark_released
@@ -57,6 +62,7 @@ from ..load.checkpoint import (
     INDEX_SUFFIX,
     checkpoint_bytes,
     checkpoint_files,
+    float_itemsize,
     pretrained_checkpoint,
 )
 from ..load.refill import Recipe, learn, reload
@@ -965,37 +971,29 @@ def _learn(module: nn.Module, args: tuple, kwargs: dict) -> Recipe | str | None:
 
 def _file_bytes(factory: Any, args: tuple, kwargs: dict) -> int:
     """What the model a factory call makes will take, from the headers of the files its
-    arguments name: floating tensors at its ``torch_dtype`` (or ``dtype``) when that is a
-    floating dtype; without one, at torch's default dtype for a diffusers model (its
-    ``from_pretrained`` loads float32 unless told), else as stored; 0 when they name none
-    or cannot be read."""
+    arguments name, at the dtype its ``from_pretrained`` gives the weights
+    (:func:`stageload.external.from_pretrained_dtype`); 0 when they name none or cannot be
+    read."""
     files = _checkpoint(args, kwargs)
     if not files:
         return 0
     dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
-    if dtype is None and isinstance(factory, _Bound) and _is_diffusers_model(factory.cls):
-        import torch
-
-        dtype = torch.get_default_dtype()
+    if isinstance(factory, _Bound):
+        dtype = from_pretrained_dtype(factory.cls, dtype)
+    if dtype is not None and not _floating(dtype):  # a dict per module, an integer dtype
+        dtype = None  # counted as stored
     try:
         return checkpoint_bytes(files, dtype)
-    except ValueError:  # "auto", a dict per module, an integer dtype: as stored
-        pass
     except Exception:  # a damaged header: the load itself will say so
         return 0
+
+
+def _floating(dtype: Any) -> bool:
     try:
-        return checkpoint_bytes(files)
-    except Exception:
-        return 0
-
-
-def _is_diffusers_model(cls: type) -> bool:
-    """``cls`` is a diffusers ``ModelMixin`` (told by its bases' names: auto does not import
-    diffusers for it)."""
-    return any(
-        base.__name__ == "ModelMixin" and base.__module__.startswith("diffusers.")
-        for base in cls.__mro__
-    )
+        float_itemsize(dtype)
+    except ValueError:
+        return False
+    return True
 
 
 def _checkpoint(args: tuple, kwargs: dict) -> list[Path]:

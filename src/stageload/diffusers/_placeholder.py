@@ -54,11 +54,13 @@ from ..errors import StageloadError
 from ..external import (
     CONVERT_METHOD,
     HF_HOOK_ATTR,
+    from_pretrained_dtype,
     keep_in_fp32_modules,
+    kept_in_float32,
+    library_model,
     own_tensor_tables,
     tensor_version,
     transformers_from_config,
-    version_at_least,
 )
 from ..hooks.empty import mark_empty
 from ..hooks.registry import HookRegistry, ModuleHook, patch
@@ -323,26 +325,20 @@ def real_to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
 
 # -- building ------------------------------------------------------------------------------------
 def skeleton_dtype(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype ``cls.from_pretrained(folder, torch_dtype=...)`` gives the weights.
-
-    diffusers models load as ``torch_dtype`` or else float32; transformers models as
-    ``torch_dtype`` or else, from transformers 5 on, the checkpoint's own dtype.
-    """
+    """The dtype ``cls.from_pretrained(folder, torch_dtype=...)`` gives the weights
+    (:func:`stageload.external.from_pretrained_dtype`; the checkpoint's own is read from
+    its headers)."""
     import torch
 
-    if torch_dtype is not None:
-        return torch_dtype
-    if is_transformers_model(cls) and version_at_least("transformers", "5"):
-        return _checkpoint_dtype(folder) or torch.get_default_dtype()
-    return torch.get_default_dtype()
+    return (
+        from_pretrained_dtype(cls, torch_dtype)
+        or _checkpoint_dtype(folder)
+        or torch.get_default_dtype()
+    )
 
 
 def is_transformers_model(cls: type) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return False
-    return issubclass(cls, PreTrainedModel)
+    return library_model(cls) == "transformers"
 
 
 def _checkpoint_dtype(folder: Path) -> torch.dtype | None:
@@ -397,12 +393,8 @@ def build_empty(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
             for key, param in list(sub.named_parameters(recurse=False)):
                 if not param.is_floating_point():
                     continue
-                # As the libraries match: a part of the parameter's full name (so one of
-                # the model itself counts too: Wan's top scale_shift_table), or a dotted
-                # path inside it (transformers' "indexer.weights_proj").
-                full = f".{module_name}.{key}.".replace("..", ".")
-                in_fp32 = any(f".{k}." in full for k in keep_fp32)
-                want = torch.float32 if in_fp32 else dtype
+                full = f"{module_name}.{key}" if module_name else key
+                want = torch.float32 if kept_in_float32(full, keep_fp32) else dtype
                 meta = torch.empty_like(param, device="meta", dtype=want)
                 setattr(sub, key, torch.nn.Parameter(meta, requires_grad=param.requires_grad))
     model.eval()
