@@ -11,9 +11,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ._components import _clip_config, _kl_vae, _made, _t5_config
-from ._tokenizers import clip_tokenizer, t5_tokenizer
+from ._components import _clip_config, _kl_vae, _made
+from ._tokenizers import clip_tokenizer
 from .diffusers import Size, _save
+from .diffusers import build_pixart_sigma as scalable_pixart_sigma
 
 
 def _f32() -> Any:
@@ -329,38 +330,6 @@ def build_stable_cascade(path: Path, *, seed: int = 0) -> Path:
 
 
 def build_pixart_sigma(path: Path, *, seed: int = 0) -> Path:
-    """PixArtSigmaPipeline: T5 encoder, PixArt transformer, AutoencoderKL."""
-    from diffusers import PixArtSigmaPipeline, PixArtTransformer2DModel
-    from transformers import T5EncoderModel
-
-    tok = t5_tokenizer()
-    text_encoder = _made(lambda: T5EncoderModel(_t5_config(Size(), tok)), _f32(), seed)
-    transformer = _made(
-        lambda: PixArtTransformer2DModel(
-            sample_size=16,
-            num_layers=2,
-            patch_size=2,
-            attention_head_dim=8,
-            num_attention_heads=3,
-            caption_channels=32,
-            in_channels=4,
-            cross_attention_dim=24,
-            out_channels=8,
-            attention_bias=True,
-            activation_fn="gelu-approximate",
-            num_embeds_ada_norm=1000,
-            norm_type="ada_norm_single",
-            norm_elementwise_affine=False,
-            norm_eps=1e-6,
-        ),
-        _f32(),
-        seed + 1,
-    )
-    pipe = PixArtSigmaPipeline(
-        tokenizer=tok,
-        text_encoder=text_encoder,
-        vae=_kl_vae(4, seed=seed + 2, dtype=_f32()),
-        transformer=transformer,
-        scheduler=_ddim(),
-    )
-    return _save(pipe, path)
+    """PixArtSigmaPipeline: T5 encoder, PixArt transformer, AutoencoderKL (the scalable
+    fixture at its tiny size, 128-pixel images)."""
+    return scalable_pixart_sigma(path, size=Size(head_dim=8, image=128), seed=seed)
