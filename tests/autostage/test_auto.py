@@ -1452,6 +1452,76 @@ def test_control_without_the_undo_ctrl_c_leaves_a_half_loaded_model(st_folder, m
     assert interrupted and not empty
 
 
+def factory_call_during_a_reload(folder: str, monkeypatch: Any) -> tuple[Any, ...]:
+    """Room for one model: ``a`` is out; one thread calls it, and its reload stops with its
+    second tensor mid-copy (zeros where the file's values go: what a copy in flight reads
+    as). Meanwhile another thread makes the same factory call. Returns (the model that
+    call got, ``a`` itself, the notes, how many models the factory made)."""
+    import threading
+
+    import stageload.load.weights as weights
+
+    real = weights.put
+    puts: list[int] = []
+    inside, go = threading.Event(), threading.Event()
+
+    def put(target: Any, new: Any) -> None:
+        real(target, new)
+        puts.append(1)
+        if len(puts) == 2:
+            with torch.no_grad(), torch_function_off():
+                kept = target.tensor.clone()
+                target.tensor.zero_()
+                inside.set()
+                assert go.wait(30)
+                target.tensor.copy_(kept)
+
+    sink = ListSink()
+    got: list[Any] = []
+    paths = [f"{folder}/{n}.safetensors" for n in auto_script.NAMES]
+    with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False, events=sink) as session:
+        models = [auto_script.load_st(p) for p in paths]
+        made = len(auto_script.READ)
+        monkeypatch.setattr(weights, "put", put)
+        with torch.no_grad():
+            caller = threading.Thread(target=lambda: models[0](torch.ones(1, auto_script.WIDTH)))
+            caller.start()
+            assert inside.wait(30)  # a's reload is mid-copy
+            second = threading.Thread(target=lambda: got.append(auto_script.load_st(paths[0])))
+            second.start()
+            deadline = time.monotonic() + 30
+            while session.waiting == 0 and second.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.001)  # the state: the call waits, or it has returned
+            go.set()
+            caller.join(30)
+            second.join(30)
+        monkeypatch.undo()
+        made = len(auto_script.READ) - made
+    notes = [e.note for e in sink.events if e.kind == "note"]
+    return got[0], models[0], notes, made
+
+
+def test_a_factory_call_during_its_models_reload_waits_and_gets_that_model(st_folder, monkeypatch):
+    """The shared model is compared with its load once the reload is done: the same object,
+    no second model made, nothing said."""
+    auto_script.READ.clear()
+    got, first, notes, made = factory_call_during_a_reload(st_folder, monkeypatch)
+    assert got is first
+    assert made == 0
+    assert not [n for n in notes if "changed" in n], notes
+
+
+def test_control_not_waiting_the_copy_in_flight_reads_as_a_change(st_folder, monkeypatch):
+    """Without the wait, the half-copied tensor compares as changed by the script: the
+    model is kept loaded for good and the factory makes a second one."""
+    monkeypatch.setattr(stageload.autostage, "_moving_elsewhere", lambda model: False)
+    auto_script.READ.clear()
+    got, first, notes, made = factory_call_during_a_reload(st_folder, monkeypatch)
+    assert got is not first
+    assert made == 1
+    assert [n for n in notes if "changed" in n], notes
+
+
 # -- plan sources ---------------------------------------------------------------------------
 def sd_two_calls(path: Path, staged: bool) -> tuple[list[Any], ListSink]:
     """Stable Diffusion's components made one by one (text encoder, unet, vae: a fixed

@@ -249,7 +249,8 @@ class AutoSession:
         # that holds it (an event sink's write) may ask again.
         self._lock = threading.Condition(threading.RLock())
         self._in_making: dict[Any, threading.Event] = {}  # factory calls running now
-        #: Factory calls waiting for the same call running on another thread.
+        #: Factory calls waiting for the same call, or for its model's load or release, on
+        #: another thread.
         self.waiting = 0
         self._models: dict[str, _Model] = {}  # by name
         self._shared: dict[Any, _Model] = {}  # by factory call
@@ -292,11 +293,13 @@ class AutoSession:
                 known = self._shared.get(key) if key is not None else None
                 module = known.module() if known is not None else None
                 if module is not None and known is not None and not known.pinned:
-                    busy = known.state in (LOADING, RELEASING)
-                    if busy and known.owner != threading.get_ident():
-                        # Another thread is filling or emptying its tensors: compare them
-                        # once it is done (it notifies).
+                    if _moving_elsewhere(known):
+                        # Another thread is filling or emptying its tensors (a copy in
+                        # flight reads as other values): compare them once it is done (it
+                        # notifies).
+                        self.waiting += 1
                         self._lock.wait()
+                        self.waiting -= 1
                         continue
                     changed = _changed(known)
                     if changed is None:
@@ -666,6 +669,11 @@ class AutoSession:
     def _emit(self, event: Event) -> None:
         if self._sink is not None:
             self._sink.emit(event)
+
+
+def _moving_elsewhere(model: _Model) -> bool:
+    """Another thread is loading or releasing ``model`` (its tensors are being written)."""
+    return model.state in (LOADING, RELEASING) and model.owner != threading.get_ident()
 
 
 def _busy(model: _Model) -> bool:
