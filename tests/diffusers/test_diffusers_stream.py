@@ -55,6 +55,36 @@ def test_a_streamed_component_equals_eager(root: Path, family: str, name: str) -
     assert held < sum(model_bytes(path, [name]).values())  # the blocks are not held
 
 
+def streamed_t5(root: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Flux with its T5 encoder streamed (its embedding is stored once, ``shared.weight``,
+    and tied to ``encoder.embed_tokens``), against the pipeline's own ``from_pretrained``,
+    both at ``dtype``, in this process, torch on one thread: (staged pipeline, expected)."""
+    fam = FAMILIES["flux"]
+    path = folder(fam, root)
+    expected = fam.cls.from_pretrained(path, torch_dtype=dtype)(**fam.call(0))[0]
+    pipe = staged_pipeline(fam.cls, path, keep=(), stream=["text_encoder_2"], torch_dtype=dtype)
+    return pipe, expected
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_streamed_t5_with_tied_embeddings_equals_eager(root: Path, dtype: str) -> None:
+    pipe, expected = streamed_t5(root, getattr(torch, dtype))
+    for _ in range(2):
+        assert torch.equal(pipe(**FAMILIES["flux"].call(0))[0], expected)
+    t5 = pipe.text_encoder_2
+    assert t5.shared.weight is t5.encoder.embed_tokens.weight  # tied, as eager's
+
+
+def test_control_an_untied_skeleton_cannot_stream_the_t5(root: Path, monkeypatch) -> None:
+    from transformers import T5EncoderModel
+
+    fam = FAMILIES["flux"]
+    path = folder(fam, root)  # saved tied first: the checkpoint holds the embedding once
+    monkeypatch.setattr(T5EncoderModel, "tie_weights", lambda self, *a, **k: None)
+    with pytest.raises(ValueError, match="missing from the checkpoint: encoder.embed_tokens"):
+        staged_pipeline(fam.cls, path, keep=(), stream=["text_encoder_2"])(**fam.call(0))
+
+
 def test_a_batch_reads_each_block_once_per_step(root: Path) -> None:
     """Reference: the same call streamed alone, in this process, torch on one thread."""
     fam = FAMILIES["flux"]

@@ -680,8 +680,18 @@ def _stream_component(
     if isinstance(files, str):
         raise ValueError(f"cannot stream {name!r}: {files}; it needs a safetensors checkpoint")
     dtype = _placeholder.skeleton_dtype(cls, folder, torch_dtype)
+
+    def build() -> nn.Module:
+        model = _placeholder.build_empty(cls, folder, dtype)
+        if _placeholder.is_transformers_model(cls):
+            # Tied as from_pretrained ties them: a T5 stores its embedding once, as
+            # shared.weight, and the stream reads the files alone. (A placeholder ties
+            # them when it is first filled from a from_pretrained model.)
+            model.tie_weights()
+        return model
+
     return streamed(
-        lambda: _placeholder.build_empty(cls, folder, dtype),
+        build,
         files,
         device=device,
         name=name,
