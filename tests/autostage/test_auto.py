@@ -1342,7 +1342,7 @@ def test_a_factory_reading_safetensors_reloads_from_its_files(st_folder):
 
 
 def test_control_without_the_recipe_every_reload_calls_the_factory(st_folder, monkeypatch):
-    monkeypatch.setattr(stageload.autostage, "_learn", lambda module, args, kwargs: None)
+    monkeypatch.setattr(stageload.autostage, "_learn", lambda module, args, kwargs, whole: None)
     got, sink = st_run(st_folder, ST, staged=True)
     assert {e.note for e in sink.events if e.kind == "reload"} == {"factory"}
     assert len(auto_script.READ) == 9
@@ -1450,6 +1450,38 @@ def test_control_without_the_undo_ctrl_c_leaves_a_half_loaded_model(st_folder, m
         st_folder, monkeypatch, real_signal=True, undo=False
     )
     assert interrupted and not empty
+
+
+def test_a_library_loader_checks_the_start_of_each_tensor_a_named_factory_every_byte(
+    st_folder, tmp_path, monkeypatch
+):
+    """A reload's recipe from a ``from_pretrained`` load compares the first 4 KiB of each
+    tensor with the file (the libraries convert whole tensors or none, as the diffusers
+    adapter relies on; every byte took 54 x a plain ``from_pretrained`` of 512 MiB:
+    ``bench/auto_first_load.py``); one from a factory the user names compares every byte
+    (``load_st_nudged`` changes a weight past the first 4 KiB)."""
+    pytest.importorskip("diffusers")
+    from diffusers import AutoencoderKL
+
+    import stageload.load.refill as refill
+
+    vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=8)
+    vae.save_pretrained(tmp_path / "vae")
+    seen: list[bool] = []
+    real = refill.learn
+
+    def learn(module: Any, files: Any, names: Any = None, *, whole: bool = False) -> Any:
+        seen.append(whole)
+        return real(module, files, names, whole=whole)
+
+    monkeypatch.setattr(stageload.autostage, "learn", learn)
+    with auto(budget=10 * SIZE, factories=[ST]):
+        models = [
+            AutoencoderKL.from_pretrained(tmp_path / "vae"),
+            auto_script.load_st(f"{st_folder}/a.safetensors"),
+        ]
+    assert seen == [False, True]
+    assert all(not t.is_meta for m in models for t in m.state_dict().values())
 
 
 def factory_call_during_a_reload(folder: str, monkeypatch: Any) -> tuple[Any, ...]:

@@ -282,8 +282,20 @@ class AutoSession:
             return sum(self._models[n].size for n in self.resident())
 
     # -- the factories -------------------------------------------------------------------
-    def call(self, factory: Callable[..., Any], name: str, args: tuple, kwargs: dict) -> Any:
-        """Run one factory call for the script: share, make, hook."""
+    def call(
+        self,
+        factory: Callable[..., Any],
+        name: str,
+        args: tuple,
+        kwargs: dict,
+        *,
+        trusted: bool = False,
+    ) -> Any:
+        """Run one factory call for the script: share, make, hook. ``trusted``: a library's
+        ``from_pretrained``, whose weights are the file's unless converted whole, so a
+        reload's recipe checks the first 4 KiB of each tensor (as the diffusers adapter
+        does); a factory the user names may change a weight anywhere after reading it, so
+        every byte is compared."""
         if getattr(self._making, "depth", 0):  # a factory inside a factory, or a reload
             return factory(*args, **kwargs)
         key = _key(factory, args, kwargs)
@@ -316,14 +328,20 @@ class AutoSession:
             with self._lock:
                 self.waiting -= 1
         try:
-            return self._make(factory, name, args, kwargs, key)
+            return self._make(factory, name, args, kwargs, key, trusted)
         finally:
             if key is not None:
                 with self._lock:
                     self._in_making.pop(key).set()
 
     def _make(
-        self, factory: Callable[..., Any], name: str, args: tuple, kwargs: dict, key: Any
+        self,
+        factory: Callable[..., Any],
+        name: str,
+        args: tuple,
+        kwargs: dict,
+        key: Any,
+        trusted: bool,
     ) -> Any:
 
         def make() -> Any:
@@ -353,7 +371,7 @@ class AutoSession:
         registry = HookRegistry.of(obj)
         if registry is not None and AUTO in registry:
             return obj  # a model auto made already (the factory keeps a cache of its own)
-        recipe = _learn(obj, args, kwargs)
+        recipe = _learn(obj, args, kwargs, whole=not trusted)
         with self._lock:
             unique = _unique(name, self._models)
             model = _Model(
@@ -961,18 +979,18 @@ def _bytes(module: nn.Module) -> int:
     return sum(storage_sizes(module).values())
 
 
-def _learn(module: nn.Module, args: tuple, kwargs: dict) -> Recipe | str | None:
+def _learn(module: nn.Module, args: tuple, kwargs: dict, *, whole: bool) -> Recipe | str | None:
     """How ``module``, just made by a factory called with ``args`` and ``kwargs``, reloads
     from the safetensors files those name (a file, an index, a ``from_pretrained`` folder
-    with its ``subfolder`` and ``variant``), or why it cannot (every byte of each tensor
-    is compared with the files: a factory that changed a weight after reading it reloads
-    through itself), or None when they name no file."""
+    with its ``subfolder`` and ``variant``), or why it cannot (with ``whole``, every byte
+    of each tensor is compared with the files: a factory that changed a weight after
+    reading it reloads through itself), or None when they name no file."""
     files = _checkpoint(args, kwargs)
     if not files:
         return None
     try:
         with torch_function_off():
-            return learn(module, files, whole=True)
+            return learn(module, files, whole=whole)
     except Exception as exc:  # a damaged or unreadable file: the factory still works
         return f"its files cannot be checked ({type(exc).__name__}: {exc})"
 
@@ -1226,11 +1244,13 @@ def _wrap(owner: Any, attr: str, around: Around) -> Callable[[], None]:
     return undo
 
 
-def _as_factory(session: AutoSession) -> Around:
-    """A factory's calls: each model it makes is staged by ``session``."""
+def _as_factory(session: AutoSession, *, trusted: bool = False) -> Around:
+    """A factory's calls: each model it makes is staged by ``session`` (``trusted``: see
+    :meth:`AutoSession.call`)."""
 
     def around(call: Callable[..., Any], who: Any, args: tuple, kwargs: dict) -> Any:
-        return session.call(call, _model_name(who, args, kwargs), args, kwargs)
+        name = _model_name(who, args, kwargs)
+        return session.call(call, name, args, kwargs, trusted=trusted)
 
     return around
 
@@ -1331,7 +1351,7 @@ def auto(
 
     def factory(spec: str) -> Callable[[Any], None]:
         def wrap(module: Any) -> None:
-            undo.append(_wrap(*_resolve(spec), _as_factory(session)))
+            undo.append(_wrap(*_resolve(spec), _as_factory(session, trusted=True)))
             answer = _DEVICE_ANSWERS.get(module.__name__)
             if answer is not None:
                 devices.append(answer(module))
