@@ -1484,6 +1484,32 @@ def test_a_library_loader_checks_the_start_of_each_tensor_a_named_factory_every_
     assert all(not t.is_meta for m in models for t in m.state_dict().values())
 
 
+def placed_by_a_released_parameter(folder: str) -> tuple[Any, Any, Any]:
+    """Room for one model: ``a`` is out when the script places its input the everyday way,
+    ``x.to(next(a.parameters()).device)``, and calls it. Returns (that device, the output,
+    eager's: the same factory without auto, in this process)."""
+    paths = [f"{folder}/{n}.safetensors" for n in auto_script.NAMES]
+    x = torch.ones(2, auto_script.WIDTH)
+    with torch.no_grad():
+        want = auto_script.load_st(paths[0])(x)
+        with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False):
+            models = [auto_script.load_st(p) for p in paths]
+            device = next(models[0].parameters()).device
+            return device, models[0](x.to(device)), want
+
+
+def test_a_released_models_tensors_answer_the_device_it_runs_on(st_folder):
+    device, out, want = placed_by_a_released_parameter(st_folder)
+    assert device == torch.device("cpu")
+    assert torch.equal(out, want)
+
+
+def test_control_answering_meta_the_input_goes_to_meta_and_the_call_fails(st_folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage._Hook, "run_device", None)
+    with pytest.raises(RuntimeError, match="meta"):
+        placed_by_a_released_parameter(st_folder)
+
+
 def factory_call_during_a_reload(folder: str, monkeypatch: Any) -> tuple[Any, ...]:
     """Room for one model: ``a`` is out; one thread calls it, and its reload stops with its
     second tensor mid-copy (zeros where the file's values go: what a copy in flight reads

@@ -233,6 +233,11 @@ class _Hook(ModuleHook):
         """One of the released model's tensors was used (:mod:`stageload.hooks.empty`)."""
         self.session.load(self.model)
 
+    @property
+    def run_device(self) -> Any:
+        """What a released model's tensors answer for ``.device``: where it ran."""
+        return self.model.device
+
 
 class AutoSession:
     """The models made under one :func:`auto` block, the budget, and the recorded plan."""

@@ -26,7 +26,10 @@ if TYPE_CHECKING:
 
 
 class Filler(Protocol):
-    """What an empty tensor asks: fill your module now (its tensors, in place)."""
+    """What an empty tensor asks: fill your module now (its tensors, in place). An owner
+    may also have a ``run_device``: where its module runs, which the empty tensors then
+    answer for ``.device`` (``x.to(next(model.parameters()).device)``, the everyday way
+    to place inputs, would otherwise put them on ``meta``)."""
 
     def fill_on_use(self) -> None: ...
 
@@ -90,8 +93,14 @@ def _empty_classes() -> tuple[type, type]:
     import torch
     from torch import nn
 
+    device_get = torch.Tensor.device.__get__
+
     def __torch_function__(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
+        if func == device_get:
+            answer = getattr(owner_of(args[0]), "run_device", None)
+            if answer is not None:
+                return answer
         with torch_function_off():
             _on_use(func, args, kwargs)
             return func(*args, **kwargs)
