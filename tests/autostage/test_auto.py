@@ -1510,6 +1510,46 @@ def test_control_answering_meta_the_input_goes_to_meta_and_the_call_fails(st_fol
         placed_by_a_released_parameter(st_folder)
 
 
+def lora_on_a_released_model(folder: str) -> tuple[Any, Any, list[str]]:
+    """Room for one model: peft's ``get_peft_model`` on ``a`` while it is out (each target
+    layer wrapped: ``layers.0.weight`` becomes ``layers.0.base_layer.weight``), then a
+    call. Returns (that output, eager's: the same code without auto, in this process, one
+    seed for the LoRA's random init; the notes)."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    paths = [f"{folder}/{n}.safetensors" for n in auto_script.NAMES]
+    x = torch.ones(2, auto_script.WIDTH)
+
+    def with_lora(model: Any) -> Any:
+        torch.manual_seed(5)  # init_lora_weights=False: random A and B, a visible change
+        config = LoraConfig(r=4, target_modules=["layers.0", "layers.2"], init_lora_weights=False)
+        return get_peft_model(model, config)
+
+    sink = ListSink()
+    with torch.no_grad():
+        want = with_lora(auto_script.load_st(paths[0]))(x)
+        with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False, events=sink):
+            models = [auto_script.load_st(p) for p in paths]
+            got = with_lora(models[0])(x)
+    return got, want, [e.note for e in sink.events if e.kind == "note"]
+
+
+def test_a_lora_added_while_its_model_is_released_reloads_it_under_the_new_names(st_folder):
+    """The reload reads each weight into the same tensor object, now under the wrapper's
+    name; the LoRA's own tensors stay as peft made them; the model is then kept loaded as
+    changed by the script."""
+    got, want, notes = lora_on_a_released_model(st_folder)
+    assert torch.equal(got, want)
+    assert any("a.safetensors" in n and "parts added or removed" in n for n in notes), notes
+
+
+def test_control_reloading_under_the_old_names_fails(st_folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage, "_renames", lambda module, model: None)
+    with pytest.raises(ValueError, match="does not fit the module"):
+        lora_on_a_released_model(st_folder)
+
+
 def factory_call_during_a_reload(folder: str, monkeypatch: Any) -> tuple[Any, ...]:
     """Room for one model: ``a`` is out; one thread calls it, and its reload stops with its
     second tensor mid-copy (zeros where the file's values go: what a copy in flight reads

@@ -496,8 +496,17 @@ class AutoSession:
         ok = False
         start = time.perf_counter()
         try:
-            if _refill(module, model):
+            renames = _renames(module, model)
+            layout = model.layout if renames is None else _renamed(model.layout, renames)
+            if _refill(module, model, layout, renames):
                 how = "files"
+            elif renames is not None:
+                raise StageloadError(
+                    f"{model.name} was changed while auto had it released (parts added or "
+                    f"removed: {_moved(renames, model)}), and it reloads through its factory, "
+                    f"which makes it as it was; change it while it is loaded (call it once "
+                    f"first), or give auto a factory that reads safetensors files"
+                )
             else:
                 with preserved_rng():
                     restore_rng(model.rng)  # the first load's draws: the same random parts
@@ -507,7 +516,7 @@ class AutoSession:
                     _swap_in(module, fresh)
                 del fresh
                 how = "factory"
-            _settle(module, model.layout)
+            _settle(module, layout)
             ok = True
         finally:
             with self._lock:
@@ -523,7 +532,10 @@ class AutoSession:
                             note=how,
                         )
                     )
-                    if _same(_samples(module), _converted(model.samples, module)) is not None:
+                    if renames is not None:  # said as _changed says it, kept loaded
+                        moved = _moved(renames, model)
+                        self._pin(model, f"changed by the script (parts added or removed: {moved})")
+                    elif _same(_samples(module), _converted(model.samples, module)) is not None:
                         self._pin(model, "its factory gave other weights at reload")
                     model.seen, model.samples = _seen(module), _samples(module)
                     if self._closed:
@@ -1052,19 +1064,54 @@ def _checkpoint(args: tuple, kwargs: dict) -> list[Path]:
     return list(dict.fromkeys(found))
 
 
-def _refill(module: nn.Module, model: _Model) -> bool:
+def _refill(
+    module: nn.Module, model: _Model, layout: Layout, renames: dict[str, str] | None
+) -> bool:
     """Reload ``module`` in place from its files, as its first load read them (its
-    recipe), then convert it to the layout the script left; False when it has no recipe
-    or its tensors sat on more than one device (the factory reloads it then)."""
+    recipe), then convert it to ``layout``, the one the script left; False when it has no
+    recipe or its tensors sat on more than one device (the factory reloads it then).
+    ``renames``: see :func:`_renames`."""
     import torch
 
-    devices = {want[1] for want in model.layout.values()}
+    devices = {want[1] for want in layout.values()}
     if model.recipe is None or len(devices) != 1:
         return False
     with torch_function_off(), torch.inference_mode(model.inference):
-        reload(module, model.recipe, devices.pop(), progress=False)
-    _convert(module, model.layout)
+        reload(module, model.recipe, devices.pop(), names=renames, progress=False)
+    _convert(module, layout)
     return True
+
+
+def _renames(module: nn.Module, model: _Model) -> dict[str, str] | None:
+    """For a model whose parts the script moved while it was released (peft's
+    ``get_peft_model`` wraps each target layer: ``c_attn.weight`` becomes
+    ``c_attn.base_layer.weight``), each tensor's name now and at its load, told by the
+    tensor object itself; None when its names are as they were. Tensors added since (the
+    LoRA's) are left out: they are the script's, in memory."""
+    with torch_function_off():
+        now = {name: id(t) for name, t in _named_tensors(module)}
+    if now.keys() == model.seen.keys():
+        return None
+    then: dict[int, str] = {}
+    for name, (ident, _, _) in model.seen.items():
+        then.setdefault(ident, name)  # a tied tensor: its first name
+    return {
+        name: name if model.seen.get(name, (None,))[0] == ident else then[ident]
+        for name, ident in now.items()
+        if ident in then
+    }
+
+
+def _renamed(layout: Layout, renames: dict[str, str]) -> Layout:
+    return {new: layout[old] for new, old in renames.items() if old in layout}
+
+
+def _moved(renames: dict[str, str], model: _Model) -> str:
+    """The first name that is not as it was at the load."""
+    changed = sorted(
+        {*renames.keys() ^ model.seen.keys(), *(n for n, o in renames.items() if n != o)}
+    )
+    return changed[0] if changed else "none"
 
 
 def _settle(module: nn.Module, layout: Layout) -> None:
