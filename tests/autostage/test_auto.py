@@ -1510,6 +1510,44 @@ def test_control_answering_meta_the_input_goes_to_meta_and_the_call_fails(st_fol
         placed_by_a_released_parameter(st_folder)
 
 
+def copies_of_models(folder: str) -> tuple[Any, ...]:
+    """Room for one model: ``copy.deepcopy`` of a released model (``a``) and of a loaded one
+    (``c``), and ``torch.save``/``torch.load`` of ``c``. Returns (the copies' outputs, the
+    originals' outputs, whether the copies carry auto's hook)."""
+    import copy
+    import io
+
+    from stageload.hooks.registry import HookRegistry
+
+    paths = [f"{folder}/{n}.safetensors" for n in auto_script.NAMES]
+    x = torch.ones(2, auto_script.WIDTH)
+    with torch.no_grad(), auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False):
+        a, _, c = (auto_script.load_st(p) for p in paths)
+        copies = [copy.deepcopy(a), copy.deepcopy(c)]
+        saved = io.BytesIO()
+        torch.save(c, saved)
+        saved.seek(0)
+        copies.append(torch.load(saved, weights_only=False))
+        hooked = [stageload.autostage.AUTO in (HookRegistry.of(m) or ()) for m in copies]
+        return [m(x) for m in copies], [a(x), c(x), c(x)], hooked
+
+
+def test_a_copy_of_a_model_is_the_scripts_own(st_folder):
+    """An EMA copy or a saved model: the copy has the weights (a released model loads
+    first) and no auto hook; the factory made the original, not the copy."""
+    got, want, hooked = copies_of_models(st_folder)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert hooked == [False, False, False]
+
+
+def test_control_a_copied_hook_holds_the_sessions_lock_and_cannot_be_pickled(
+    st_folder, monkeypatch
+):
+    monkeypatch.setattr(stageload.autostage._Hook, "copied", True)
+    with pytest.raises(TypeError, match="pickle"):
+        copies_of_models(st_folder)
+
+
 def lora_on_a_released_model(folder: str) -> tuple[Any, Any, list[str]]:
     """Room for one model: peft's ``get_peft_model`` on ``a`` while it is out (each target
     layer wrapped: ``layers.0.weight`` becomes ``layers.0.base_layer.weight``), then a
@@ -1548,6 +1586,40 @@ def test_control_reloading_under_the_old_names_fails(st_folder, monkeypatch):
     monkeypatch.setattr(stageload.autostage, "_renames", lambda module, model: None)
     with pytest.raises(ValueError, match="does not fit the module"):
         lora_on_a_released_model(st_folder)
+
+
+def compiled_through_a_reload(folder: str) -> tuple[Any, Any]:
+    """Room for one model: ``torch.compile(a)`` (the eager backend), called once, released
+    while the others run, then called again, which reloads it. Returns (that output, the
+    compiled model's without auto, in this process)."""
+    import torch._dynamo
+
+    paths = [f"{folder}/{n}.safetensors" for n in auto_script.NAMES]
+    x = torch.ones(2, auto_script.WIDTH)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = torch.compile(auto_script.load_st(paths[0]), backend="eager")(x)
+        with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False):
+            models = [auto_script.load_st(p) for p in paths]
+            compiled = torch.compile(models[0], backend="eager")
+            compiled(x)  # loaded for this call, released by the next ones
+            for model in models[1:]:
+                model(x)
+            assert models[0].layers[0].weight.is_meta
+            return compiled(x), want
+
+
+def test_a_compiled_model_reloads_under_auto(st_folder):
+    got, want = compiled_through_a_reload(st_folder)
+    assert torch.equal(got, want)
+
+
+def test_control_tracing_into_autos_hooks_fails_in_dynamo(st_folder, monkeypatch):
+    import torch._dynamo.exc
+
+    monkeypatch.setattr(torch.compiler, "disable", lambda fn, *a, **k: fn)
+    with pytest.raises(torch._dynamo.exc.InternalTorchDynamoError):
+        compiled_through_a_reload(st_folder)
 
 
 def factory_call_during_a_reload(folder: str, monkeypatch: Any) -> tuple[Any, ...]:

@@ -207,11 +207,21 @@ class _Victim:
 class _Hook(ModuleHook):
     """On each model and its direct children: a call marks the model used (and reloads it
     when it is released: ``revive``). Holds its session: a model released when the block
-    ended still reloads on use."""
+    ended still reloads on use. A copy of the model (an EMA copy, ``torch.save(model)``)
+    is the script's own: it is not made by a factory, so auto leaves it alone."""
+
+    copied = False
 
     def __init__(self, session: AutoSession, model: _Model) -> None:
+        import torch
+
         self.session = session
         self.model = model
+        # auto's bookkeeping runs eagerly under torch.compile: dynamo breaks the graph at
+        # these calls (tracing into a release or a reload failed inside dynamo).
+        self.pre_call = torch.compiler.disable(self.pre_call)  # type: ignore[method-assign]
+        self.revive = torch.compiler.disable(self.revive)  # type: ignore[method-assign]
+        self.fill_on_use = torch.compiler.disable(self.fill_on_use)  # type: ignore[method-assign]
 
     def pre_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         session = self.session

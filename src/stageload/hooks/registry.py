@@ -85,6 +85,10 @@ class ModuleHook:
     component, which its checkpoint cannot give back); ``released`` once it was.
     """
 
+    #: Whether a copy of the module (``copy.deepcopy``, ``torch.save``) keeps this hook.
+    #: A hook that manages the module for an owner the copy does not belong to says no.
+    copied = True
+
     def pre_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return None
 
@@ -126,9 +130,11 @@ class HookRegistry:
         self._epoch = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        # A copy (copy.deepcopy of a hooked module) starts with no calls in flight.
+        # A copy (copy.deepcopy of a hooked module) starts with no calls in flight, and
+        # without the hooks that stay with the original.
         state = dict(self.__dict__)
         state.update(_running={}, _held_by=None, _epoch=0)
+        state["_hooks"] = {k: h for k, h in self._hooks.items() if h.copied}
         return state
 
     def called_elsewhere(self) -> bool:
