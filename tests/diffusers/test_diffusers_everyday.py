@@ -250,6 +250,31 @@ def test_control_without_loading_first_textual_inversion_fails(
 
 
 # -- schedulers, callbacks, VAE tiling ------------------------------------------------------------
+@pytest.mark.parametrize("warm", [False, True], ids=["unloaded", "after-a-call"])
+def test_a_dtype_round_trip_keeps_its_rounding(path: Path, warm: bool) -> None:
+    """``pipe.to(bfloat16)`` then ``pipe.to(float32)``: eager's weights keep bfloat16's
+    rounding; a staged reload converts through every dtype in turn. The VAE upcast in
+    float32 after a half-precision cast (decoding in float32) is the same case."""
+    ref, pipe = eager(path), staged(path)
+    if warm:
+        image(pipe)
+    for p in (ref, pipe):
+        p.to(torch.bfloat16)
+        p.to(torch.float32)
+    want = image(ref)
+    assert same_twice(pipe, want)
+
+
+def test_control_converted_to_the_last_dtype_alone_the_output_differs(path: Path) -> None:
+    """What a reload at the last dtype alone gave (the weights never rounded through
+    bfloat16): not eager's output."""
+    ref, pipe = eager(path), staged(path)
+    ref.to(torch.bfloat16)
+    ref.to(torch.float32)
+    pipe.to(torch.float32)
+    assert not torch.equal(image(pipe), image(ref))
+
+
 def test_a_new_scheduler_a_callback_and_vae_tiling_equal_eager(path: Path) -> None:
     from diffusers import DPMSolverMultistepScheduler
 

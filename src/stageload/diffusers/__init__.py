@@ -108,7 +108,7 @@ class StagedPipeline:
         self._order = list(self.plan)
         # Where each component goes after every load; pipe.to(...) changes it.
         self._targets: dict[str, dict[str, Any]] = {
-            name: {"device": device, "dtype": None} for name in self._skeletons
+            name: {"device": device, "dtypes": []} for name in self._skeletons
         }
         self._lock = threading.RLock()
         # One call of the pipeline at a time (interim, until calls in flight are counted per
@@ -178,20 +178,22 @@ class StagedPipeline:
                 skeleton,
                 recipe,
                 target["device"],
-                target["dtype"],
-                _placeholder.real_to,
                 names=tracked.names(skeleton),
                 name=name,
                 progress=not quiet,
             )
+            for dtype in target["dtypes"]:  # pipe.to(dtype) calls since, each as eager did
+                _placeholder.real_to(skeleton, dtype=dtype)
             tracked.filled(skeleton, fresh)
             _placeholder.check_added(name, skeleton, tracked)
             return
         loaded = _load_component(
             self._classes[name], self.path / name, self.torch_dtype, self._model_kwargs
         )
-        if target["device"].type != "cpu" or target["dtype"] is not None:
-            loaded = loaded.to(device=target["device"], dtype=target["dtype"])
+        if target["device"].type != "cpu":
+            loaded = loaded.to(device=target["device"])
+        for dtype in target["dtypes"]:
+            loaded = loaded.to(dtype=dtype)
         _placeholder.fill(skeleton, loaded, tracked)
         _placeholder.check_added(name, skeleton, tracked)
         self._learn(name, skeleton)
@@ -199,7 +201,7 @@ class StagedPipeline:
     def _learn(self, name: str, skeleton: nn.Module) -> None:
         """After the first from_pretrained load: may later loads read the files directly?"""
         files = pretrained_checkpoint(self.path / name, self._model_kwargs)
-        if self._targets[name]["dtype"] is not None:
+        if self._targets[name]["dtypes"]:
             # from_pretrained's dtype then .to(dtype) rounds twice; a direct read once.
             learned: Recipe | str = "it was converted with .to(dtype) before its first load"
         elif isinstance(files, str):
@@ -335,8 +337,10 @@ class StagedPipeline:
                 target["device"] = torch.device(device)
                 if hook is not None:
                     hook.execution_device = target["device"]
-            if dtype is not None:
-                target["dtype"] = dtype
+            if dtype is not None and target["dtypes"][-1:] != [dtype]:
+                # Every conversion, in order: fp32 -> bf16 -> fp32 keeps bf16's rounding,
+                # as eager's weights do (the last dtype alone would reload unrounded).
+                target["dtypes"].append(dtype)
             if self.models.is_loaded(name):
                 tracked = self._tracked[name]
                 unchanged = set(tracked.names(skeleton, unchanged=True))
