@@ -260,7 +260,7 @@ def test_released_component_raises_released_module_error(built: Any) -> None:
     with pytest.raises(ReleasedModuleError) as info:
         pipe.transformer(hidden_states=torch.zeros(1, 4, 8), timestep=torch.zeros(1))
     assert info.value.name == "transformer"
-    with pytest.raises(ReleasedModuleError):
+    with pytest.raises(ReleasedModuleError, match=r"closed during stage 'decode'.*close\(\)"):
         _call(pipe, family)
     with pytest.raises(ModelLoadError) as load_info:  # the registry refuses too
         pipe.stageload.models["vae"]
@@ -433,6 +433,8 @@ def test_bad_input_fails_before_loading_with_the_value_and_the_fix(
         staged_pipeline(FluxPipeline, path, stages="transformer")
     with pytest.raises(ValueError, match="stage 'encode' lists 'tokenizer'"):
         staged_pipeline(FluxPipeline, path, stages={"encode": ["tokenizer"]})
+    with pytest.raises(ValueError, match="lists 'transformer' more than once"):
+        staged_pipeline(FluxPipeline, path, stages={"denoise": ["transformer", "transformer"]})
     with pytest.raises(ValueError, match="keep lists 'unet'.*transformer"):
         staged_pipeline(FluxPipeline, path, keep=["unet"])
 

@@ -148,7 +148,7 @@ class StagedPipeline:
     def _loader(self, name: str) -> Any:
         def load() -> nn.Module:
             if self._closed_at is not None:  # close() is for good, models[name] included
-                raise ReleasedModuleError(name, self._closed_at[0])
+                raise ReleasedModuleError(name, self._closed_at[0], closed=True)
             skeleton = self._skeletons[name]
             # Filling writes the placeholder's tensors; on this thread that must not count as
             # a use of the empty placeholder (which would load it again).
@@ -245,7 +245,7 @@ class StagedPipeline:
                 self.models.enter(target)
         with self._lock:
             if self._closed_at is not None:
-                raise ReleasedModuleError(name, self._closed_at[0])
+                raise ReleasedModuleError(name, self._closed_at[0], closed=True)
             target = self._next_stage(name)
             if target is not None and target != self.models.stage:
                 self.models.enter(target)
@@ -654,10 +654,11 @@ def _streamed_names(
         }
         sizes = component_sizes(folder, dtypes, kwargs.get("variant"))
         return [n for n in staged if sizes.get(n, 0) > limit]
-    if isinstance(stream, str):
-        raise TypeError(f"stream must list component names, e.g. [{stream!r}], or be 'auto'")
-    names = list(stream)
     streamable = [n for n, cls in models.items() if _placeholder.can_stage(cls)]
+    if isinstance(stream, str):
+        example = stream if stream in streamable else (streamable or ["transformer"])[-1]
+        raise TypeError(f"stream must list component names, e.g. [{example!r}], or be 'auto'")
+    names = list(stream)
     for name in names:
         if name not in streamable:
             raise ValueError(

@@ -31,10 +31,19 @@ DEVICES = ("cpu", "cuda", "mps")
 class ReleasedModuleError(StageloadError, RuntimeError):
     """A module was called after its weights were released."""
 
-    def __init__(self, name: str | None, stage: str | None) -> None:
+    def __init__(self, name: str | None, stage: str | None, *, closed: bool = False) -> None:
         self.name = name
         self.stage = stage
+        self.closed = closed
         what = f"model {name!r}" if name else "this module"
+        if closed:  # released for good by the stager's close(): nothing loads it again
+            during = f" during stage {stage!r}" if stage else " before its first call"
+            super().__init__(
+                f"{what} was released when its staged pipeline was closed{during} "
+                "(pipe.stageload.close()), and a closed pipeline loads nothing: build it "
+                "again with staged_pipeline(...)"
+            )
+            return
         when = f" when the pipeline entered stage {stage!r}" if stage else ""
         super().__init__(
             f"{what} was released{when}: its weights are on the 'meta' device. "
