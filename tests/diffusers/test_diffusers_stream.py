@@ -120,3 +120,6 @@ def test_bad_stream_arguments_say_what_is_wrong(root: Path) -> None:
         staged_pipeline(fam.cls, path, stream="auto")
     with pytest.raises(TypeError, match=r"stream must list component names, e.g. \['vae'\]"):
         staged_pipeline(fam.cls, path, stream="vae")
+    # A name that cannot be streamed is not offered back as the example.
+    with pytest.raises(TypeError, match=r"e.g. \['vae'\]"):
+        staged_pipeline(fam.cls, path, stream="scheduler")

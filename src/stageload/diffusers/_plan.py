@@ -384,6 +384,12 @@ def check_stages(stages: Any, models: Mapping[str, type]) -> dict[str, list[str]
                 f"stage {stage!r} must list component names, e.g. [{names!r}]; got {names!r}"
             )
         names = list(names)
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(
+                f"stage {stage!r} lists {twice[0]!r} more than once ({names!r}); list each "
+                f"component once per stage"
+            )
         for name in names:
             if name not in models:
                 raise ValueError(
