@@ -166,6 +166,12 @@ def test_a_factory_that_cannot_be_found_is_a_clear_error():
     unqualified = pytest.raises(stageload.autostage.AutoError, match="write it as module:Class")
     with unqualified, auto(factories=["load_model"]):
         pass
+    one_string = pytest.raises(TypeError, match=r"e.g. factories=\['fixtures.auto_script:x'\]")
+    with one_string, auto(factories="fixtures.auto_script:x"):
+        pass
+    no_sink = pytest.raises(TypeError, match=r"an emit\(event\) method.*got <built-in function")
+    with no_sink, auto(events=print):
+        pass
 
 
 def test_factories_are_back_as_they_were_after_the_block(folder):
@@ -254,6 +260,11 @@ def test_the_cli_says_what_it_cannot_run(tmp_path):
     failing = tmp_path / "fail.py"
     failing.write_text("import sys\nsys.exit(3)\n")
     assert _run(["-m", "stageload", "auto", "--", "python", str(failing)], tmp_path).returncode == 3
+    # The script's __file__ is absolute, as python gives it, though typed relative.
+    (tmp_path / "where.py").write_text("print(__file__)\n")
+    plain = _run(["where.py"], tmp_path)
+    staged = _run(["-m", "stageload", "auto", "--", "python", "where.py"], tmp_path)
+    assert staged.stdout == plain.stdout == f"{tmp_path / 'where.py'}\n"
 
 
 def test_a_script_chaining_three_transformers_models_equals_eager(tmp_path):

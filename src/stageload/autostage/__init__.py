@@ -1400,6 +1400,16 @@ def auto(
     ``"module:Class.method"``; ``defaults=False`` wraps only those. After the block, a model
     it released loads again at its next use and stays.
     """
+    if isinstance(factories, str):
+        raise TypeError(
+            f"factories must list 'module:function' or 'module:Class.method' names, e.g. "
+            f"factories=[{factories!r}]; got the string {factories!r}"
+        )
+    if events is not None and not callable(getattr(events, "emit", None)):
+        raise TypeError(
+            f"events must be an event sink, an object with an emit(event) method (such as "
+            f"stageload.ListSink() or a MemoryMeter); got {events!r}"
+        )
     with _ACTIVE_LOCK:
         if _ACTIVE:
             raise AutoError(

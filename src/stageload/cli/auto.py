@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     code = 0
     try:
         if kind == "path":
-            runpy.run_path(what, run_name="__main__")
+            # As python gives the script its own path in __file__: absolute.
+            runpy.run_path(os.path.abspath(what), run_name="__main__")
         else:
             runpy.run_module(what, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
