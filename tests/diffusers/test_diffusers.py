@@ -321,17 +321,21 @@ def test_bf16_checkpoint_without_torch_dtype_matches_eager_dtypes(built: Any) ->
     assert torch.equal(_call(bf16, family), _eager(family, path, dtype=torch.bfloat16))
 
 
-def half_precision_run(built: Any, name: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """A float16 checkpoint run in bfloat16, staged and eager: the two outputs, and the
-    parameters whose dtype differs between the two pipelines, before the staged one
-    loads anything (what a placeholder answers, and what a streamed read converts to)
-    and after its call (all loaded: ``keep``)."""
+def half_precision_run(
+    built: Any, name: str, then: Any = None
+) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """A float16 checkpoint run in bfloat16, staged and eager (each given to ``then``
+    first, if given): the two outputs, and the parameters whose dtype differs between the
+    two pipelines, before the staged one loads anything (what a placeholder answers, and
+    what a streamed read converts to) and after its call (all loaded: ``keep``)."""
     family = FAMILIES[name]
     cls = getattr(diffusers, family.pipeline)
     path = built(name, dtype=torch.float16)
     eager = cls.from_pretrained(path, torch_dtype=torch.bfloat16)
     names = [n for n, c in eager.components.items() if isinstance(c, torch.nn.Module)]
     pipe = staged_pipeline(cls, path, torch_dtype=torch.bfloat16, keep=names)
+    for p in (eager, pipe) if then is not None else ():
+        then(p)
 
     def differ(when: str) -> list[str]:
         return [
@@ -372,6 +376,46 @@ def test_control_matching_module_names_only_loses_wans_float32_table(built, monk
     staged_out, eager_out, differ = half_precision_run(built, "wan2.2")
     assert "loaded: transformer.scale_shift_table" in differ
     assert not torch.equal(staged_out, eager_out)
+
+
+def test_a_half_precision_pipeline_sent_to_float32_loads_in_float32(built: Any) -> None:
+    """``pipe.to(torch.float32)`` on a bfloat16 Wan 2.2 before any load: its transformers'
+    first parameter is a table already in float32, and the conversion must still be
+    recorded for the rest. Reference: eager, the same two calls, this process."""
+    staged_out, eager_out, differ = half_precision_run(
+        built, "wan2.2", then=lambda p: p.to(torch.float32)
+    )
+    assert differ == []
+    assert torch.equal(staged_out, eager_out)
+
+
+def test_control_probing_the_first_parameter_misses_wans_conversion(built, monkeypatch):
+    import stageload.diffusers._placeholder as placeholder
+
+    def first_only(skeleton: Any, fn: Any, device: Any) -> tuple[Any, Any]:
+        first = next(p for p in skeleton.parameters() if p.is_floating_point())
+        probe = fn(torch.zeros(1, dtype=first.dtype, device=device))
+        return None, probe.dtype if probe.dtype != first.dtype else None
+
+    monkeypatch.setattr(placeholder, "conversion", first_only)
+    _, _, differ = half_precision_run(built, "wan2.2", then=lambda p: p.to(torch.float32))
+    assert any(d.startswith("placeholder: transformer.") for d in differ)
+
+
+def test_conversions_back_through_wider_dtypes_end_the_chain() -> None:
+    """SDXL's pipeline sends its VAE to float32 and back at every call: the chain a reload
+    replays stays two long; a real rounding (float32 to bfloat16) stays in it."""
+    from stageload.diffusers._placeholder import converted
+
+    chain: list[Any] = []
+    for _ in range(100):
+        chain = converted(converted(chain, torch.float32), torch.float16)
+    assert chain == [torch.float32, torch.float16]
+    assert converted([torch.bfloat16], torch.float32) == [torch.bfloat16, torch.float32]
+    assert converted([torch.bfloat16, torch.float32], torch.bfloat16) == [torch.bfloat16]
+    # float16 does not hold every bfloat16 value: that round trip rounds, and stays.
+    bf16_f16 = [torch.bfloat16, torch.float16]
+    assert converted(bf16_f16, torch.bfloat16) == [*bf16_f16, torch.bfloat16]
 
 
 def test_bad_arguments_say_what_to_fix(built: Any, tmp_path: Path) -> None:

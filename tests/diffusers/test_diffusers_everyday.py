@@ -265,6 +265,18 @@ def test_a_dtype_round_trip_keeps_its_rounding(path: Path, warm: bool) -> None:
     assert same_twice(pipe, want)
 
 
+def test_an_upcast_vae_each_call_equals_eager(path: Path) -> None:
+    """A bfloat16 pipeline whose VAE is sent to float32 and back at every call (as SDXL's
+    pipeline does with ``force_upcast``), three calls, the VAE released between them."""
+    ref = SD.cls.from_pretrained(path, torch_dtype=torch.bfloat16)
+    pipe = staged_pipeline(SD.cls, path, keep=(), torch_dtype=torch.bfloat16)
+    for _ in range(3):
+        for p in (ref, pipe):
+            p.vae.to(torch.float32)
+            p.vae.to(torch.bfloat16)
+        assert torch.equal(image(pipe), image(ref))
+
+
 def test_control_converted_to_the_last_dtype_alone_the_output_differs(path: Path) -> None:
     """What a reload at the last dtype alone gave (the weights never rounded through
     bfloat16): not eager's output."""

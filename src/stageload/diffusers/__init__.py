@@ -337,10 +337,10 @@ class StagedPipeline:
                 target["device"] = torch.device(device)
                 if hook is not None:
                     hook.execution_device = target["device"]
-            if dtype is not None and target["dtypes"][-1:] != [dtype]:
+            if dtype is not None:
                 # Every conversion, in order: fp32 -> bf16 -> fp32 keeps bf16's rounding,
                 # as eager's weights do (the last dtype alone would reload unrounded).
-                target["dtypes"].append(dtype)
+                target["dtypes"] = _placeholder.converted(target["dtypes"], dtype)
             if self.models.is_loaded(name):
                 tracked = self._tracked[name]
                 unchanged = set(tracked.names(skeleton, unchanged=True))

@@ -286,13 +286,7 @@ def intercept(skeleton: nn.Module, hook: StageHook) -> None:
             # pipe.to("cuda", torch.float16) reaches every component: learn where ``fn``
             # sends a tensor like the weights and record that for every later load (the
             # weights convert now if they are in; on meta only a dtype can change).
-            import torch
-
-            first = next((p for p in skeleton.parameters() if p.is_floating_point()), None)
-            was = first.dtype if first is not None else torch.get_default_dtype()
-            probe = fn(torch.zeros(1, dtype=was, device=hook.execution_device))
-            device = probe.device if probe.device != hook.execution_device else None
-            dtype = probe.dtype if probe.dtype != was else None
+            device, dtype = conversion(skeleton, fn, hook.execution_device)
             if device is not None or dtype is not None:
                 hook.move(device, dtype)
             return skeleton
@@ -313,6 +307,48 @@ def intercept(skeleton: nn.Module, hook: StageHook) -> None:
     for method in LOAD_FIRST:
         if callable(getattr(skeleton, method, None)):
             patch(skeleton, method, load_first)
+
+
+def conversion(
+    skeleton: nn.Module, fn: Callable[..., Any], device: torch.device
+) -> tuple[Any, Any]:
+    """Where ``fn`` (a conversion ``_apply`` was given) sends the weights: (the device, or
+    None if it stays; the dtype, or None if none changes). Probed with each dtype the
+    weights have: a bfloat16 Wan transformer's first parameter is a table kept in float32,
+    which ``.to(float32)`` leaves as it is."""
+    import torch
+
+    dtypes = {p.dtype for p in skeleton.parameters() if p.is_floating_point()}
+    probes = {
+        was: fn(torch.zeros(1, dtype=was, device=device))
+        for was in dtypes or {torch.get_default_dtype()}
+    }
+    first = next(iter(probes.values()))
+    moved = first.device if first.device != device else None
+    return moved, next((p.dtype for was, p in probes.items() if p.dtype != was), None)
+
+
+#: Float dtypes that hold every value of the ones listed for them exactly.
+_HOLDS = {"float64": ("float32", "float16", "bfloat16"), "float32": ("float16", "bfloat16")}
+
+
+def converted(chain: list[Any], dtype: Any) -> list[Any]:
+    """``chain``, the dtypes a component was converted to in order (each applied to every
+    later load), after ``.to(dtype)``. A conversion back to a dtype the chain reached
+    before, with only dtypes that hold its values exactly in between, changed no value
+    since: the chain ends there instead of growing (SDXL's pipeline sends its VAE to
+    float32 and back to float16 at every call)."""
+
+    def holds(wide: Any, narrow: Any) -> bool:
+        name = str(narrow).removeprefix("torch.")
+        return wide == narrow or name in _HOLDS.get(str(wide).removeprefix("torch."), ())
+
+    for i in range(len(chain) - 1, -1, -1):
+        if chain[i] == dtype:
+            if all(holds(d, dtype) for d in chain[i + 1 :]):
+                return chain[: i + 1]
+            break
+    return [*chain, dtype]
 
 
 #: Tensor reads that need no values: on an empty tensor of a placeholder they answer from
