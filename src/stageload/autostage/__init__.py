@@ -325,8 +325,10 @@ class AutoSession:
                         # flight reads as other values): compare them once it is done (it
                         # notifies).
                         self.waiting += 1
-                        self._lock.wait()
-                        self.waiting -= 1
+                        try:
+                            self._lock.wait()
+                        finally:  # Ctrl-C in the wait: not counted as waiting after it
+                            self.waiting -= 1
                         continue
                     changed = _changed(known)
                     if changed is None:
@@ -339,9 +341,11 @@ class AutoSession:
                         self._in_making[key] = threading.Event()
                     break
                 self.waiting += 1
-            running.wait()  # another thread makes the same model: take its result
-            with self._lock:
-                self.waiting -= 1
+            try:
+                running.wait()  # another thread makes the same model: take its result
+            finally:
+                with self._lock:
+                    self.waiting -= 1
         try:
             return self._make(factory, name, args, kwargs, key, trusted)
         finally:
