@@ -1468,9 +1468,10 @@ def test_a_library_loader_checks_the_start_of_each_tensor_a_named_factory_every_
 ):
     """A reload's recipe from a ``from_pretrained`` load compares the first 4 KiB of each
     tensor with the file (the libraries convert whole tensors or none, as the diffusers
-    adapter relies on; every byte took 54 x a plain ``from_pretrained`` of 512 MiB:
+    adapter relies on; every byte took 54 x a plain ``from_pretrained`` of 539 MiB:
     ``bench/auto_first_load.py``); one from a factory the user names compares every byte
-    (``load_st_nudged`` changes a weight past the first 4 KiB)."""
+    (such a factory may change a weight past the first 4 KiB: ``load_st_nudged``'s test).
+    Checked by the flag each recipe is learned with."""
     pytest.importorskip("diffusers")
     from diffusers import AutoencoderKL
 
