@@ -363,13 +363,13 @@ def test_a_half_precision_run_keeps_in_float32_what_diffusers_keeps(built: Any, 
 
 
 def test_control_matching_module_names_only_loses_wans_float32_table(built, monkeypatch):
-    import stageload.diffusers._placeholder as placeholder
+    import stageload.load.skeleton as skeleton
 
-    real = placeholder.keep_in_fp32_modules
+    real = skeleton.keep_in_fp32_modules
     # The placeholder built without that name in the list: what matching module names
     # alone did to the model's own table (the blocks' tables are filled by the load).
     monkeypatch.setattr(
-        placeholder,
+        skeleton,
         "keep_in_fp32_modules",
         lambda cls, dtype: tuple(k for k in real(cls, dtype) if k != "scale_shift_table"),
     )

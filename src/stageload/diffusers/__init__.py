@@ -32,6 +32,7 @@ from ..hooks.release import ReleasedModuleError, release, releasing
 from ..load.checkpoint import pretrained_checkpoint
 from ..load.loaders import BACKGROUND_READY_ATTR, rng_free
 from ..load.refill import Recipe, learn, reload
+from ..load.skeleton import build_empty, can_stage, is_transformers_model, skeleton_dtype
 from ..memory.budget import parse_budget
 from . import _marks, _placeholder
 from ._args import (
@@ -547,10 +548,7 @@ def staged_pipeline(
         staged = [n for n in staged if n not in streaming]
     keep = check_keep(keep, staged, folder)
 
-    dtypes = {
-        name: _placeholder.skeleton_dtype(models[name], folder / name, torch_dtype)
-        for name in staged
-    }
+    dtypes = {name: skeleton_dtype(models[name], folder / name, torch_dtype) for name in staged}
     with preserved_rng():  # building a skeleton may run initialisers that draw numbers
         skeletons = {
             name: _placeholder.build_skeleton(models[name], folder / name, dtypes[name])
@@ -649,12 +647,10 @@ def _streamed_names(
                 "pass budget= too (e.g. budget='80%'), or name them: stream=['transformer']"
             )
         limit = parse_budget(budget)
-        dtypes = {
-            n: _placeholder.skeleton_dtype(models[n], folder / n, torch_dtype) for n in staged
-        }
+        dtypes = {n: skeleton_dtype(models[n], folder / n, torch_dtype) for n in staged}
         sizes = component_sizes(folder, dtypes, kwargs.get("variant"))
         return [n for n in staged if sizes.get(n, 0) > limit]
-    streamable = [n for n, cls in models.items() if _placeholder.can_stage(cls)]
+    streamable = [n for n, cls in models.items() if can_stage(cls)]
     if isinstance(stream, str):
         example = stream if stream in streamable else (streamable or ["transformer"])[-1]
         raise TypeError(f"stream must list component names, e.g. [{example!r}], or be 'auto'")
@@ -684,11 +680,11 @@ def _stream_component(
     files = pretrained_checkpoint(folder, {k: v for k, v in kwargs.items() if k in _MODEL_KWARGS})
     if isinstance(files, str):
         raise ValueError(f"cannot stream {name!r}: {files}; it needs a safetensors checkpoint")
-    dtype = _placeholder.skeleton_dtype(cls, folder, torch_dtype)
+    dtype = skeleton_dtype(cls, folder, torch_dtype)
 
     def build() -> nn.Module:
-        model = _placeholder.build_empty(cls, folder, dtype)
-        if _placeholder.is_transformers_model(cls):
+        model = build_empty(cls, folder, dtype)
+        if is_transformers_model(cls):
             # Tied as from_pretrained ties them: a T5 stores its embedding once, as
             # shared.weight, and the stream reads the files alone. (A placeholder ties
             # them when it is first filled from a from_pretrained model.)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..external import version_at_least
-from . import _placeholder
+from ..load.skeleton import is_transformers_model
 
 if TYPE_CHECKING:
     import torch
@@ -129,7 +129,7 @@ def _load_component(
 ) -> nn.Module:
     """``cls.from_pretrained`` the way DiffusionPipeline.from_pretrained calls it."""
     kwargs = dict(kwargs)
-    if _placeholder.is_transformers_model(cls):
+    if is_transformers_model(cls):
         # As the pipeline's loader passes it: transformers 4.56 renamed torch_dtype to dtype,
         # and None means each version's default (5.x: the checkpoint's dtype).
         key = "dtype" if version_at_least("transformers", "4.56") else "torch_dtype"

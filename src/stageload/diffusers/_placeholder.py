@@ -54,18 +54,13 @@ from ..errors import StageloadError
 from ..external import (
     CONVERT_METHOD,
     HF_HOOK_ATTR,
-    from_pretrained_dtype,
-    keep_in_fp32_modules,
-    kept_in_float32,
-    library_model,
     own_tensor_tables,
     tensor_version,
-    transformers_from_config,
 )
 from ..hooks.empty import mark_empty
 from ..hooks.registry import HookRegistry, ModuleHook, patch
 from ..hooks.release import unmark_released
-from ..load.checkpoint import DTYPES, read_header
+from ..load.skeleton import build_empty
 
 if TYPE_CHECKING:
     import torch
@@ -360,81 +355,11 @@ def real_to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
 
 
 # -- building ------------------------------------------------------------------------------------
-def skeleton_dtype(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype ``cls.from_pretrained(folder, torch_dtype=...)`` gives the weights
-    (:func:`stageload.external.from_pretrained_dtype`; the checkpoint's own is read from
-    its headers)."""
-    import torch
-
-    return (
-        from_pretrained_dtype(cls, torch_dtype)
-        or _checkpoint_dtype(folder)
-        or torch.get_default_dtype()
-    )
-
-
-def is_transformers_model(cls: type) -> bool:
-    return library_model(cls) == "transformers"
-
-
-def _checkpoint_dtype(folder: Path) -> torch.dtype | None:
-    """The dtype of the first floating tensor in the folder's safetensors files (headers)."""
-    import torch
-
-    for file in sorted(folder.glob("*.safetensors")):
-        for entry in read_header(file).values():
-            if entry.is_floating:
-                return getattr(torch, DTYPES[entry.dtype][0])
-    return None
-
-
-def can_stage(cls: type) -> bool:
-    """Whether a placeholder can be built for ``cls`` from its saved config."""
-    return is_transformers_model(cls) or (
-        hasattr(cls, "load_config") and hasattr(cls, "from_config")
-    )
-
-
 def build_skeleton(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
     """An instance of ``cls`` itself built from the config in ``folder``, with every
     parameter on ``meta`` in ``dtype`` (float32 where the class keeps modules in float32)."""
     answer_devices()
     return build_empty(cls, folder, dtype)
-
-
-def build_empty(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
-    """``cls`` built from the config in ``folder`` with every parameter on ``meta`` in the
-    dtype ``from_pretrained`` would give it (see :func:`build_skeleton`)."""
-    import torch
-    from accelerate import init_empty_weights
-
-    if is_transformers_model(cls):
-        config = cls.config_class.from_pretrained(str(folder))
-        with init_empty_weights():
-            model = transformers_from_config(cls, config)
-    elif hasattr(cls, "load_config") and hasattr(cls, "from_config"):
-        config = cls.load_config(str(folder))
-        with init_empty_weights():
-            model = cls.from_config(config)
-        model.register_to_config(_name_or_path=str(folder))  # as from_pretrained records it
-    else:
-        raise TypeError(
-            f"cannot stage a {cls.__module__}.{cls.__qualname__}: it is neither a diffusers "
-            f"ModelMixin nor a transformers PreTrainedModel; keep it loaded (leave it out of "
-            f"stages=)"
-        )
-    keep_fp32 = keep_in_fp32_modules(cls, dtype)
-    with torch.no_grad():
-        for module_name, sub in model.named_modules():
-            for key, param in list(sub.named_parameters(recurse=False)):
-                if not param.is_floating_point():
-                    continue
-                full = f"{module_name}.{key}" if module_name else key
-                want = torch.float32 if kept_in_float32(full, keep_fp32) else dtype
-                meta = torch.empty_like(param, device="meta", dtype=want)
-                setattr(sub, key, torch.nn.Parameter(meta, requires_grad=param.requires_grad))
-    model.eval()
-    return model
 
 
 def attach(skeleton: nn.Module, hook: StageHook) -> None:

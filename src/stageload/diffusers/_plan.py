@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.plan import Plan
-from ._placeholder import can_stage
+from ..load.skeleton import can_stage
 
 #: Stage names of the default plan, in pipeline order (``denoise_2`` etc. follow ``denoise``).
 ENCODE, DENOISE, DECODE = "encode", "denoise", "decode"
