@@ -1,6 +1,7 @@
 """``stageload.auto`` on every diffusers family of ``stageload.testing.families``, each
 pipeline loaded by its own ``from_pretrained`` with no line of stageload in the calls:
-two seeded calls under a budget that holds no component give eager's outputs bit for bit,
+each component is read at its first use (``from_pretrained`` builds it on ``meta``), two
+seeded calls under a budget that holds no component give eager's outputs bit for bit,
 and nothing is said but the plan and the budget (no component kept loaded)."""
 
 from __future__ import annotations
@@ -61,3 +62,6 @@ def test_auto_gives_eagers_outputs_and_keeps_no_component_loaded(root: Path, nam
     said = [e.note for e in sink.events if e.kind == "note"]
     assert [n for n in said if not any(e in n for e in EXPECTED)] == []
     assert any(e.kind == "reload" for e in sink.events)
+    # from_pretrained read nothing: each component was read at its first use
+    first = {e.model: e.note for e in sink.events if e.kind == "load"}
+    assert first and set(first.values()) == {"first use"}, first

@@ -264,11 +264,16 @@ def test_readme_auto_example_gives_the_eager_image_bit_for_bit(tmp_path, one_thr
     run_example(auto_example(path, staged=False, seed=8), other)
     assert staged["image"].tobytes() == eager["image"].tobytes()
     assert other["image"].tobytes() != eager["image"].tobytes()  # control: the check tells
-    # Room for one component at a time: each one goes while another is in use (the one
-    # from_pretrained made last may stay in until the call; the order varies by process).
-    released = {e.model for e in sink.events if e.kind == "release"}
-    assert {"text_encoder", "transformer", "vae"} <= released
-    assert sum(e.kind == "reload" for e in sink.events) >= 2
+    # Room for one component at a time: each is read at its first use (from_pretrained
+    # read none), and the one before it goes first.
+    moves = [(e.kind, e.model) for e in sink.events if e.kind in ("load", "release")]
+    assert moves == [
+        ("load", "text_encoder"),
+        ("release", "text_encoder"),
+        ("load", "transformer"),
+        ("release", "transformer"),
+        ("load", "vae"),
+    ]
 
 
 # -- the commands ------------------------------------------------------------------------

@@ -4,6 +4,11 @@ While the block runs, the usual model factories (diffusers' ``ModelMixin.from_pr
 transformers' ``PreTrainedModel.from_pretrained``, and any named with ``factories=``) are
 wrapped. Each model they make is the script's own object, of its own class, with one hook:
 
+- a library's ``from_pretrained`` of a local folder of safetensors files returns the model
+  built from its config with its weights on ``meta`` (a stand-in: the object the diffusers
+  adapter starts each component from, :mod:`stageload.load.skeleton`), released: it is
+  read at its first use, by the same call, so each model is read once and one the script
+  never calls is never read;
 - a call of a released model (or a torch function on one of its tensors) reloads it first:
   the factory again, with the RNG as it was at the first load (a part the checkpoint does
   not cover draws the same values) and the script's RNG untouched, converted to the dtypes
@@ -66,6 +71,7 @@ from ..load.checkpoint import (
     pretrained_checkpoint,
 )
 from ..load.refill import Recipe, learn, reload
+from ..load.skeleton import stand_in
 from ..memory.budget import parse_budget
 
 if TYPE_CHECKING:
@@ -133,6 +139,11 @@ class _Model:
     recipe: Recipe | None = None
     #: Its first load made inference tensors (the factory ran under inference_mode).
     inference: bool = False
+    #: Made as a stand-in (:func:`stageload.load.skeleton.stand_in`), not loaded yet: its
+    #: first use runs the factory, with the grad mode it was called in, then learns how it
+    #: reloads from its files with this.
+    first: Callable[[nn.Module], Recipe | str | None] | None = None
+    grad: bool = True
 
 
 @dataclass
@@ -370,6 +381,10 @@ class AutoSession:
             finally:
                 self._making.depth -= 1
 
+        if trusted and isinstance(factory, _Bound):
+            early = _stand_in(factory.cls, args, kwargs)
+            if early is not None:
+                return self._defer(early, factory, make, name, args, kwargs, key)
         # Room before it loads: for its size from its files' headers when its arguments
         # name them (a larger model than any before would otherwise load on top of the
         # others: SD3's transformer after its T5), and for the largest model seen.
@@ -430,6 +445,50 @@ class AutoSession:
             if inner:
                 self._pin(model, "contains the staged model " + ", ".join(inner))
         self._make_room(model.size, model.name, keep=model)  # the others it leaves no room for
+        return obj
+
+    def _defer(
+        self,
+        obj: nn.Module,
+        factory: Callable[..., Any],
+        make: Callable[[], Any],
+        name: str,
+        args: tuple,
+        kwargs: dict,
+        key: Any,
+    ) -> nn.Module:
+        """Stage ``obj``, a stand-in for what ``make`` loads, as released: its first use
+        loads it, so it is read once (not here and again at that use), and a model the
+        script never calls is never read."""
+        import torch
+
+        size = _file_bytes(factory, args, kwargs)
+        with self._lock:
+            unique = _unique(name, self._models)
+            model = _Model(
+                unique,
+                make,
+                weakref.ref(obj, self._on_drop(unique)),
+                size,
+                capture_rng(),
+                state=RELEASED,
+                last_use=self._tick(),
+                loads=0,
+                device=torch.device("cpu"),
+                first=functools.partial(_learn, args=args, kwargs=kwargs, whole=False),
+                inference=torch.is_inference_mode_enabled(),
+                grad=torch.is_grad_enabled(),
+            )
+            hook = _Hook(self, model)
+            for sub in (obj, *obj.children()):
+                HookRegistry.attach(sub).add(AUTO, hook)
+            self._models[model.name] = model
+            if key is not None:
+                self._shared[key] = model
+        with releasing(collect=False):  # its computed buffers: the load makes them again
+            release(obj, name=unique, wait=False)  # the hook's released() marks its tensors
+        with self._lock:
+            model.seen = _seen(obj)
         return obj
 
     # -- uses, loads and releases ----------------------------------------------------------
@@ -508,11 +567,23 @@ class AutoSession:
                     victim.model.state, victim.model.owner = RELEASING, me
                 self._release(victim)
         ok = False
+        recipe: Recipe | str | None = None
         start = time.perf_counter()
         try:
             renames = _renames(module, model)
             layout = model.layout if renames is None else _renamed(model.layout, renames)
-            if _refill(module, model, layout, renames):
+            if model.first is not None:
+                layout = _layout(module)  # the script's requires_grad and attributes
+                try:
+                    _first_load(module, model, renames)
+                except BaseException:  # Ctrl-C, a factory that failed: empty again, as it was
+                    with releasing(collect=False):
+                        release(module, name=model.name, wait=False)
+                    raise
+                # How it reloads (a renamed one is kept loaded: see below).
+                recipe = model.first(module) if renames is None else None
+                how = "first use"
+            elif _refill(module, model, layout, renames):
                 how = "files"
             elif renames is not None:
                 raise StageloadError(
@@ -537,9 +608,11 @@ class AutoSession:
                 model.state, model.owner = (LOADED if ok else RELEASED), None
                 if ok:
                     model.loads += 1
+                    if how == "first use":
+                        self._first_loaded(module, model, recipe)
                     self._emit(
                         Event(
-                            RELOAD,
+                            LOAD if how == "first use" else RELOAD,
                             model=model.name,
                             bytes=model.size,
                             seconds=time.perf_counter() - start,
@@ -557,6 +630,16 @@ class AutoSession:
                         self._finish()
                 self._lock.notify_all()
         return True
+
+    def _first_loaded(self, module: nn.Module, model: _Model, recipe: Recipe | str | None) -> None:
+        """Under the lock, after a stand-in's first load: how it reloads, and its size."""
+        model.first = None
+        model.size = _bytes(module)
+        if isinstance(recipe, str):
+            self._say(model, "factory", f"{model.name}: reloads through its factory: {recipe}")
+        else:
+            model.recipe = recipe
+        model.samples = _samples(module)  # no other weights to compare with: the first
 
     def _make_room(self, size: int, name: str, keep: _Model | None = None) -> None:
         """Release idle models, one at a time, until ``size`` more bytes fit the budget
@@ -1094,6 +1177,70 @@ def _refill(
         reload(module, model.recipe, devices.pop(), names=renames, progress=False)
     _convert(module, layout)
     return True
+
+
+def _stand_in(cls: type, args: tuple, kwargs: dict) -> nn.Module | None:
+    """A model of ``cls`` with its weights on ``meta``, in place of what
+    ``cls.from_pretrained(*args, **kwargs)`` loads (:func:`stageload.load.skeleton.stand_in`),
+    or None to load it now (an argument it does not know, a head the checkpoint lacks, a
+    config it cannot build)."""
+    try:
+        with preserved_rng():  # building it may run initialisers that draw numbers
+            built = stand_in(cls, args, kwargs)
+    except Exception:  # a config it cannot read: from_pretrained itself will say why
+        return None
+    return None if isinstance(built, str) else built
+
+
+def _first_load(module: nn.Module, model: _Model, renames: dict[str, str] | None) -> None:
+    """A stand-in's first load: its factory, as the script called it (the global RNG as it
+    was then, restored for the script after; the same grad and inference modes), its
+    tensors moved into the stand-in's objects by name, tied ones as the factory tied them."""
+    import torch
+
+    with preserved_rng(), torch.set_grad_enabled(model.grad):
+        restore_rng(model.rng)
+        with torch.inference_mode(model.inference):
+            fresh = model.make()
+    sources = dict(_named_tensors(fresh))
+    taken: dict[int, Any] = {}  # a fresh tensor's id -> the stand-in's object that took it
+    with torch_function_off(), torch.no_grad():
+        for name, t in list(_named_tensors(module)):
+            source = sources.get(renames.get(name, name) if renames else name)
+            if source is None:
+                if not t.is_meta:
+                    continue  # the script's own, added since (a LoRA's)
+                raise StageloadError(
+                    f"{model.name}: its factory made a {type(fresh).__name__} without "
+                    f"{name!r}, which the model built from its config has: load it without "
+                    f"auto, or name a factory that builds it the same"
+                )
+            _take(module, name, t, source, taken)
+
+
+def _take(module: nn.Module, name: str, t: Any, source: Any, taken: dict[int, Any]) -> None:
+    """Put ``source`` (a fresh tensor) at ``name`` of the stand-in ``module``, whose tensor
+    there is ``t``: into ``t`` itself where it is empty (``swap_tensors``: what the script
+    holds is live), else as its own object (tied by the factory to one placed before, or
+    untied where the stand-in had them tied)."""
+    import torch
+
+    prefix, _, key = name.rpartition(".")
+    owner = module.get_submodule(prefix)
+    done = taken.get(id(source))
+    if done is not None:  # tied by the factory: tied the same way
+        if done is not t:
+            setattr(owner, key, done)
+        return
+    if t.is_meta:
+        try:
+            torch.utils.swap_tensors(t, source)
+            taken[id(source)] = t
+            return
+        except RuntimeError:  # held elsewhere: the fresh object takes its place
+            pass
+    setattr(owner, key, source)
+    taken[id(source)] = source
 
 
 def _renames(module: nn.Module, model: _Model) -> dict[str, str] | None:

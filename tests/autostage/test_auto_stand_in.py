@@ -1,0 +1,190 @@
+"""``stageload.auto`` stands in for a library's ``from_pretrained``: the model comes back
+built from its config with its weights on ``meta``, and is read at its first use, once.
+
+Reference for every equality: the same calls without auto, in this process, one torch
+thread (conftest's ``one_thread``) on both sides.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+
+import stageload.autostage  # noqa: E402
+import stageload.load.skeleton  # noqa: E402
+from stageload import ListSink  # noqa: E402
+from stageload.autostage import auto  # noqa: E402
+from stageload.external import torch_function_off  # noqa: E402
+from stageload.testing.families import FAMILIES, folder  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SD = FAMILIES["sd"]
+COMPONENTS = ["text_encoder", "unet", "vae"]
+
+
+@pytest.fixture(scope="module")
+def sd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import diffusers
+
+    diffusers.utils.logging.disable_progress_bar()
+    return folder(SD, tmp_path_factory.mktemp("sd"))
+
+
+def empty(module: Any) -> bool:
+    with torch_function_off():  # reading an empty tensor through auto's hook loads it
+        return all(t.is_meta for t in module.state_dict().values())
+
+
+def made_then_called(path: Path) -> tuple[dict[str, bool], Any, ListSink]:
+    """Stable Diffusion by its own ``from_pretrained`` under ``auto(budget=1)``: which
+    components are empty after it (metadata read: ``dtype``, ``device``, ``config``), then
+    one seeded call's image and the events."""
+    sink = ListSink()
+    with auto(budget=1, events=sink):
+        pipe = SD.load(path)
+        pipe.set_progress_bar_config(disable=True)
+        for name in COMPONENTS:
+            part = getattr(pipe, name)
+            assert (part.dtype, part.device.type) == (torch.float32, "cpu")
+            assert part.config is not None
+        before = {name: empty(getattr(pipe, name)) for name in COMPONENTS}
+        image = pipe(**SD.call(0)).images
+    return before, image, sink
+
+
+def test_a_pipeline_from_pretrained_reads_each_component_at_its_first_use_once(sd):
+    SD.load(sd)  # the page cache warm for both
+    pipe = SD.load(sd)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(**SD.call(0)).images
+    before, got, sink = made_then_called(sd)
+    assert before == dict.fromkeys(COMPONENTS, True)  # nothing read by from_pretrained
+    assert torch.equal(got, want)
+    loads = [(e.kind, e.model, e.note) for e in sink.events if e.kind in ("load", "reload")]
+    assert loads == [("load", n, "first use") for n in COMPONENTS]  # one read each
+
+
+def test_control_loaded_at_from_pretrained_each_component_is_read_twice(sd, monkeypatch):
+    monkeypatch.setattr(stageload.autostage, "_stand_in", lambda cls, args, kwargs: None)
+    before, _, sink = made_then_called(sd)
+    assert not all(before.values())
+    reads = [e.model for e in sink.events if e.kind in ("load", "reload")]
+    assert len(reads) > len(COMPONENTS)
+
+
+# -- what loads at the call, as before --------------------------------------------------------
+@pytest.fixture(scope="module")
+def headless(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A BERT classifier saved without its head: ``from_pretrained`` draws the head at
+    random from the global RNG."""
+    from safetensors.torch import load_file, save_file
+    from transformers import BertConfig, BertForSequenceClassification
+
+    path = tmp_path_factory.mktemp("headless")
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, num_labels=3,
+    )  # fmt: skip
+    BertForSequenceClassification(config).save_pretrained(path)
+    weights = load_file(path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.startswith("classifier.")},
+              path / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    return path
+
+
+def classify(path: Path) -> tuple[Any, Any]:
+    """Seeded: the classifier (head drawn at random), then an input drawn after it."""
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(1)
+    model = BertForSequenceClassification.from_pretrained(path).eval()
+    noise = torch.randn(1, 6, 32)  # after from_pretrained's draws, as the script sees them
+    with torch.no_grad():
+        out = model(inputs_embeds=noise).logits
+    return out, model
+
+
+def test_a_checkpoint_without_the_head_loads_at_the_call_and_equals_eager(headless):
+    assert "lacks classifier" in stageload.load.skeleton.stand_in(
+        __import__("transformers").BertForSequenceClassification, (headless,), {}
+    )
+    want, _ = classify(headless)
+    sink = ListSink()
+    with auto(budget=1, events=sink):
+        got, model = classify(headless)
+    assert torch.equal(got, want)
+    assert [e.note for e in sink.events if e.kind == "load"] == [None]  # at the call
+
+
+def test_control_standing_in_for_it_moves_the_scripts_random_stream(headless, monkeypatch):
+    """The head is drawn at the first use instead (from the call's RNG state: the same
+    head), so the draw after the call no longer follows from_pretrained's."""
+    monkeypatch.setattr(stageload.load.skeleton, "uncovered", lambda model, files: None)
+    want, _ = classify(headless)
+    with auto(budget=1):
+        got, _ = classify(headless)
+    assert not torch.equal(got, want)
+
+
+def test_an_argument_it_does_not_know_loads_at_the_call(headless):
+    from transformers import BertForSequenceClassification
+
+    why = stageload.load.skeleton.stand_in(
+        BertForSequenceClassification, (headless,), {"output_attentions": True}
+    )
+    assert why == "from_pretrained was given output_attentions="
+    folder_less = stageload.load.skeleton.stand_in(BertForSequenceClassification, ("x",), {})
+    assert folder_less == "no config.json, or a peft adapter in the folder"
+
+
+# -- Ctrl-C in a first load ---------------------------------------------------------------------
+def interrupted_first_load(path: Path, monkeypatch: Any, *, undo: bool = True) -> tuple[Any, ...]:
+    """The unet's first load gets Ctrl-C (a real SIGINT) with its first tensor moved into
+    place and the others not. ``undo=False`` breaks the undo (the release on error).
+    Returns (interrupted, the unet empty after it, the image of a call after that)."""
+    real = stageload.autostage._take
+    moved: list[int] = []
+
+    def take(*args: Any) -> None:
+        moved.append(1)
+        if len(moved) == 2:
+            signal.raise_signal(signal.SIGINT)  # KeyboardInterrupt at the next bytecode
+        real(*args)
+
+    with auto(budget=1):
+        pipe = SD.load(path)
+        pipe.set_progress_bar_config(disable=True)
+        monkeypatch.setattr(stageload.autostage, "_take", take)
+        if not undo:
+            monkeypatch.setattr(stageload.autostage, "release", lambda *a, **k: 0)
+        interrupted = False
+        try:
+            pipe.unet.conv_in.weight.sum()  # its first use
+        except KeyboardInterrupt:
+            interrupted = True
+        unet_empty = empty(pipe.unet)
+        monkeypatch.undo()
+        image = pipe(**SD.call(0)).images if undo else None
+    return interrupted, unet_empty, image
+
+
+def test_ctrl_c_in_a_first_load_leaves_it_empty_and_the_next_use_loads_it(sd, monkeypatch):
+    pipe = SD.load(sd)
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(**SD.call(0)).images
+    interrupted, unet_empty, image = interrupted_first_load(sd, monkeypatch)
+    assert interrupted and unet_empty
+    assert torch.equal(image, want)
+
+
+def test_control_without_the_undo_the_first_load_is_left_half_done(sd, monkeypatch):
+    interrupted, unet_empty, _ = interrupted_first_load(sd, monkeypatch, undo=False)
+    assert interrupted and not unet_empty
