@@ -123,3 +123,5 @@ def test_bad_stream_arguments_say_what_is_wrong(root: Path) -> None:
     # A name that cannot be streamed is not offered back as the example.
     with pytest.raises(TypeError, match=r"e.g. \['vae'\]"):
         staged_pipeline(fam.cls, path, stream="scheduler")
+    with pytest.raises(ValueError, match="stream names 'transformer' twice"):
+        staged_pipeline(fam.cls, path, stream=["transformer", "transformer"])

@@ -655,12 +655,14 @@ def _streamed_names(
         example = stream if stream in streamable else (streamable or ["transformer"])[-1]
         raise TypeError(f"stream must list component names, e.g. [{example!r}], or be 'auto'")
     names = list(stream)
-    for name in names:
+    for i, name in enumerate(names):
         if name not in streamable:
             raise ValueError(
                 f"stream names {name!r}, which is not a model component of this pipeline; "
                 f"components: {', '.join(streamable) or '(none)'}"
             )
+        if name in names[:i]:
+            raise ValueError(f"stream names {name!r} twice; name each component once")
     return names
 
 
