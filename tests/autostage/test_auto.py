@@ -1014,6 +1014,39 @@ def test_a_weight_replaced_while_the_model_is_released_is_a_change(folder):
     ]
 
 
+def replaced_while_released(folder: str) -> tuple[bool, list[str]]:
+    """The script replaces a layer's weight while its model is out, then calls it.
+    Returns (the script's weight is still there, the notes)."""
+    from torch import nn
+
+    sink = ListSink()
+    with auto(budget=int(1.5 * SIZE), factories=[FACTORY], defaults=False, events=sink):
+        models = [auto_script.load_model(f"{folder}/{n}.pt") for n in auto_script.NAMES]
+        layer = models[0].layers[0]
+        weight = nn.Parameter(torch.zeros(layer.out_features, layer.in_features))
+        layer.weight = weight
+        models[0](torch.ones(1, auto_script.WIDTH))
+    return models[0].layers[0].weight is weight, [e.note for e in sink.events if e.kind == "note"]
+
+
+def test_a_weight_replaced_while_released_then_used_is_said_as_the_scripts_change(folder):
+    """The reload keeps the script's weight, and the note says the script changed it."""
+    kept, notes = replaced_while_released(folder)
+    assert kept
+    assert notes == [
+        "a.pt: changed by the script while released (layers.0.weight replaced): kept loaded, "
+        "not staged"
+    ]
+
+
+def test_control_without_telling_replaced_tensors_the_factory_is_blamed(folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage, "_replaced", lambda module, model: None)
+    kept, notes = replaced_while_released(folder)
+    assert kept and notes == [
+        "a.pt: its factory gave other weights at reload: kept loaded, not staged"
+    ]
+
+
 def test_control_a_real_change_in_the_loop_is_still_said(folder):
     equal, loads, notes, _ = rebuilt_in_a_loop(folder, runs=4, change_at=1)
     assert equal == [True, False, True, True]  # the next build is a fresh, unchanged model

@@ -568,9 +568,11 @@ class AutoSession:
                 self._release(victim)
         ok = False
         recipe: Recipe | str | None = None
+        replaced: str | None = None
         start = time.perf_counter()
         try:
             renames = _renames(module, model)
+            replaced = _replaced(module, model) if renames is None else None
             layout = model.layout if renames is None else _renamed(model.layout, renames)
             if model.first is not None:
                 layout = _layout(module)  # the script's requires_grad and attributes
@@ -622,6 +624,8 @@ class AutoSession:
                     if renames is not None:  # said as _changed says it, kept loaded
                         moved = _moved(renames, model)
                         self._pin(model, f"changed by the script (parts added or removed: {moved})")
+                    elif replaced is not None:  # in memory, not the tensor auto loaded
+                        self._pin(model, f"changed by the script while released ({replaced})")
                     elif _same(_samples(module), _converted(model.samples, module)) is not None:
                         self._pin(model, "its factory gave other weights at reload")
                     model.seen, model.samples = _seen(module), _samples(module)
@@ -1261,6 +1265,17 @@ def _renames(module: nn.Module, model: _Model) -> dict[str, str] | None:
         for name, ident in now.items()
         if ident in then
     }
+
+
+def _replaced(module: nn.Module, model: _Model) -> str | None:
+    """The first tensor of the released ``module`` that the script replaced with one in
+    memory (``layer.weight = nn.Parameter(...)``), said as ``"NAME replaced"``, or None."""
+    with torch_function_off():
+        for name, t in _named_tensors(module):
+            then = model.seen.get(name)
+            if then is not None and then[0] != id(t) and not t.is_meta:
+                return f"{name} replaced"
+    return None
 
 
 def _renamed(layout: Layout, renames: dict[str, str]) -> Layout:
