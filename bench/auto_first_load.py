@@ -71,7 +71,7 @@ def load(mode: str, folder: Path) -> float:
     else:
         learn, stand_in = autostage._learn, autostage._stand_in
         if mode != "auto":  # the stand-in switched off: read at the call
-            autostage._stand_in = lambda cls, args, kwargs: None
+            autostage._stand_in = lambda cls, args, kwargs, rng: None
         if mode == "auto-whole":  # and every byte compared
             autostage._learn = lambda m, a, k, whole: learn(m, a, k, whole=True)
         try:

@@ -72,7 +72,7 @@ def test_a_pipeline_from_pretrained_reads_each_component_at_its_first_use_once(s
 
 
 def test_control_loaded_at_from_pretrained_each_component_is_read_twice(sd, monkeypatch):
-    monkeypatch.setattr(stageload.autostage, "_stand_in", lambda cls, args, kwargs: None)
+    monkeypatch.setattr(stageload.autostage, "_stand_in", lambda cls, args, kwargs, rng: None)
     before, _, sink = made_then_called(sd)
     assert not all(before.values())
     reads = [e.model for e in sink.events if e.kind in ("load", "reload")]
@@ -140,7 +140,7 @@ def test_an_argument_it_does_not_know_loads_at_the_call(headless):
     why = stageload.load.skeleton.stand_in(
         BertForSequenceClassification, (headless,), {"output_attentions": True}
     )
-    assert why == "from_pretrained was given output_attentions="
+    assert why == "from_pretrained was given output_attentions=True"
     folder_less = stageload.load.skeleton.stand_in(BertForSequenceClassification, ("x",), {})
     assert folder_less == "no config.json, or a peft adapter in the folder"
 
@@ -188,3 +188,126 @@ def test_ctrl_c_in_a_first_load_leaves_it_empty_and_the_next_use_loads_it(sd, mo
 def test_control_without_the_undo_the_first_load_is_left_half_done(sd, monkeypatch):
     interrupted, unet_empty, _ = interrupted_first_load(sd, monkeypatch, undo=False)
     assert interrupted and not unet_empty
+
+
+def test_ctrl_c_while_its_recipe_is_learned_leaves_it_empty(sd, monkeypatch):
+    """Ctrl-C after the first load's tensors are in, while auto checks them against the
+    files: undone as well (it was left loaded, counted as released)."""
+    real = stageload.autostage._learn
+
+    def learn(*args: Any, **kwargs: Any) -> Any:
+        signal.raise_signal(signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stageload.autostage, "_learn", learn)
+    with auto(budget=1) as session:
+        pipe = SD.load(sd)
+        with pytest.raises(KeyboardInterrupt):
+            pipe.unet.conv_in.weight.sum()
+        monkeypatch.setattr(stageload.autostage, "_learn", real)  # for the next load
+        assert empty(pipe.unet) and "unet" not in session.resident()
+        pipe.unet.conv_in.weight.sum()  # loads now
+        assert not empty(pipe.unet) and "unet" in session.resident()
+
+
+# -- the script's random stream, arguments, and what from_pretrained sets -------------------
+@pytest.mark.parametrize("family", ["pixart-sigma", "wan2.2", "ltx"])
+def test_the_draw_after_from_pretrained_is_eagers(family, tmp_path):
+    """PixArt's, Wan's and LTX's constructors draw numbers (``scale_shift_table``), under
+    diffusers' ``from_pretrained`` too: the script's next draw follows them, with auto as
+    without. Reference: the same calls without auto, this process."""
+    path = folder(FAMILIES[family], tmp_path)
+
+    def draw_after() -> Any:
+        torch.manual_seed(0)
+        FAMILIES[family].load(path)
+        return torch.randn(4)
+
+    want = draw_after()
+    with auto(budget=1):
+        got = draw_after()
+    assert torch.equal(got, want)
+
+
+def test_control_giving_back_the_builds_draws_moves_the_scripts_stream(tmp_path, monkeypatch):
+    """The stand-in's draws given back, as for a transformers model: the script's next
+    draw is no longer eager's."""
+    monkeypatch.setattr(stageload.autostage, "library_model", lambda cls: "transformers")
+    path = folder(FAMILIES["pixart-sigma"], tmp_path)
+    torch.manual_seed(0)
+    FAMILIES["pixart-sigma"].load(path)
+    want = torch.randn(4)
+    with auto(budget=1):
+        torch.manual_seed(0)
+        FAMILIES["pixart-sigma"].load(path)
+        got = torch.randn(4)
+    assert not torch.equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import BertConfig, BertModel
+
+    path = tmp_path_factory.mktemp("bert")
+    torch.manual_seed(0)
+    BertModel(
+        BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                   intermediate_size=64)
+    ).save_pretrained(path)  # fmt: skip
+    return path
+
+
+def test_an_argument_that_changes_the_model_loads_it_at_the_call(bert):
+    """``add_pooling_layer=False`` builds a BERT without its pooler: a stand-in built from
+    the config alone would have one (its first use raised)."""
+    from transformers import BertModel
+
+    ids = torch.tensor([[1, 2, 3]])
+    want = BertModel.from_pretrained(bert, add_pooling_layer=False)(ids).last_hidden_state
+    sink = ListSink()
+    with auto(budget=1, events=sink):
+        model = BertModel.from_pretrained(bert, add_pooling_layer=False)
+        assert model.pooler is None
+        got = model(ids).last_hidden_state
+    assert torch.equal(got, want)
+    assert [e.note for e in sink.events if e.kind == "load"] == [None]  # at the call
+
+
+def test_control_standing_in_with_that_argument_fails_at_the_first_use(bert, monkeypatch):
+    from transformers import BertModel
+
+    monkeypatch.setitem(stageload.load.skeleton.STAND_IN_DEFAULTS, "add_pooling_layer", (False,))
+    with auto(budget=1):
+        model = BertModel.from_pretrained(bert, add_pooling_layer=False)
+        with pytest.raises(stageload.StageloadError, match="without 'pooler.dense.weight'"):
+            model(torch.tensor([[1, 2, 3]]))
+
+
+def test_a_default_dtype_set_around_the_call_loads_at_the_call(sd):
+    """``torch.set_default_dtype(float64)`` around ``from_pretrained`` loads a diffusers
+    model in float64; the first use, later, would see float32."""
+    from diffusers import AutoencoderKL
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        with auto(budget=1):
+            vae = AutoencoderKL.from_pretrained(sd, subfolder="vae")
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert next(vae.parameters()).dtype == torch.float64
+
+
+def test_what_from_pretrained_sets_beside_the_weights_is_there_after_the_first_use(bert):
+    """``name_or_path`` (peft records it as the adapter's base model) and the attributes
+    transformers sets on the model (``_weight_conversions``)."""
+    from transformers import AutoConfig, BertModel
+
+    eager = BertModel.from_pretrained(bert)
+    config = AutoConfig.from_pretrained(bert)
+    with auto(budget=1):
+        model = BertModel.from_pretrained(bert, config=config)
+        config.hidden_dropout_prob = 0.5  # after the call: not the model's (it was copied)
+        model(torch.tensor([[1, 2, 3]]))
+    assert model.name_or_path == eager.name_or_path
+    assert model.config.hidden_dropout_prob == eager.config.hidden_dropout_prob
+    assert set(vars(eager)) <= set(vars(model))

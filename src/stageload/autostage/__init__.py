@@ -36,6 +36,7 @@ being released or loaded right now.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import importlib.abc
@@ -56,6 +57,7 @@ from ..core.rng import RngState, capture_rng, preserved_rng, restore_rng
 from ..errors import StageloadError
 from ..external import (
     from_pretrained_dtype,
+    library_model,
     storage_use_count,
     tensor_version,
     torch_function_off,
@@ -373,18 +375,12 @@ class AutoSession:
         key: Any,
         trusted: bool,
     ) -> Any:
-
-        def make() -> Any:
-            self._making.depth = getattr(self._making, "depth", 0) + 1
-            try:
-                return factory(*args, **kwargs)
-            finally:
-                self._making.depth -= 1
-
+        make = self._maker(factory, args, kwargs)
         if trusted and isinstance(factory, _Bound):
-            early = _stand_in(factory.cls, args, kwargs)
+            rng = capture_rng()  # before the build: the first load replays the call from it
+            early = _stand_in(factory.cls, args, kwargs, rng)
             if early is not None:
-                return self._defer(early, factory, make, name, args, kwargs, key)
+                return self._defer(early, factory, rng, name, args, kwargs, key)
         # Room before it loads: for its size from its files' headers when its arguments
         # name them (a larger model than any before would otherwise load on top of the
         # others: SD3's transformer after its T5), and for the largest model seen.
@@ -447,21 +443,38 @@ class AutoSession:
         self._make_room(model.size, model.name, keep=model)  # the others it leaves no room for
         return obj
 
+    def _maker(self, factory: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[[], Any]:
+        """The factory call, made again at each reload: a factory it calls in turn is not
+        staged (``call`` sees this thread's depth)."""
+
+        def make() -> Any:
+            self._making.depth = getattr(self._making, "depth", 0) + 1
+            try:
+                return factory(*args, **kwargs)
+            finally:
+                self._making.depth -= 1
+
+        return make
+
     def _defer(
         self,
         obj: nn.Module,
         factory: Callable[..., Any],
-        make: Callable[[], Any],
+        rng: RngState,
         name: str,
         args: tuple,
         kwargs: dict,
         key: Any,
     ) -> nn.Module:
-        """Stage ``obj``, a stand-in for what ``make`` loads, as released: its first use
-        loads it, so it is read once (not here and again at that use), and a model the
-        script never calls is never read."""
+        """Stage ``obj``, a stand-in for what ``factory(*args, **kwargs)`` loads, as
+        released: its first use loads it, so it is read once (not here and again at that
+        use), and a model the script never calls is never read. The arguments are copied
+        as they are now (transformers copies ``config=`` at the call: a change the script
+        makes to it afterwards is not the model's)."""
         import torch
 
+        kwargs = copy.deepcopy(kwargs)
+        make = self._maker(factory, args, kwargs)
         size = _file_bytes(factory, args, kwargs)
         with self._lock:
             unique = _unique(name, self._models)
@@ -470,12 +483,12 @@ class AutoSession:
                 make,
                 weakref.ref(obj, self._on_drop(unique)),
                 size,
-                capture_rng(),
+                rng,
                 state=RELEASED,
                 last_use=self._tick(),
                 loads=0,
                 device=torch.device("cpu"),
-                first=functools.partial(_learn, args=args, kwargs=kwargs, whole=False),
+                first=lambda module: _learn(module, args, kwargs, whole=False),
                 inference=torch.is_inference_mode_enabled(),
                 grad=torch.is_grad_enabled(),
             )
@@ -578,12 +591,12 @@ class AutoSession:
                 layout = _layout(module)  # the script's requires_grad and attributes
                 try:
                     _first_load(module, model, renames)
+                    # How it reloads (a renamed one is kept loaded: see below).
+                    recipe = model.first(module) if renames is None else None
                 except BaseException:  # Ctrl-C, a factory that failed: empty again, as it was
                     with releasing(collect=False):
                         release(module, name=model.name, wait=False)
                     raise
-                # How it reloads (a renamed one is kept loaded: see below).
-                recipe = model.first(module) if renames is None else None
                 how = "first use"
             elif _refill(module, model, layout, renames):
                 how = "files"
@@ -1183,17 +1196,25 @@ def _refill(
     return True
 
 
-def _stand_in(cls: type, args: tuple, kwargs: dict) -> nn.Module | None:
+def _stand_in(cls: type, args: tuple, kwargs: dict, rng: RngState) -> nn.Module | None:
     """A model of ``cls`` with its weights on ``meta``, in place of what
     ``cls.from_pretrained(*args, **kwargs)`` loads (:func:`stageload.load.skeleton.stand_in`),
     or None to load it now (an argument it does not know, a head the checkpoint lacks, a
-    config it cannot build)."""
+    config it cannot build). The global RNG moves as ``from_pretrained``'s would (``rng``:
+    its state before): a build that drew where ``from_pretrained`` will draw again (the
+    call loads it now) or would not have drawn (a transformers model) gives it back."""
+    import torch
+
     try:
-        with preserved_rng():  # building it may run initialisers that draw numbers
-            built = stand_in(cls, args, kwargs)
+        built = stand_in(cls, args, kwargs)
     except Exception:  # a config it cannot read: from_pretrained itself will say why
-        return None
-    return None if isinstance(built, str) else built
+        built = None
+    keep = isinstance(built, torch.nn.Module)
+    if not (keep and library_model(cls) == "diffusers") and not torch.equal(
+        torch.get_rng_state(), rng.cpu
+    ):
+        restore_rng(rng)
+    return built if keep else None
 
 
 def _first_load(module: nn.Module, model: _Model, renames: dict[str, str] | None) -> None:
@@ -1220,6 +1241,8 @@ def _first_load(module: nn.Module, model: _Model, renames: dict[str, str] | None
                     f"auto, or name a factory that builds it the same"
                 )
             _take(module, name, t, source, taken)
+    for key, value in vars(fresh).items():  # what from_pretrained set and a build does not
+        module.__dict__.setdefault(key, value)  # (transformers' _weight_conversions)
 
 
 def _take(module: nn.Module, name: str, t: Any, source: Any, taken: dict[int, Any]) -> None:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-#: ``from_pretrained`` arguments a stand-in builds the same model with (each value allowed).
+#: ``from_pretrained`` arguments a stand-in builds the same model with, whatever their value.
 STAND_IN_KWARGS = frozenset(
     {
         "torch_dtype",
@@ -41,9 +41,28 @@ STAND_IN_KWARGS = frozenset(
         "config",
         "_from_auto",
         "trust_remote_code",
-        "low_cpu_mem_usage",
+        "cache_dir",
+        "force_download",
+        "proxies",
+        "token",
     }
 )
+#: Arguments a stand-in allows only at the value that asks nothing (what diffusers'
+#: pipelines and transformers' auto classes pass): any other value changes the model
+#: (``add_pooling_layer=False``, ``use_cache=False``) or where it goes, so it loads at
+#: the call.
+STAND_IN_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "device_map": (None,),
+    "max_memory": (None,),
+    "offload_folder": (None,),
+    "offload_state_dict": (None, False),
+    "use_flashpack": (False,),
+    "low_cpu_mem_usage": (None, True),
+    "revision": (None,),
+    "quantization_config": (None,),
+    "adapter_kwargs": ({}, {"revision": None}),
+    "output_loading_info": (False,),
+}
 
 
 def skeleton_dtype(cls: type, folder: Path, torch_dtype: torch.dtype | None) -> torch.dtype:
@@ -81,10 +100,15 @@ def can_stage(cls: type) -> bool:
     )
 
 
-def build_empty(cls: type, folder: Path, dtype: torch.dtype, config: Any = None) -> nn.Module:
+def build_empty(
+    cls: type, folder: Path, dtype: torch.dtype, config: Any = None, *, meta: bool = False
+) -> nn.Module:
     """``cls`` built from the config in ``folder`` (or ``config``, a transformers config
     the caller loaded) with every parameter on ``meta`` in the dtype ``from_pretrained``
-    would give it (float32 where the class keeps modules in float32)."""
+    would give it (float32 where the class keeps modules in float32). ``meta``: build a
+    transformers model under ``torch.device("meta")``, as its ``from_pretrained`` does (no
+    number drawn from the CPU generator, nothing patched for other threads), where
+    accelerate's ``init_empty_weights`` otherwise builds it as diffusers builds its own."""
     import torch
     from accelerate import init_empty_weights
 
@@ -93,7 +117,7 @@ def build_empty(cls: type, folder: Path, dtype: torch.dtype, config: Any = None)
             config = cls.config_class.from_pretrained(str(folder))
         else:
             config = copy.deepcopy(config)  # from_pretrained does not change the caller's
-        with init_empty_weights():
+        with torch.device("meta") if meta else init_empty_weights():
             model = transformers_from_config(cls, config)
     elif hasattr(cls, "load_config") and hasattr(cls, "from_config"):
         config = cls.load_config(str(folder))
@@ -125,20 +149,25 @@ def stand_in(cls: type, args: tuple, kwargs: Mapping[str, Any]) -> nn.Module | s
     ``meta`` and nothing read but configs and headers; or why it cannot be built the
     same (then the caller loads it as it is).
 
-    Only a plain load: a local folder of safetensors files, arguments the library gives
-    the same model with (:data:`STAND_IN_KWARGS`, others only at their "none" value), and
-    a checkpoint that holds every tensor the model keeps, so ``from_pretrained`` draws no
+    Only a plain load: a local folder of safetensors files; arguments the library gives
+    the same model with (:data:`STAND_IN_KWARGS`, and :data:`STAND_IN_DEFAULTS` at the
+    value that asks nothing); torch's default dtype and device as they start; and a
+    checkpoint that holds every tensor the model keeps, so ``from_pretrained`` draws no
     random number for a missing one (a draw deferred to the model's first use would move
-    the script's random stream)."""
+    the script's random stream).
+
+    The global random stream moves as ``from_pretrained``'s does: a diffusers model is
+    built as diffusers builds it (its constructor's draws, PixArt's ``scale_shift_table``,
+    are drawn here as they would be there), a transformers model under ``meta`` (none)."""
     import torch
 
     if len(args) != 1 or not isinstance(args[0], (str, Path)):
         return "not one local folder"
-    extra = sorted(k for k, v in kwargs.items() if k not in STAND_IN_KWARGS and not _none(v))
-    if extra:
-        return f"from_pretrained was given {extra[0]}="
-    if kwargs.get("low_cpu_mem_usage") is False:  # initialises every weight at random first
-        return "low_cpu_mem_usage=False"
+    for key, value in kwargs.items():
+        if key not in STAND_IN_KWARGS and value not in STAND_IN_DEFAULTS.get(key, ()):
+            return f"from_pretrained was given {key}={value!r}"
+    if torch.get_default_dtype() != torch.float32 or torch.get_default_device().type != "cpu":
+        return "torch's default dtype or device is set"  # the first use would see another
     if not can_stage(cls):
         return f"{cls.__qualname__} is not a diffusers or transformers model"
     folder = Path(args[0]) / (kwargs.get("subfolder") or "")
@@ -150,20 +179,28 @@ def stand_in(cls: type, args: tuple, kwargs: Mapping[str, Any]) -> nn.Module | s
     dtype = kwargs.get("torch_dtype", kwargs.get("dtype"))
     if dtype is not None and not isinstance(dtype, torch.dtype) and dtype != "auto":
         return f"dtype={dtype!r}"  # a dict per module
+    transformers = is_transformers_model(cls)
     config = kwargs.get("config")
-    if config is not None and not (is_transformers_model(cls) and hasattr(config, "to_dict")):
+    if config is not None and not (transformers and hasattr(config, "to_dict")):
         return "config= is not a transformers config"
-    model = build_empty(cls, folder, skeleton_dtype(cls, folder, dtype), config)
-    if is_transformers_model(cls):
+    if transformers:  # named as from_pretrained names it, before the model is built
+        config = copy.deepcopy(config) if config is not None else _config(cls, folder)
+        config.name_or_path = args[0]
+    model = build_empty(cls, folder, skeleton_dtype(cls, folder, dtype), config, meta=True)
+    if transformers:
         model.tie_weights()  # as from_pretrained ties them: a T5 stores its embedding once
+        if getattr(model, "can_generate", lambda: False)():
+            _generation_config(model, folder)
+    else:
+        model.register_to_config(_name_or_path=args[0])  # as from_pretrained records it
     missing = uncovered(model, files)
     if missing is not None:
         return f"its checkpoint lacks {missing}"
-    if is_transformers_model(cls):
-        model.config.name_or_path = str(args[0])
-        if getattr(model, "can_generate", lambda: False)():
-            _generation_config(model, folder)
     return model
+
+
+def _config(cls: type, folder: Path) -> Any:
+    return cls.config_class.from_pretrained(str(folder))
 
 
 def uncovered(model: nn.Module, files: list[Path]) -> str | None:
@@ -186,10 +223,3 @@ def _generation_config(model: nn.Module, folder: Path) -> None:
     from transformers import GenerationConfig
 
     model.generation_config = GenerationConfig.from_pretrained(str(folder))
-
-
-def _none(value: Any) -> bool:
-    """An argument at its "nothing asked" value: None, False, "", or a dict of such."""
-    if isinstance(value, dict):
-        return all(_none(v) for v in value.values())
-    return value is None or value is False or value == ""
