@@ -311,3 +311,47 @@ def test_what_from_pretrained_sets_beside_the_weights_is_there_after_the_first_u
     assert model.name_or_path == eager.name_or_path
     assert model.config.hidden_dropout_prob == eager.config.hidden_dropout_prob
     assert set(vars(eager)) <= set(vars(model))
+
+
+def test_the_config_says_the_dtype_from_pretrained_gave(bert):
+    from transformers import BertModel
+
+    eager = BertModel.from_pretrained(bert, dtype=torch.bfloat16)
+    with auto(budget=1):
+        model = BertModel.from_pretrained(bert, dtype=torch.bfloat16)
+    assert model.config.dtype == eager.config.dtype == torch.bfloat16
+
+
+def disagreeing(bert: Path, tmp_path: Path) -> Path:
+    """A copy of ``bert`` whose config.json gives another vocabulary size than its weights."""
+    import json
+    import shutil
+
+    path = tmp_path / "disagrees"
+    shutil.copytree(bert, path)
+    config = json.loads((path / "config.json").read_text())
+    config["vocab_size"] = 100
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_a_config_that_disagrees_with_its_weights_fails_at_the_call(bert, tmp_path):
+    """As without auto: ``from_pretrained`` refuses the mismatch where it is called."""
+    from transformers import BertModel
+
+    path = disagreeing(bert, tmp_path)
+    with pytest.raises(RuntimeError, match="size mismatch|mismatched"):
+        BertModel.from_pretrained(path)
+    with auto(budget=1), pytest.raises(RuntimeError, match="size mismatch|mismatched"):
+        BertModel.from_pretrained(path)
+
+
+def test_control_without_comparing_shapes_it_fails_at_the_first_use(bert, tmp_path, monkeypatch):
+    from transformers import BertModel
+
+    path = disagreeing(bert, tmp_path)
+    monkeypatch.setattr(stageload.load.skeleton, "uncovered", lambda model, files: None)
+    with auto(budget=1):
+        model = BertModel.from_pretrained(path)  # no error here
+        with pytest.raises(RuntimeError, match="size mismatch|mismatched"):
+            model(torch.tensor([[1, 2, 3]]))

@@ -183,19 +183,21 @@ def stand_in(cls: type, args: tuple, kwargs: Mapping[str, Any]) -> nn.Module | s
     config = kwargs.get("config")
     if config is not None and not (transformers and hasattr(config, "to_dict")):
         return "config= is not a transformers config"
-    if transformers:  # named as from_pretrained names it, before the model is built
+    weights = skeleton_dtype(cls, folder, dtype)
+    if transformers:  # named and typed as from_pretrained sets them, before it is built
         config = copy.deepcopy(config) if config is not None else _config(cls, folder)
         config.name_or_path = args[0]
-    model = build_empty(cls, folder, skeleton_dtype(cls, folder, dtype), config, meta=True)
+        config.dtype = weights
+    model = build_empty(cls, folder, weights, config, meta=True)
     if transformers:
         model.tie_weights()  # as from_pretrained ties them: a T5 stores its embedding once
         if getattr(model, "can_generate", lambda: False)():
             _generation_config(model, folder)
     else:
         model.register_to_config(_name_or_path=args[0])  # as from_pretrained records it
-    missing = uncovered(model, files)
-    if missing is not None:
-        return f"its checkpoint lacks {missing}"
+    differs = uncovered(model, files)
+    if differs is not None:
+        return f"its checkpoint {differs}"
     return model
 
 
@@ -204,15 +206,24 @@ def _config(cls: type, folder: Path) -> Any:
 
 
 def uncovered(model: nn.Module, files: list[Path]) -> str | None:
-    """The first tensor ``model`` saves that no file holds under any of its names (tied
-    weights count once), or None."""
-    stored = read_entries(files).keys()
+    """Why ``from_pretrained`` would not fill ``model`` from ``files`` as they are: the
+    first tensor the model saves that no file holds under any of its names (tied weights
+    count once), or one the files hold in another shape (a config that disagrees with its
+    weights, which ``from_pretrained`` refuses at the call); None when they match."""
+    stored = read_entries(files)
     names: dict[int, list[str]] = {}
+    tensors: dict[int, Any] = {}
     for name, t in model.state_dict(keep_vars=True).items():
         names.setdefault(id(t), []).append(name)
-    for found in names.values():
-        if not any(n in stored for n in found):
-            return found[0]
+        tensors[id(t)] = t
+    for ident, found in names.items():
+        held = [n for n in found if n in stored]
+        if not held:
+            return f"lacks {found[0]}"
+        shape = tuple(tensors[ident].shape)
+        for name in held:
+            if stored[name].shape != shape:
+                return f"holds {name} of shape {list(stored[name].shape)}, not {list(shape)}"
     return None
 
 
