@@ -355,3 +355,136 @@ def test_control_without_comparing_shapes_it_fails_at_the_first_use(bert, tmp_pa
         model = BertModel.from_pretrained(path)  # no error here
         with pytest.raises(RuntimeError, match="size mismatch|mismatched"):
             model(torch.tensor([[1, 2, 3]]))
+
+
+# -- what the script does to a stand-in, and sharing ------------------------------------------
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("gpt2")
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=100, n_positions=16)
+    GPT2LMHeadModel(config).save_pretrained(path)  # lm_head tied to wte
+    return path
+
+
+def new_head_before_the_first_use(path: Path) -> tuple[Any, bool]:
+    """A new, untied head set before the model's first use. Returns (logits, the head is
+    still the script's)."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(path)
+    torch.manual_seed(1)
+    model.lm_head = torch.nn.Linear(32, 100, bias=False)
+    weight = model.lm_head.weight
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 5, 9, 23]])).logits
+    return logits, model.lm_head.weight is weight
+
+
+def test_a_layer_the_script_set_before_the_first_use_is_kept(gpt2):
+    want, _ = new_head_before_the_first_use(gpt2)
+    with auto(budget=1):
+        got, kept = new_head_before_the_first_use(gpt2)
+    assert kept and torch.equal(got, want)
+
+
+def test_control_filling_every_name_ties_the_new_head_back(gpt2, monkeypatch):
+    monkeypatch.setattr(stageload.autostage, "_scripts_own", lambda model, name, t: False)
+    want, _ = new_head_before_the_first_use(gpt2)
+    with auto(budget=1):
+        got, kept = new_head_before_the_first_use(gpt2)
+    assert not kept and not torch.equal(got, want)
+
+
+def test_a_model_the_script_converted_is_not_shared_with_the_next_call(gpt2):
+    """``a.half()``, then the same ``from_pretrained``: a new float32 model, as without
+    auto (it returned ``a``, in float16); unconverted, the call shares ``a``."""
+    from transformers import GPT2LMHeadModel
+
+    with auto(budget="100%"):
+        a = GPT2LMHeadModel.from_pretrained(gpt2)
+        assert GPT2LMHeadModel.from_pretrained(gpt2) is a
+        a.half()
+        b = GPT2LMHeadModel.from_pretrained(gpt2)
+    assert b is not a and b.dtype == torch.float32 and a.dtype == torch.float16
+
+
+def test_control_sharing_whatever_its_dtype_returns_the_converted_model(gpt2, monkeypatch):
+    from transformers import GPT2LMHeadModel
+
+    monkeypatch.setattr(stageload.autostage, "_as_made", lambda model, module=None: None)
+    with auto(budget="100%"):
+        a = GPT2LMHeadModel.from_pretrained(gpt2)
+        a.half()
+        assert GPT2LMHeadModel.from_pretrained(gpt2) is a
+
+
+def test_a_model_kept_loaded_for_two_threads_is_still_shared(gpt2):
+    """Pinned as used from two threads at once (not changed): the same call from a third
+    thread gets it (it made a second model)."""
+    from transformers import GPT2LMHeadModel
+
+    with auto(budget="100%") as session:
+        a = GPT2LMHeadModel.from_pretrained(gpt2)
+        session.pin(stageload.autostage._auto_hook(a).model, "used from two threads at once")
+        assert GPT2LMHeadModel.from_pretrained(gpt2) is a
+
+
+def test_control_a_pin_that_stops_sharing_makes_a_second_model(gpt2, monkeypatch):
+    from transformers import GPT2LMHeadModel
+
+    real = stageload.autostage.AutoSession._pin
+    monkeypatch.setattr(
+        stageload.autostage.AutoSession,
+        "_pin",
+        lambda self, model, why, changed=False: real(self, model, why, changed=True),
+    )
+    with auto(budget="100%") as session:
+        a = GPT2LMHeadModel.from_pretrained(gpt2)
+        session.pin(stageload.autostage._auto_hook(a).model, "used from two threads at once")
+        assert GPT2LMHeadModel.from_pretrained(gpt2) is not a
+
+
+def channels_last_twice(path: Path) -> tuple[list[Any], tuple[int, ...]]:
+    """A UNet sent to channels_last, called twice, its VAE used between (room for one:
+    the UNet reloads from its files for the second call). Returns the outputs and a 1x1
+    kernel's strides after the second."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet")
+    vae = AutoencoderKL.from_pretrained(path, subfolder="vae")
+    unet.to(memory_format=torch.channels_last)
+    x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    text = torch.ones(1, 3, unet.config.cross_attention_dim)
+    outs = []
+    with torch.no_grad():
+        for _ in range(2):
+            outs.append(unet(x, 1, encoder_hidden_states=text).sample)
+            vae.decode(outs[-1])
+    return outs, unet.down_blocks[1].attentions[0].proj_in.weight.stride()
+
+
+def test_a_channels_last_model_reloads_with_its_strides(sd):
+    """A 1x1 kernel is contiguous in both memory formats: its channels_last strides
+    (C, 1, C, C) came back as (C, 1, 1, 1), and the output differed by 2.5e-7."""
+    want, strides = channels_last_twice(sd)
+    with auto(budget=1):
+        got, reloaded = channels_last_twice(sd)
+    assert reloaded == strides
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_control_recording_no_strides_the_second_call_differs(sd, monkeypatch):
+    real = stageload.autostage._layout
+
+    def without_strides(module: Any) -> Any:
+        return {n: (*v[:3], None, v[4]) for n, v in real(module).items()}
+
+    monkeypatch.setattr(stageload.autostage, "_layout", without_strides)
+    want, strides = channels_last_twice(sd)
+    with auto(budget=1):
+        got, reloaded = channels_last_twice(sd)
+    assert reloaded != strides
+    assert torch.equal(got[0], want[0]) and not torch.equal(got[1], want[1])

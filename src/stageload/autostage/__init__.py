@@ -104,9 +104,9 @@ class AutoError(StageloadError, ValueError):
 #: Each tensor of a model by name: (the tensor object's id, its version counter, the
 #: address of its data).
 Seen = dict[str, tuple[int, int, int]]
-#: Each tensor of a model by name: (dtype, device, requires_grad, channels_last, its own
-#: attributes) as the script left it.
-Layout = dict[str, tuple[Any, Any, bool, bool, dict[str, Any]]]
+#: Each tensor of a model by name: (dtype, device, requires_grad, its strides when it is
+#: in channels_last (None otherwise), its own attributes) as the script left it.
+Layout = dict[str, tuple[Any, Any, bool, tuple[int, ...] | None, dict[str, Any]]]
 
 
 @dataclass(eq=False)
@@ -126,6 +126,10 @@ class _Model:
     loads: int = 1
     #: Kept loaded from now on (said once in the notes), for the reason in ``said``.
     pinned: bool = False
+    #: Changed by the script (or its factory gave other weights): a new call of its
+    #: factory makes a new model. A model pinned for another reason (used from two threads
+    #: at once) is still shared.
+    changed: bool = False
     said: set[str] = field(default_factory=set)
     #: The tensors as auto last loaded them, and a few of their values: whether the script
     #: changed the model since.
@@ -141,6 +145,8 @@ class _Model:
     recipe: Recipe | None = None
     #: Its first load made inference tensors (the factory ran under inference_mode).
     inference: bool = False
+    #: What the factory gave (:func:`_as_made`): a later call shares it only as it was.
+    made: Any = None
     #: Made as a stand-in (:func:`stageload.load.skeleton.stand_in`), not loaded yet: its
     #: first use runs the factory, with the grad mode it was called in, then learns how it
     #: reloads from its files with this.
@@ -332,7 +338,7 @@ class AutoSession:
                 self._prune()
                 known = self._shared.get(key) if key is not None else None
                 module = known.module() if known is not None else None
-                if module is not None and known is not None and not known.pinned:
+                if module is not None and known is not None and not known.changed:
                     if _moving_elsewhere(known):
                         # Another thread is filling or emptying its tensors (a copy in
                         # flight reads as other values): compare them once it is done (it
@@ -344,10 +350,14 @@ class AutoSession:
                             self.waiting -= 1
                         continue
                     changed = _changed(known)
-                    if changed is None:
+                    if changed is None and _as_made(known) == known.made:
                         return module
-                    # The script changed the first (an EMA copy, a student): a new one.
-                    self._pin(known, f"changed by the script since its load ({changed})")
+                    if changed is not None:  # (an EMA copy, a student): a new one
+                        self._pin(
+                            known, f"changed by the script since its load ({changed})", changed=True
+                        )
+                    # Converted (.half(), requires_grad_(False), .train()): it stays staged,
+                    # and the call makes a new one as it does without auto.
                 running = self._in_making.get(key) if key is not None else None
                 if running is None:
                     if key is not None:  # this thread makes it; the same call elsewhere waits
@@ -414,6 +424,7 @@ class AutoSession:
             )
             model.device = next((t.device for _, t in _named_tensors(obj)), None)
             model.seen, model.samples = _seen(obj), _samples(obj)
+            model.made = _as_made(model, obj)
             model.inference = any(t.is_inference() for _, t in _named_tensors(obj))
             if isinstance(recipe, str):
                 self._say(model, "factory", f"{unique}: reloads through its factory: {recipe}")
@@ -501,7 +512,7 @@ class AutoSession:
         with releasing(collect=False):  # its computed buffers: the load makes them again
             release(obj, name=unique, wait=False)  # the hook's released() marks its tensors
         with self._lock:
-            model.seen = _seen(obj)
+            model.seen, model.made = _seen(obj), _as_made(model, obj)
         return obj
 
     # -- uses, loads and releases ----------------------------------------------------------
@@ -636,11 +647,19 @@ class AutoSession:
                     )
                     if renames is not None:  # said as _changed says it, kept loaded
                         moved = _moved(renames, model)
-                        self._pin(model, f"changed by the script (parts added or removed: {moved})")
+                        self._pin(
+                            model,
+                            f"changed by the script (parts added or removed: {moved})",
+                            changed=True,
+                        )
                     elif replaced is not None:  # in memory, not the tensor auto loaded
-                        self._pin(model, f"changed by the script while released ({replaced})")
+                        self._pin(
+                            model,
+                            f"changed by the script while released ({replaced})",
+                            changed=True,
+                        )
                     elif _same(_samples(module), _converted(model.samples, module)) is not None:
-                        self._pin(model, "its factory gave other weights at reload")
+                        self._pin(model, "its factory gave other weights at reload", changed=True)
                     model.seen, model.samples = _seen(module), _samples(module)
                     if self._closed:
                         _unhook(module)
@@ -692,7 +711,7 @@ class AutoSession:
                 continue
             changed = _changed(m)
             if changed is not None:
-                self._pin(m, f"changed by the script since its load ({changed})")
+                self._pin(m, f"changed by the script since its load ({changed})", changed=True)
                 continue
             held = _held_elsewhere(module)
             if held is not None:  # freeing it would free memory under the holder
@@ -801,7 +820,10 @@ class AutoSession:
         self._clock += 1
         return self._clock
 
-    def _pin(self, model: _Model, why: str) -> None:
+    def _pin(self, model: _Model, why: str, *, changed: bool = False) -> None:
+        """Keep ``model`` loaded from now on, and say why once; ``changed``: it is not as
+        its factory makes it (no later factory call shares it)."""
+        model.changed = model.changed or changed
         if not model.pinned:
             model.pinned = True
             self._say(model, "pinned", f"{model.name}: {why}: kept loaded, not staged")
@@ -926,6 +948,19 @@ def _changed(model: _Model) -> str | None:
     return None
 
 
+def _as_made(model: _Model, module: nn.Module | None = None) -> Any:
+    """What a factory call that shares ``model`` would get, in what the script may change
+    without changing a value: its mode (``train()``), each tensor's dtype and
+    ``requires_grad``, and its device."""
+    module = module if module is not None else model.module()
+    if module is None:
+        return None
+    with torch_function_off():
+        tensors = tuple((n, t.dtype, t.requires_grad) for n, t in _named_tensors(module))
+        devices = {t.device for _, t in _named_tensors(module) if not t.is_meta}
+    return module.training, tensors, devices or {model.device}
+
+
 def _held_elsewhere(module: nn.Module) -> str | None:
     """The first tensor of ``module`` whose memory something outside the model still
     holds (a view the script took, ``w = model.weight[0:4]``, or a tensor shared with
@@ -997,9 +1032,11 @@ def _layout(module: nn.Module) -> Layout:
                 t.dtype,
                 t.device,
                 t.requires_grad,
-                t.dim() == 4
-                and not t.is_contiguous()
-                and t.is_contiguous(memory_format=torch.channels_last),
+                # channels_last as the script left it: a 1x1 kernel is contiguous in both
+                # formats, and its strides (C, 1, C, C) are what a conversion gives it
+                t.stride()
+                if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+                else None,
                 own_attributes(t),
             )
             for n, t in _named_tensors(module)
@@ -1018,11 +1055,13 @@ def _convert(fresh: nn.Module, layout: Layout) -> None:
             if want is None or id(t) in done:
                 continue
             done.add(id(t))
-            dtype, device, _, channels_last, _ = want
+            dtype, device, _, strides, _ = want
             if t.dtype != dtype or t.device != device:
                 t.data = t.data.to(device=device, dtype=dtype)
-            if channels_last:  # as the script left it (.to(memory_format=channels_last))
-                t.data = t.data.contiguous(memory_format=torch.channels_last)
+            if strides is not None and t.stride() != strides:  # .to(memory_format=...)
+                placed = torch.empty_strided(t.size(), strides, dtype=t.dtype, device=t.device)
+                placed.copy_(t.data)
+                t.data = placed
 
 
 def _auto_hook(module: nn.Module) -> ModuleHook | None:
@@ -1227,14 +1266,18 @@ def _first_load(module: nn.Module, model: _Model, renames: dict[str, str] | None
         restore_rng(model.rng)
         with torch.inference_mode(model.inference):
             fresh = model.make()
+    model.made = _as_made(model, fresh)  # what the factory gives (the stand-in's buffers
+    # may have had another dtype than the load gives them)
     sources = dict(_named_tensors(fresh))
     taken: dict[int, Any] = {}  # a fresh tensor's id -> the stand-in's object that took it
     with torch_function_off(), torch.no_grad():
         for name, t in list(_named_tensors(module)):
+            if _scripts_own(model, name, t):
+                continue
             source = sources.get(renames.get(name, name) if renames else name)
             if source is None:
                 if not t.is_meta:
-                    continue  # the script's own, added since (a LoRA's)
+                    continue
                 raise StageloadError(
                     f"{model.name}: its factory made a {type(fresh).__name__} without "
                     f"{name!r}, which the model built from its config has: load it without "
@@ -1243,6 +1286,12 @@ def _first_load(module: nn.Module, model: _Model, renames: dict[str, str] | None
             _take(module, name, t, source, taken)
     for key, value in vars(fresh).items():  # what from_pretrained set and a build does not
         module.__dict__.setdefault(key, value)  # (transformers' _weight_conversions)
+
+
+def _scripts_own(model: _Model, name: str, t: Any) -> bool:
+    """Whether ``t``, at ``name`` of the stand-in, is one the script put there since it
+    was made (a new head, a LoRA's): in memory, and not the object auto made."""
+    return not t.is_meta and model.seen.get(name, (None,))[0] != id(t)
 
 
 def _take(module: nn.Module, name: str, t: Any, source: Any, taken: dict[int, Any]) -> None:
