@@ -413,15 +413,8 @@ class AutoSession:
             return obj  # a model auto made already (the factory keeps a cache of its own)
         recipe = _learn(obj, args, kwargs, whole=not trusted)
         with self._lock:
-            unique = _unique(name, self._models)
-            model = _Model(
-                unique,
-                make,
-                weakref.ref(obj, self._on_drop(unique)),
-                _bytes(obj),
-                rng,
-                last_use=self._tick(),
-            )
+            model = self._new(obj, name, make, _bytes(obj), rng)
+            unique = model.name
             model.device = next((t.device for _, t in _named_tensors(obj)), None)
             model.seen, model.samples = _seen(obj), _samples(obj)
             model.made = _as_made(model, obj)
@@ -430,7 +423,6 @@ class AutoSession:
                 self._say(model, "factory", f"{unique}: reloads through its factory: {recipe}")
             else:
                 model.recipe = recipe
-            hook = _Hook(self, model)
             inner = sorted(
                 {
                     hooked.model.name
@@ -440,12 +432,7 @@ class AutoSession:
                     and hooked.model.module() is sub
                 }
             )
-            for sub in (obj, *obj.children()):
-                if _auto_hook(sub) is None:
-                    HookRegistry.attach(sub).add(AUTO, hook)
-            self._models[model.name] = model
-            if key is not None:
-                self._shared[key] = model
+            self._add(obj, model, key)
             self._emit(
                 Event(LOAD, model=model.name, bytes=model.size, seconds=time.perf_counter() - start)
             )
@@ -453,6 +440,31 @@ class AutoSession:
                 self._pin(model, "contains the staged model " + ", ".join(inner))
         self._make_room(model.size, model.name, keep=model)  # the others it leaves no room for
         return obj
+
+    def _new(
+        self,
+        obj: nn.Module,
+        name: str,
+        make: Callable[[], Any],
+        size: int,
+        rng: RngState,
+        **fields: Any,
+    ) -> _Model:
+        """Under the lock: the record of ``obj``, under a name no other model has."""
+        unique = _unique(name, self._models)
+        ref = weakref.ref(obj, self._on_drop(unique))
+        return _Model(unique, make, ref, size, rng, last_use=self._tick(), **fields)
+
+    def _add(self, obj: nn.Module, model: _Model, key: Any) -> None:
+        """Under the lock: hook ``obj`` (and its direct children, where no other model of
+        this session hooked them), and count it among the session's models."""
+        hook = _Hook(self, model)
+        for sub in (obj, *obj.children()):
+            if _auto_hook(sub) is None:
+                HookRegistry.attach(sub).add(AUTO, hook)
+        self._models[model.name] = model
+        if key is not None:
+            self._shared[key] = model
 
     def _maker(self, factory: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[[], Any]:
         """The factory call, made again at each reload: a factory it calls in turn is not
@@ -488,29 +500,22 @@ class AutoSession:
         make = self._maker(factory, args, kwargs)
         size = _file_bytes(factory, args, kwargs)
         with self._lock:
-            unique = _unique(name, self._models)
-            model = _Model(
-                unique,
+            model = self._new(
+                obj,
+                name,
                 make,
-                weakref.ref(obj, self._on_drop(unique)),
                 size,
                 rng,
                 state=RELEASED,
-                last_use=self._tick(),
                 loads=0,
                 device=torch.device("cpu"),
                 first=lambda module: _learn(module, args, kwargs, whole=False),
                 inference=torch.is_inference_mode_enabled(),
                 grad=torch.is_grad_enabled(),
             )
-            hook = _Hook(self, model)
-            for sub in (obj, *obj.children()):
-                HookRegistry.attach(sub).add(AUTO, hook)
-            self._models[model.name] = model
-            if key is not None:
-                self._shared[key] = model
+            self._add(obj, model, key)
         with releasing(collect=False):  # its computed buffers: the load makes them again
-            release(obj, name=unique, wait=False)  # the hook's released() marks its tensors
+            release(obj, name=model.name, wait=False)  # the hook's released() marks them
         with self._lock:
             model.seen, model.made = _seen(obj), _as_made(model, obj)
         return obj
