@@ -150,10 +150,10 @@ def interrupted_first_load(path: Path, monkeypatch: Any, *, undo: bool = True) -
     """The unet's first load gets Ctrl-C (a real SIGINT) with its first tensor moved into
     place and the others not. ``undo=False`` breaks the undo (the release on error).
     Returns (interrupted, the unet empty after it, the image of a call after that)."""
-    real = stageload.autostage._take
+    real = stageload.load.skeleton.put
     moved: list[int] = []
 
-    def take(*args: Any) -> None:
+    def put(*args: Any) -> None:
         moved.append(1)
         if len(moved) == 2:
             signal.raise_signal(signal.SIGINT)  # KeyboardInterrupt at the next bytecode
@@ -162,7 +162,7 @@ def interrupted_first_load(path: Path, monkeypatch: Any, *, undo: bool = True) -
     with auto(budget=1):
         pipe = SD.load(path)
         pipe.set_progress_bar_config(disable=True)
-        monkeypatch.setattr(stageload.autostage, "_take", take)
+        monkeypatch.setattr(stageload.load.skeleton, "put", put)
         if not undo:
             monkeypatch.setattr(stageload.autostage, "release", lambda *a, **k: 0)
         interrupted = False

@@ -73,7 +73,8 @@ from ..load.checkpoint import (
     pretrained_checkpoint,
 )
 from ..load.refill import Recipe, learn, reload
-from ..load.skeleton import stand_in
+from ..load.skeleton import fill_from, stand_in
+from ..load.weights import named_tensors
 from ..memory.budget import parse_budget
 
 if TYPE_CHECKING:
@@ -415,10 +416,10 @@ class AutoSession:
         with self._lock:
             model = self._new(obj, name, make, _bytes(obj), rng)
             unique = model.name
-            model.device = next((t.device for _, t in _named_tensors(obj)), None)
+            model.device = next((t.device for _, t in named_tensors(obj)), None)
             model.seen, model.samples = _seen(obj), _samples(obj)
             model.made = _as_made(model, obj)
-            model.inference = any(t.is_inference() for _, t in _named_tensors(obj))
+            model.inference = any(t.is_inference() for _, t in named_tensors(obj))
             if isinstance(recipe, str):
                 self._say(model, "factory", f"{unique}: reloads through its factory: {recipe}")
             else:
@@ -870,19 +871,13 @@ def _busy(model: _Model) -> bool:
     return False
 
 
-def _named_tensors(module: nn.Module) -> Iterator[tuple[str, Any]]:
-    """Every parameter and buffer by name, tied ones under each name."""
-    yield from module.named_parameters(remove_duplicate=False)
-    yield from module.named_buffers(remove_duplicate=False)
-
-
 def _seen(module: nn.Module) -> Seen:
     """Each tensor's id and version counter (-1 for a tensor made in ``inference_mode``,
     which has none: a change there shows only in its values, :func:`_samples`)."""
     with torch_function_off():
         return {
             name: (id(t), -1 if t.is_inference() else tensor_version(t), t.data_ptr())
-            for name, t in _named_tensors(module)
+            for name, t in named_tensors(module)
         }
 
 
@@ -894,7 +889,7 @@ def _samples(module: nn.Module) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     with torch_function_off(), torch.no_grad():
-        for name, t in _named_tensors(module):
+        for name, t in named_tensors(module):
             if t.is_meta or t.numel() == 0:
                 continue
             at = [tuple(0 for _ in t.shape), tuple(s // 2 for s in t.shape)]
@@ -961,8 +956,8 @@ def _as_made(model: _Model, module: nn.Module | None = None) -> Any:
     if module is None:
         return None
     with torch_function_off():
-        tensors = tuple((n, t.dtype, t.requires_grad) for n, t in _named_tensors(module))
-        devices = {t.device for _, t in _named_tensors(module) if not t.is_meta}
+        tensors = tuple((n, t.dtype, t.requires_grad) for n, t in named_tensors(module))
+        devices = {t.device for _, t in named_tensors(module) if not t.is_meta}
     return module.training, tensors, devices or {model.device}
 
 
@@ -977,7 +972,7 @@ def _held_elsewhere(module: nn.Module) -> str | None:
     counts: dict[tuple[Any, int], list[Any]] = {}  # storage -> [first name, tensors, storage]
     seen: set[int] = set()
     with torch_function_off():
-        for name, t in _named_tensors(module):
+        for name, t in named_tensors(module):
             if id(t) in seen or t.is_meta:
                 continue
             seen.add(id(t))
@@ -1024,7 +1019,7 @@ def _count(base: Any) -> int:
 def _converted(samples: dict[str, Any], module: nn.Module) -> dict[str, Any]:
     """``samples`` in the dtypes the module's tensors have now (a conversion is no change)."""
     with torch_function_off():
-        dtypes = {name: t.dtype for name, t in _named_tensors(module)}
+        dtypes = {name: t.dtype for name, t in named_tensors(module)}
     return {n: v.to(dtypes[n]) if n in dtypes else v for n, v in samples.items()}
 
 
@@ -1044,7 +1039,7 @@ def _layout(module: nn.Module) -> Layout:
                 else None,
                 own_attributes(t),
             )
-            for n, t in _named_tensors(module)
+            for n, t in named_tensors(module)
         }
 
 
@@ -1055,7 +1050,7 @@ def _convert(fresh: nn.Module, layout: Layout) -> None:
 
     done: set[int] = set()
     with torch.no_grad():
-        for name, t in _named_tensors(fresh):
+        for name, t in named_tensors(fresh):
             want = layout.get(name)
             if want is None or id(t) in done:
                 continue
@@ -1273,22 +1268,23 @@ def _first_load(module: nn.Module, model: _Model, renames: dict[str, str] | None
             fresh = model.make()
     model.made = _as_made(model, fresh)  # what the factory gives (the stand-in's buffers
     # may have had another dtype than the load gives them)
-    sources = dict(_named_tensors(fresh))
-    taken: dict[int, Any] = {}  # a fresh tensor's id -> the stand-in's object that took it
-    with torch_function_off(), torch.no_grad():
-        for name, t in list(_named_tensors(module)):
-            if _scripts_own(model, name, t):
-                continue
-            source = sources.get(renames.get(name, name) if renames else name)
-            if source is None:
-                if not t.is_meta:
-                    continue
-                raise StageloadError(
-                    f"{model.name}: its factory made a {type(fresh).__name__} without "
-                    f"{name!r}, which the model built from its config has: load it without "
-                    f"auto, or name a factory that builds it the same"
-                )
-            _take(module, name, t, source, taken)
+
+    def missing(name: str) -> StageloadError:
+        return StageloadError(
+            f"{model.name}: its factory made a {type(fresh).__name__} without {name!r}, which "
+            f"the model built from its config has: load it without auto, or name a factory "
+            f"that builds it the same"
+        )
+
+    with torch_function_off():
+        fill_from(
+            module,
+            fresh,
+            missing=missing,
+            names=renames,
+            skip=functools.partial(_scripts_own, model),
+            loaded_too=True,  # a buffer the constructor computed takes the load's
+        )
     for key, value in vars(fresh).items():  # what from_pretrained set and a build does not
         module.__dict__.setdefault(key, value)  # (transformers' _weight_conversions)
 
@@ -1299,31 +1295,6 @@ def _scripts_own(model: _Model, name: str, t: Any) -> bool:
     return not t.is_meta and model.seen.get(name, (None,))[0] != id(t)
 
 
-def _take(module: nn.Module, name: str, t: Any, source: Any, taken: dict[int, Any]) -> None:
-    """Put ``source`` (a fresh tensor) at ``name`` of the stand-in ``module``, whose tensor
-    there is ``t``: into ``t`` itself where it is empty (``swap_tensors``: what the script
-    holds is live), else as its own object (tied by the factory to one placed before, or
-    untied where the stand-in had them tied)."""
-    import torch
-
-    prefix, _, key = name.rpartition(".")
-    owner = module.get_submodule(prefix)
-    done = taken.get(id(source))
-    if done is not None:  # tied by the factory: tied the same way
-        if done is not t:
-            setattr(owner, key, done)
-        return
-    if t.is_meta:
-        try:
-            torch.utils.swap_tensors(t, source)
-            taken[id(source)] = t
-            return
-        except RuntimeError:  # held elsewhere: the fresh object takes its place
-            pass
-    setattr(owner, key, source)
-    taken[id(source)] = source
-
-
 def _renames(module: nn.Module, model: _Model) -> dict[str, str] | None:
     """For a model whose parts the script moved while it was released (peft's
     ``get_peft_model`` wraps each target layer: ``c_attn.weight`` becomes
@@ -1331,7 +1302,7 @@ def _renames(module: nn.Module, model: _Model) -> dict[str, str] | None:
     tensor object itself; None when its names are as they were. Tensors added since (the
     LoRA's) are left out: they are the script's, in memory."""
     with torch_function_off():
-        now = {name: id(t) for name, t in _named_tensors(module)}
+        now = {name: id(t) for name, t in named_tensors(module)}
     if now.keys() == model.seen.keys():
         return None
     then: dict[int, str] = {}
@@ -1348,9 +1319,8 @@ def _replaced(module: nn.Module, model: _Model) -> str | None:
     """The first tensor of the released ``module`` that the script replaced with one in
     memory (``layer.weight = nn.Parameter(...)``), said as ``"NAME replaced"``, or None."""
     with torch_function_off():
-        for name, t in _named_tensors(module):
-            then = model.seen.get(name)
-            if then is not None and then[0] != id(t) and not t.is_meta:
+        for name, t in named_tensors(module):
+            if name in model.seen and _scripts_own(model, name, t):
                 return f"{name} replaced"
     return None
 
@@ -1372,7 +1342,7 @@ def _settle(module: nn.Module, layout: Layout) -> None:
     back the ``requires_grad`` and attributes the script set, and take release's hooks
     off."""
     with torch_function_off():  # reading an empty tensor (.is_meta) would load it again
-        for name, t in _named_tensors(module):
+        for name, t in named_tensors(module):
             if t.is_meta:
                 raise StageloadError(
                     f"the reload of {type(module).__name__} left {name!r} empty: its "
@@ -1390,47 +1360,22 @@ def _settle(module: nn.Module, layout: Layout) -> None:
 
 def _swap_in(module: nn.Module, fresh: nn.Module) -> None:
     """Move ``fresh``'s tensors (a reload by the factory: same class, same structure) into
-    ``module``, in place: each of ``module``'s tensor objects takes the fresh one's data
-    (``swap_tensors``), so what the script holds (a buffer read before, tied weights) is
-    live again."""
-    import torch
+    the released ``module``, in place (:func:`stageload.load.skeleton.fill_from`). A tensor
+    never released (kept by a hook) stays the script's."""
+    extra = sorted({n for n, _ in named_tensors(fresh)} - {n for n, _ in named_tensors(module)})
+    if extra:
+        raise StageloadError(
+            f"the reload of {type(module).__name__} has a tensor {extra[0]!r} the first load "
+            f"had not: its factory made a different model"
+        )
 
-    mine = dict(module.named_modules(remove_duplicate=False))
-    done: set[int] = set()
-    moved: dict[int, Any] = {}  # an old tensor that could not be swapped -> its successor
-    for path, part in fresh.named_modules(remove_duplicate=False):
-        target = mine.get(path)
-        if target is None:
-            raise StageloadError(
-                f"the reload of {type(module).__name__} has a part {path!r} the first "
-                f"load had not: its factory made a different model"
-            )
-        for table, theirs in (
-            (target._parameters, part._parameters),
-            (target._buffers, part._buffers),
-        ):
-            for key, tensor in theirs.items():
-                if tensor is None or id(tensor) in done:
-                    continue
-                done.add(id(tensor))
-                old = table.get(key)
-                if old is None:
-                    raise StageloadError(
-                        f"the reload of {type(module).__name__} has a tensor "
-                        f"{path + '.' if path else ''}{key} the first load had not"
-                    )
-                if not old.is_meta:
-                    continue  # never released (kept by a hook): the script's stays
-                try:
-                    torch.utils.swap_tensors(old, tensor)
-                except RuntimeError:  # held elsewhere: the new object takes its place
-                    moved[id(old)] = tensor
-    if moved:  # under every name that held the old object (tied weights)
-        for sub in module.modules():
-            for table in (sub._parameters, sub._buffers):
-                for key, value in table.items():
-                    if value is not None and id(value) in moved:
-                        table[key] = moved[id(value)]
+    def missing(name: str) -> StageloadError:
+        return StageloadError(
+            f"the reload of {type(module).__name__} left {name!r} empty: its factory made a "
+            f"model without that tensor"
+        )
+
+    fill_from(module, fresh, missing=missing)
 
 
 #: Argument types whose equal values make equal factory calls (a path, a dtype, a flag).

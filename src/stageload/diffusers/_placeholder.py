@@ -54,13 +54,13 @@ from ..errors import StageloadError
 from ..external import (
     CONVERT_METHOD,
     HF_HOOK_ATTR,
-    own_tensor_tables,
     tensor_version,
 )
 from ..hooks.empty import mark_empty
 from ..hooks.registry import HookRegistry, ModuleHook, patch
 from ..hooks.release import unmark_released
-from ..load.skeleton import build_empty
+from ..load.skeleton import build_empty, fill_from
+from ..load.weights import like, named_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -170,7 +170,7 @@ class StageHook(ModuleHook):
         for _, t in named_tensors(module):
             if t.is_meta:
                 empty = torch.empty_like(t, device=self.execution_device)
-                torch.utils.swap_tensors(t, _like(t, empty))
+                torch.utils.swap_tensors(t, like(t, empty))
 
     # -- accelerate's, as diffusers reads it ------------------------------------------------
     def init_hook(self, module: nn.Module) -> nn.Module:
@@ -410,27 +410,13 @@ def keep_own(skeleton: nn.Module, built: dict[str, torch.Tensor], files: list[Pa
             if value is None or not t.is_meta:
                 continue
             value = value.to(dtype=t.dtype) if value.is_floating_point() else value
-            torch.utils.swap_tensors(t, _like(t, value.clone()))
+            torch.utils.swap_tensors(t, like(t, value.clone()))
 
 
 # -- what the checkpoint holds, and what a user changed -----------------------------------------
 #: Elements sampled per tensor for the fingerprint that catches changes made through
 #: ``tensor.data`` (which torch's version counter does not see).
 SAMPLES = 1024
-
-
-def named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer of ``module`` under every name it has: its parameters
-    then its buffers, each in ``named_parameters(remove_duplicate=False)`` order. One walk
-    of the submodules, not two (a load and a release ask several times)."""
-    params: list[tuple[str, torch.Tensor]] = []
-    buffers: list[tuple[str, torch.Tensor]] = []
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        own_params, own_buffers = own_tensor_tables(sub)
-        params.extend((dot + k, p) for k, p in own_params.items() if p is not None)
-        buffers.extend((dot + k, b) for k, b in own_buffers.items() if b is not None)
-    return params + buffers
 
 
 @dataclass
@@ -558,44 +544,31 @@ def _same_sample(sample: torch.Tensor | None, t: torch.Tensor) -> bool:
 # -- filling -------------------------------------------------------------------------------------
 def fill(skeleton: nn.Module, loaded: nn.Module, tracked: Tracked) -> nn.Module:
     """Give the empty tensors of ``skeleton`` the contents of ``loaded`` (a
-    ``from_pretrained`` model of the same class), keeping every module and tensor object
-    of the skeleton, the hooks on them, and what the user added or changed (``tracked``).
-    Returns ``skeleton``; ``loaded`` is spent.
-
-    Each empty tensor takes the loaded tensor of its checkpoint key itself (its dtype,
-    device and memory: ``torch.utils.swap_tensors``), tied ones staying tied.
-    """
-    import torch
-
+    ``from_pretrained`` model of the same class, :func:`stageload.load.skeleton.fill_from`),
+    keeping every module and tensor object of the skeleton, the hooks on them, and what the
+    user added or changed (``tracked``). Returns ``skeleton``; ``loaded`` is spent."""
     base = type(skeleton)
     if not isinstance(loaded, base):
         raise TypeError(
             f"loaded a {type(loaded).__qualname__} for a {base.__qualname__} placeholder; the "
             f"checkpoint's class changed since the pipeline was built"
         )
-    sources = dict(named_tensors(loaded))
-    keys = tracked.names(skeleton)
     fresh = tracked.empty(skeleton)
-    taken: dict[int, torch.Tensor] = {}  # loaded tensor id -> the skeleton tensor it went to
-    with passthrough(skeleton), torch.no_grad():
-        for name, t in named_tensors(skeleton):
-            if not t.is_meta:
-                continue  # filled under another name (tied), or the user's: stays
-            if tracked.key(name, t) is None:
-                continue  # added while empty: see check_added
-            source = sources.get(keys.get(name, ""))
-            if source is None:
-                raise TypeError(
-                    f"the loaded {base.__qualname__} has no tensor for {name!r} of its "
-                    f"placeholder; the checkpoint's config changed since the pipeline was built"
-                )
-            if id(source) in taken:  # tied in the loaded model, not in the placeholder:
-                # tie it the same way (transformers ties weights in from_pretrained)
-                prefix, _, key = name.rpartition(".")
-                setattr(skeleton.get_submodule(prefix), key, taken[id(source)])
-                continue
-            taken[id(source)] = t
-            torch.utils.swap_tensors(t, _like(t, source))
+
+    def missing(name: str) -> TypeError:
+        return TypeError(
+            f"the loaded {base.__qualname__} has no tensor for {name!r} of its placeholder; "
+            f"the checkpoint's config changed since the pipeline was built"
+        )
+
+    with passthrough(skeleton):
+        fill_from(
+            skeleton,
+            loaded,
+            missing=missing,
+            names=tracked.names(skeleton),
+            skip=lambda name, t: tracked.key(name, t) is None,  # added while empty: check_added
+        )
         for sub in skeleton.modules():
             unmark_released(sub)  # live again
     tracked.filled(skeleton, fresh)
@@ -633,14 +606,3 @@ def check_merges(name: str, skeleton: nn.Module) -> None:
                 f"(pipe.unfuse_lora()), load the component first "
                 f"(pipe.stageload.load({name!r})), then fuse again"
             )
-
-
-def _like(t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """``source`` as the same kind of tensor as ``t`` (a Parameter for a Parameter)."""
-    from torch import nn
-
-    if isinstance(t, nn.Parameter) and not isinstance(source, nn.Parameter):
-        return nn.Parameter(source, requires_grad=t.requires_grad)
-    if not isinstance(t, nn.Parameter) and isinstance(source, nn.Parameter):
-        return source.detach()
-    return source

@@ -11,7 +11,7 @@ later, from a real ``from_pretrained`` or straight from the files.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ from ..external import (
     transformers_from_config,
 )
 from .checkpoint import DTYPES, pretrained_checkpoint, read_entries, read_header
+from .weights import Target, like, named_tensors, place, put, targets
 
 if TYPE_CHECKING:
     import torch
@@ -101,14 +102,22 @@ def can_stage(cls: type) -> bool:
 
 
 def build_empty(
-    cls: type, folder: Path, dtype: torch.dtype, config: Any = None, *, meta: bool = False
+    cls: type,
+    folder: Path,
+    dtype: torch.dtype,
+    config: Any = None,
+    *,
+    meta: bool = False,
+    name_or_path: str | Path | None = None,
 ) -> nn.Module:
     """``cls`` built from the config in ``folder`` (or ``config``, a transformers config
     the caller loaded) with every parameter on ``meta`` in the dtype ``from_pretrained``
     would give it (float32 where the class keeps modules in float32). ``meta``: build a
     transformers model under ``torch.device("meta")``, as its ``from_pretrained`` does (no
     number drawn from the CPU generator, nothing patched for other threads), where
-    accelerate's ``init_empty_weights`` otherwise builds it as diffusers builds its own."""
+    accelerate's ``init_empty_weights`` otherwise builds it as diffusers builds its own.
+    ``name_or_path``: the path ``from_pretrained`` was given, recorded in the config as it
+    records it (and, for a transformers model, the dtype with it); default ``folder``."""
     import torch
     from accelerate import init_empty_weights
 
@@ -117,13 +126,17 @@ def build_empty(
             config = cls.config_class.from_pretrained(str(folder))
         else:
             config = copy.deepcopy(config)  # from_pretrained does not change the caller's
+        if name_or_path is not None:  # named and typed as from_pretrained sets them
+            config.name_or_path, config.dtype = name_or_path, dtype
         with torch.device("meta") if meta else init_empty_weights():
             model = transformers_from_config(cls, config)
     elif hasattr(cls, "load_config") and hasattr(cls, "from_config"):
         config = cls.load_config(str(folder))
         with init_empty_weights():
             model = cls.from_config(config)
-        model.register_to_config(_name_or_path=str(folder))  # as from_pretrained records it
+        # As from_pretrained records it.
+        given = str(folder) if name_or_path is None else name_or_path
+        model.register_to_config(_name_or_path=given)
     else:
         raise TypeError(
             f"cannot stage a {cls.__module__}.{cls.__qualname__}: it is neither a diffusers "
@@ -184,25 +197,15 @@ def stand_in(cls: type, args: tuple, kwargs: Mapping[str, Any]) -> nn.Module | s
     if config is not None and not (transformers and hasattr(config, "to_dict")):
         return "config= is not a transformers config"
     weights = skeleton_dtype(cls, folder, dtype)
-    if transformers:  # named and typed as from_pretrained sets them, before it is built
-        config = copy.deepcopy(config) if config is not None else _config(cls, folder)
-        config.name_or_path = args[0]
-        config.dtype = weights
-    model = build_empty(cls, folder, weights, config, meta=True)
+    model = build_empty(cls, folder, weights, config, meta=True, name_or_path=args[0])
     if transformers:
         model.tie_weights()  # as from_pretrained ties them: a T5 stores its embedding once
         if getattr(model, "can_generate", lambda: False)():
             _generation_config(model, folder)
-    else:
-        model.register_to_config(_name_or_path=args[0])  # as from_pretrained records it
     differs = uncovered(model, files)
     if differs is not None:
         return f"its checkpoint {differs}"
     return model
-
-
-def _config(cls: type, folder: Path) -> Any:
-    return cls.config_class.from_pretrained(str(folder))
 
 
 def uncovered(model: nn.Module, files: list[Path]) -> str | None:
@@ -234,3 +237,52 @@ def _generation_config(model: nn.Module, folder: Path) -> None:
     from transformers import GenerationConfig
 
     model.generation_config = GenerationConfig.from_pretrained(str(folder))
+
+
+def fill_from(
+    module: nn.Module,
+    fresh: nn.Module,
+    *,
+    missing: Callable[[str], BaseException],
+    names: Mapping[str, str] | None = None,
+    skip: Callable[[str, torch.Tensor], bool] | None = None,
+    loaded_too: bool = False,
+) -> None:
+    """Give the placeholder ``module`` the tensors of ``fresh``, the same model just loaded
+    (by ``from_pretrained``, or by the script's factory), by name; ``fresh`` is spent.
+
+    Each of ``module``'s tensor objects takes the fresh tensor's data itself where torch
+    allows (``swap_tensors``), so what the script holds (a buffer it read, a tied weight,
+    an adapter's reference) is live again; where something else holds it, the fresh object
+    takes its place under every name. Tensors tied in ``fresh`` end up tied in ``module``
+    (transformers ties them in ``from_pretrained``; the config's build may not).
+
+    Only empty tensors are filled, unless ``loaded_too`` (a stand-in's buffers its
+    constructor computed, whose dtype the load may change). ``names``: a tensor's name in
+    ``fresh`` where it differs (parts the script wrapped: peft's ``base_layer``). ``skip``:
+    tensors to leave as they are (the user's own). ``missing(name)``: the error for an
+    empty tensor ``fresh`` lacks.
+    """
+    import torch
+
+    sources = dict(named_tensors(fresh))
+    given: dict[int, Target] = {}  # a fresh tensor's id -> the target that took it
+    with torch.no_grad():
+        for target in targets(module):
+            name, t = target.names[0], target.tensor
+            if not (t.is_meta or loaded_too) or (skip is not None and skip(name, t)):
+                continue
+            source = sources.get(names.get(name, name) if names else name)
+            if source is None:
+                if t.is_meta:
+                    raise missing(name)
+                continue
+            tied = given.get(id(source))
+            if tied is not None:  # tied in fresh: tied the same way
+                place(target, tied.tensor)
+                continue
+            given[id(source)] = target
+            if t.is_meta:
+                put(target, source)
+            else:
+                place(target, like(t, source))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..external import non_persistent_buffers
+from ..external import non_persistent_buffers, own_tensor_tables
 from ..hooks.release import advise_huge_pages, release, unmark_released
 from .checkpoint import (
     DTYPES,
@@ -255,6 +255,20 @@ def from_safetensors(
 
 
 # -- planning ---------------------------------------------------------------------------------
+def named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``module`` under every name it has: its parameters
+    then its buffers, each in ``named_parameters(remove_duplicate=False)`` order. One walk
+    of the submodules, not two (a load and a release ask several times)."""
+    params: list[tuple[str, torch.Tensor]] = []
+    buffers: list[tuple[str, torch.Tensor]] = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        own_params, own_buffers = own_tensor_tables(sub)
+        params.extend((dot + k, p) for k, p in own_params.items() if p is not None)
+        buffers.extend((dot + k, b) for k, b in own_buffers.items() if b is not None)
+    return params + buffers
+
+
 def targets(module: nn.Module) -> list[Target]:
     """Every tensor of ``module`` once, with all its names (tied ones share a target)."""
     by_id: dict[int, Target] = {}
@@ -444,18 +458,31 @@ def put(target: Target, new: torch.Tensor) -> None:
     moves every new parameter to meta, for every thread).
     """
     import torch
+
+    value = like(target.tensor, new)
+    try:
+        torch.utils.swap_tensors(target.tensor, value)
+    except RuntimeError:  # held elsewhere (a weakref, a view): register the new one instead
+        place(target, value)
+
+
+def place(target: Target, value: torch.Tensor) -> None:
+    """Make ``value`` the target's tensor, as a new object under every name it has."""
+    for sub, key in target.places:
+        setattr(sub, key, value)
+    target.tensor = value
+
+
+def like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new`` as the same kind of tensor as ``old``: a Parameter (with ``old``'s
+    ``requires_grad``) for a Parameter, a plain tensor for a buffer."""
     from torch import nn
 
-    old = target.tensor
-    value = (
-        nn.Parameter(new, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else new
-    )
-    try:
-        torch.utils.swap_tensors(old, value)
-    except RuntimeError:  # held elsewhere (a weakref, a view): register the new one instead
-        for sub, key in target.places:
-            setattr(sub, key, value)
-        target.tensor = value
+    if isinstance(old, nn.Parameter) and not isinstance(new, nn.Parameter):
+        return nn.Parameter(new, requires_grad=old.requires_grad)
+    if not isinstance(old, nn.Parameter) and isinstance(new, nn.Parameter):
+        return new.detach()
+    return new
 
 
 def install(
