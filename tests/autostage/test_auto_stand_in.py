@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
 import stageload.autostage  # noqa: E402
+import stageload.load.refill  # noqa: E402
 import stageload.load.skeleton  # noqa: E402
 from stageload import ListSink  # noqa: E402
 from stageload.autostage import auto  # noqa: E402
@@ -320,6 +321,55 @@ def test_the_config_says_the_dtype_from_pretrained_gave(bert):
     with auto(budget=1):
         model = BertModel.from_pretrained(bert, dtype=torch.bfloat16)
     assert model.config.dtype == eager.config.dtype == torch.bfloat16
+
+
+def fewer_layers(bert: Path, tmp_path: Path) -> tuple[list[Any], list[Any], list[str]]:
+    """A 2-layer BERT loaded with ``config=`` of 1 layer (from_pretrained leaves layer 1's
+    tensors unread), under ``auto(budget=1)``: used, released by another model's use,
+    used again. Returns (eager's outputs, auto's, auto's notes and reload events)."""
+    from transformers import AutoConfig, BertConfig, BertModel
+
+    path = tmp_path / "bert2"
+    torch.manual_seed(0)
+    BertModel(
+        BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                   intermediate_size=64)
+    ).save_pretrained(path)  # fmt: skip
+    config = AutoConfig.from_pretrained(path)
+    config.num_hidden_layers = 1
+    ids = torch.tensor([[1, 2, 3]])
+    sink = ListSink()
+    with torch.no_grad():
+        calls = ((path, {"config": config}), (bert, {}), (path, {"config": config}))
+        want = [BertModel.from_pretrained(m, **k)(ids).last_hidden_state for m, k in calls]
+        with auto(budget=1, events=sink):
+            short = BertModel.from_pretrained(path, config=config)
+            other = BertModel.from_pretrained(bert)
+            got = [m(ids).last_hidden_state for m in (short, other, short)]
+    said = [f"{e.kind} {e.model}: {e.note}" for e in sink.events if e.kind == "reload"]
+    said += [e.note for e in sink.events if e.kind == "note" and "over the budget" not in e.note]
+    return want, got, said
+
+
+def test_a_config_with_fewer_layers_than_the_checkpoint_reloads_from_the_files(bert, tmp_path):
+    """The checkpoint's tensors the model does not hold are never read: the reload reads
+    the files, as for any model (it went through from_pretrained, with a note that the
+    keys were "renamed on load?")."""
+    want, got, said = fewer_layers(bert, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert said == ["reload bert2: files"]
+
+
+def test_control_refusing_unused_checkpoint_tensors_reloads_it_through_its_factory(
+    bert, tmp_path, monkeypatch
+):
+    real = stageload.load.refill.plan
+    monkeypatch.setattr(
+        stageload.load.refill, "plan", lambda *a, **k: real(*a, **{**k, "unused_ok": False})
+    )
+    _, _, said = fewer_layers(bert, tmp_path)
+    assert said[0] == "reload bert2: factory"
+    assert said[1].startswith("bert2: reloads through its factory: its tensors differ")
 
 
 def disagreeing(bert: Path, tmp_path: Path) -> Path:

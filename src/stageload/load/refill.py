@@ -69,12 +69,13 @@ def learn(
         if names is not None:
             found = [t for t in found if not t.persistent or set(t.names) & names.keys()]
         names = names or {}
-        planned = plan(found, entries, files, names=names)
+        # A checkpoint tensor the module does not hold is never read (a config with fewer
+        # layers, a head from_pretrained dropped); one the module holds and the files
+        # lack under its name, or in another shape, means the loader changed it.
+        planned = plan(found, entries, files, names=names, unused_ok=True)
     except ValueError as exc:
-        first = str(exc).splitlines()[1:3]
-        return "its keys differ from the checkpoint's (renamed on load?): " + "; ".join(
-            s.strip() for s in first
-        )
+        listed = [line.strip() for line in str(exc).splitlines() if line.startswith("  ")]
+        return "its tensors differ from the checkpoint's (renamed on load?): " + "; ".join(listed)
     for target, entry in planned.reads:
         tensor = target.tensor
         probe = entry.nbytes if whole else _PROBE
@@ -133,7 +134,7 @@ def reload(
         names=names,
         only_empty=True,
         strict=True,
-        unused_ok=names is not None,  # a submodule the user replaced leaves its keys unused
+        unused_ok=True,  # as learn: a submodule the user replaced leaves its keys unused
         name=name,
         progress=progress,
     )
