@@ -151,6 +151,35 @@ def test_released_module_keeps_shapes_and_dtypes_on_meta():
     assert isinstance(model.weight, nn.Parameter)
 
 
+def released_in_inference_mode_answers() -> set[bool]:
+    """A model made under ``torch.inference_mode()`` (a script's whole run is often in
+    one), released outside it: what its tensors' ``is_inference()`` answer."""
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    assert {t.is_inference() for t in model.state_dict().values()} == {True}
+    release(model)
+    return {t.is_inference() for t in model.state_dict().values()}
+
+
+def test_a_released_tensor_answers_is_inference_as_it_did():
+    assert released_in_inference_mode_answers() == {True}
+
+
+def test_control_a_twin_made_in_the_callers_mode_answers_false(monkeypatch):
+    import stageload.hooks.release as release_module
+
+    def twin(t: torch.Tensor) -> torch.Tensor:
+        meta = torch.empty_like(t, device="meta")
+        return (
+            nn.Parameter(meta, requires_grad=t.requires_grad)
+            if isinstance(t, nn.Parameter)
+            else meta
+        )
+
+    monkeypatch.setattr(release_module, "_meta_twin", twin)
+    assert released_in_inference_mode_answers() == {False}
+
+
 def test_shared_storage_with_kept_module_survives():
     backbone = nn.Linear(16, 16)
     a = nn.Sequential(backbone, nn.Linear(16, 4))

@@ -289,10 +289,11 @@ def _meta_twin(t: torch.Tensor) -> torch.Tensor:
     import torch
     from torch import nn
 
-    meta = torch.empty_like(t, device="meta")
-    if isinstance(t, nn.Parameter):
-        return nn.Parameter(meta, requires_grad=t.requires_grad)
-    return meta
+    with torch.inference_mode(t.is_inference()):  # is_inference() answers as it did
+        meta = torch.empty_like(t, device="meta")
+        if isinstance(t, nn.Parameter):
+            return nn.Parameter(meta, requires_grad=t.requires_grad)
+        return meta
 
 
 def _empty_storage(t: torch.Tensor) -> None:

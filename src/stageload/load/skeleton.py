@@ -144,7 +144,7 @@ def build_empty(
             f"stages=)"
         )
     keep_fp32 = keep_in_fp32_modules(cls, dtype)
-    with torch.no_grad():
+    with torch.no_grad(), _as_loaded(cls):
         for module_name, sub in model.named_modules():
             for key, param in list(sub.named_parameters(recurse=False)):
                 if not param.is_floating_point():
@@ -155,6 +155,18 @@ def build_empty(
                 setattr(sub, key, torch.nn.Parameter(meta, requires_grad=param.requires_grad))
     model.eval()
     return model
+
+
+def _as_loaded(cls: type) -> Any:
+    """The mode the library's loader makes the weights in: transformers reads them on
+    worker threads, outside the caller's ``inference_mode``, so a placeholder's weights
+    answer ``is_inference()`` as the loaded ones will (its buffers, built by the
+    constructor in the caller's mode, already do)."""
+    import contextlib
+
+    import torch
+
+    return torch.inference_mode(False) if is_transformers_model(cls) else contextlib.nullcontext()
 
 
 def stand_in(cls: type, args: tuple, kwargs: Mapping[str, Any]) -> nn.Module | str:
