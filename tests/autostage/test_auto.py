@@ -1602,6 +1602,53 @@ def test_control_a_copied_hook_holds_the_sessions_lock_and_cannot_be_pickled(
         copies_of_models(st_folder)
 
 
+def copy_of_a_released_model(own: bool) -> tuple[Any, ...]:
+    """Room for one model: ``copy.deepcopy`` of ``a``, released by ``b``'s use, whose
+    first child holds no tensor (``own``: and which has a tensor of its own, which the copy
+    reaches first). Returns (the copy's output, the original's, the copy's tensor classes
+    and hooks)."""
+    import copy
+
+    from stageload.hooks.registry import HookRegistry
+
+    x = torch.ones(2, auto_script.WIDTH)
+    make = "fixtures.auto_script:make_quiet_first"
+    with torch.no_grad(), auto(budget=1, factories=[make], defaults=False):
+        a, b = auto_script.make_quiet_first(0, own), auto_script.make_quiet_first(1, own)
+        a(x), b(x)
+        copied = copy.deepcopy(a)
+        kinds = {type(t).__name__ for t in copied.parameters()}
+        registries = [HookRegistry.of(m) for m in copied.modules()]
+        hooks = {type(h).__name__ for r in registries if r is not None for h in r.hooks()}
+        return copied(x), a(x), kinds, hooks
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["children-only", "own-tensor"])
+def test_a_copy_of_a_released_model_holds_its_weights_whatever_comes_first(own):
+    """A copy walks the model's attributes in order: a first child without tensors copied
+    the release's hook before anything loaded the model (the copy raised at its call), a
+    tensor of its own copied its empty class (the copy's first weight stayed empty)."""
+    got, want, kinds, hooks = copy_of_a_released_model(own)
+    assert torch.equal(got, want)
+    assert kinds == {"Parameter"} and hooks == set()
+
+
+def test_control_without_loading_before_a_copy_the_copy_is_released(monkeypatch):
+    monkeypatch.setattr(stageload.autostage._Hook, "before_copy", lambda self: None)
+    with pytest.raises(stageload.ReleasedModuleError):
+        copy_of_a_released_model(own=False)
+
+
+def test_control_an_empty_tensor_copied_as_it_is_stays_empty(monkeypatch):
+    from torch import nn
+
+    from stageload.hooks.empty import _empty_classes
+
+    monkeypatch.setattr(_empty_classes()[0], "__deepcopy__", nn.Parameter.__deepcopy__)
+    *_, kinds, _ = copy_of_a_released_model(own=True)
+    assert "EmptyParameter" in kinds
+
+
 def lora_on_a_released_model(folder: str) -> tuple[Any, Any, list[str]]:
     """Room for one model: peft's ``get_peft_model`` on ``a`` while it is out (each target
     layer wrapped: ``layers.0.weight`` becomes ``layers.0.base_layer.weight``), then a

@@ -372,6 +372,38 @@ def test_control_refusing_unused_checkpoint_tensors_reloads_it_through_its_facto
     assert said[1].startswith("bert2: reloads through its factory: its tensors differ")
 
 
+def inference_flags(bert: Path) -> tuple[dict[str, bool], dict[str, bool]]:
+    """Each tensor's ``is_inference()`` of a BERT that ``from_pretrained`` made under
+    ``torch.inference_mode()``: without auto, and auto's stand-in before its first use."""
+    from transformers import BertModel
+
+    def flags(model: Any) -> dict[str, bool]:
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        return {n: t.is_inference() for n, t in tensors}
+
+    with torch.inference_mode():
+        want = flags(BertModel.from_pretrained(bert))
+        with auto(budget=1):
+            got = flags(BertModel.from_pretrained(bert))
+    return want, got
+
+
+def test_a_stand_in_answers_is_inference_as_the_loaded_model_will(bert):
+    """transformers fills the weights outside the caller's inference mode (its buffers,
+    built by the constructor, are inference tensors): the stand-in's answer the same."""
+    want, got = inference_flags(bert)
+    assert set(want.values()) == {True, False}  # both kinds: the check can tell them apart
+    assert got == want
+
+
+def test_control_a_stand_in_built_in_the_callers_mode_answers_otherwise(bert, monkeypatch):
+    import contextlib
+
+    monkeypatch.setattr(stageload.load.skeleton, "_as_loaded", lambda cls: contextlib.nullcontext())
+    want, got = inference_flags(bert)
+    assert got != want
+
+
 def disagreeing(bert: Path, tmp_path: Path) -> Path:
     """A copy of ``bert`` whose config.json gives another vocabulary size than its weights."""
     import json

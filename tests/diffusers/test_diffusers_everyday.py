@@ -62,6 +62,47 @@ def empty(module: torch.nn.Module) -> bool:
     return all(p.is_meta for p in module.parameters())
 
 
+# -- a copy of a staged component -----------------------------------------------------------------
+def copy_of_the_vae(path: Path, loaded: bool) -> tuple[Any, ...]:
+    """``copy.deepcopy(pipe.vae)`` (an EMA copy, a model to save) of a staged pipeline,
+    its VAE not loaded yet or loaded. Returns (the copy, its decode of a latent, eager's,
+    the pipeline's image after, eager's)."""
+    import copy
+
+    want_pipe = eager(path)
+    pipe = staged(path)
+    if loaded:
+        pipe.stageload.load("vae")
+    copied = copy.deepcopy(pipe.vae)
+    z = torch.randn(
+        1, copied.config.latent_channels, 8, 8, generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        got, want = copied.decode(z).sample, want_pipe.vae.decode(z).sample
+    return copied, got, want, image(pipe), image(want_pipe)
+
+
+@pytest.mark.parametrize("loaded", [False, True], ids=["unloaded", "loaded"])
+def test_a_copy_of_a_staged_component_is_the_users_own_with_its_weights(
+    path: Path, loaded: bool
+) -> None:
+    """The copy holds the weights (an unloaded VAE loads first) and is not staged; the
+    pipeline's own VAE still is (it copied the stager's thread-local state and failed)."""
+    from stageload.diffusers._placeholder import stage_hook
+
+    copied, got, want, after, eager_image = copy_of_the_vae(path, loaded)
+    assert not empty(copied) and stage_hook(copied) is None
+    assert torch.equal(got, want) and torch.equal(after, eager_image)
+
+
+def test_control_a_stage_hook_copied_as_it_is_cannot_be(path: Path, monkeypatch: Any) -> None:
+    from stageload.diffusers._placeholder import StageHook
+
+    monkeypatch.delattr(StageHook, "__deepcopy__")
+    with pytest.raises(TypeError, match="pickle"):
+        copy_of_the_vae(path, loaded=True)
+
+
 # -- a staged component is the component's own class and object ---------------------------------
 def test_a_staged_component_is_its_own_class_on_meta_and_answers_without_loading(
     path: Path,

@@ -99,6 +99,9 @@ class StageHook(ModuleHook):
     """
 
     no_grad = False  # accelerate's ModelHook field
+    #: A copy of the component (``copy.deepcopy``, pickling) is the user's own: loaded
+    #: first (:meth:`before_copy`), not staged.
+    copied = False
 
     def __init__(
         self,
@@ -148,6 +151,14 @@ class StageHook(ModuleHook):
     def released(self, module: nn.Module) -> None:
         mark_empty(module, self)
 
+    def before_copy(self) -> None:
+        self.fill_on_use()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Copied:
+        # Reached through the component's ``_hf_hook`` and its load_state_dict pre-hook:
+        # the copy gets an inert hook (its thread-local state cannot be copied anyway).
+        return _Copied(self.execution_device)
+
     def fill_on_use(self) -> None:
         """An empty tensor of the component was used (:mod:`stageload.hooks.empty`)."""
         if not self.passthrough:
@@ -192,6 +203,30 @@ class StageHook(ModuleHook):
 
     def __repr__(self) -> str:
         return f"StageHook({self.name!r}, execution_device={self.execution_device!r})"
+
+
+class _Copied:
+    """What a copy of a staged component holds where the original holds its
+    :class:`StageHook` (``_hf_hook``, the load_state_dict pre-hook): accelerate's
+    protocol, passing everything through, and the same execution device."""
+
+    no_grad = False
+    passthrough = True  # StageHook.before_state_dict, bound to this, does nothing
+
+    def __init__(self, execution_device: torch.device) -> None:
+        self.execution_device = execution_device
+
+    def init_hook(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        return output
+
+    def detach_hook(self, module: nn.Module) -> nn.Module:
+        return module
 
 
 def stage_hook(module: nn.Module) -> StageHook | None:

@@ -105,10 +105,23 @@ def _empty_classes() -> tuple[type, type]:
             _on_use(func, args, kwargs)
             return func(*args, **kwargs)
 
-    tf = classmethod(__torch_function__)
-    doc = "An empty tensor of a released module (see stageload.hooks.empty)."
-    parameter = type("EmptyParameter", (nn.Parameter,), {"__torch_function__": tf, "__doc__": doc})
-    buffer = type("EmptyBuffer", (torch.Tensor,), {"__torch_function__": tf, "__doc__": doc})
+    def __deepcopy__(self: Any, memo: dict[int, Any]) -> Any:
+        # A copy is of the loaded tensor: fill first. The fill swaps this object's class
+        # back to its plain one, whose own __deepcopy__ then copies it (the class read
+        # before the fill would make the copy an empty tensor holding data).
+        owner = owner_of(self)
+        if owner is not None:
+            owner.fill_on_use()
+        if type(self) in (parameter, buffer):  # no owner any more: a plain meta copy
+            with torch_function_off():
+                return base[type(self)].__deepcopy__(self, memo)
+        return self.__deepcopy__(memo)
+
+    members = {"__torch_function__": classmethod(__torch_function__), "__deepcopy__": __deepcopy__}
+    doc = {"__doc__": "An empty tensor of a released module (see stageload.hooks.empty)."}
+    parameter = type("EmptyParameter", (nn.Parameter,), {**members, **doc})
+    buffer = type("EmptyBuffer", (torch.Tensor,), {**members, **doc})
+    base = {parameter: nn.Parameter, buffer: torch.Tensor}
     return parameter, buffer
 
 
@@ -128,8 +141,9 @@ def mark_empty(module: nn.Module, owner: Filler) -> None:
             cls = parameter if isinstance(t, nn.Parameter) else buffer
             # empty_strided, not empty_like: from meta to meta that takes ~1 ms a tensor
             # (a Python reference implementation), this ~10 us.
-            meta = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
-            twin = as_subclass(cls, meta, t.requires_grad)
+            with torch.inference_mode(t.is_inference()):  # is_inference() answers the same
+                meta = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+                twin = as_subclass(cls, meta, t.requires_grad)
             twin.__dict__.update(t.__dict__)
             twin.__dict__[_OWNER_KEY] = ref
             with contextlib.suppress(RuntimeError):  # held elsewhere (a weakref, a view)

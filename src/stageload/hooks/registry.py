@@ -104,6 +104,10 @@ class ModuleHook:
     def released(self, module: nn.Module) -> None:
         """Called by :func:`stageload.release` once ``module``'s tensors are on ``meta``."""
 
+    def before_copy(self) -> None:
+        """The module is about to be copied (``copy.deepcopy``, pickling): a hook that
+        brings released weights back on use brings them back now, so the copy holds them."""
+
 
 # One condition for the calls of every hooked module: a call counts itself in and out
 # under it, and quiesced() waits on it. Uncontended, it costs two lock round trips per call.
@@ -132,6 +136,8 @@ class HookRegistry:
     def __getstate__(self) -> dict[str, Any]:
         # A copy (copy.deepcopy of a hooked module) starts with no calls in flight, and
         # without the hooks that stay with the original.
+        for hook in list(self._hooks.values()):
+            hook.before_copy()  # may take hooks off (a load ends a release's): read after
         state = dict(self.__dict__)
         state.update(_running={}, _held_by=None, _epoch=0)
         state["_hooks"] = {k: h for k, h in self._hooks.items() if h.copied}
