@@ -63,34 +63,45 @@ def empty(module: torch.nn.Module) -> bool:
 
 
 # -- a copy of a staged component -----------------------------------------------------------------
-def copy_of_the_vae(path: Path, loaded: bool) -> tuple[Any, ...]:
-    """``copy.deepcopy(pipe.vae)`` (an EMA copy, a model to save) of a staged pipeline,
-    its VAE not loaded yet or loaded. Returns (the copy, its decode of a latent, eager's,
-    the pipeline's image after, eager's)."""
+def copy_of_the_vae(path: Path, loaded: bool, how: str = "deepcopy") -> tuple[Any, ...]:
+    """A copy (``copy.deepcopy``: an EMA copy; ``torch.save``, ``torch.load``) of
+    ``pipe.vae`` of a staged pipeline, its VAE not loaded yet or loaded, then converted to
+    float64. Returns (the copy, its decode of a latent before the conversion, eager's, the
+    pipeline's image after, eager's)."""
     import copy
+    import io
 
     want_pipe = eager(path)
     pipe = staged(path)
     if loaded:
         pipe.stageload.load("vae")
-    copied = copy.deepcopy(pipe.vae)
+    if how == "deepcopy":
+        copied = copy.deepcopy(pipe.vae)
+    else:
+        saved = io.BytesIO()
+        torch.save(pipe.vae, saved)
+        saved.seek(0)
+        copied = torch.load(saved, weights_only=False)
     z = torch.randn(
         1, copied.config.latent_channels, 8, 8, generator=torch.Generator().manual_seed(1)
     )
     with torch.no_grad():
         got, want = copied.decode(z).sample, want_pipe.vae.decode(z).sample
+    copied.to(torch.float64)  # the copy's, not the pipeline's (a patch on the copy took it)
+    assert copied.dtype == torch.float64
     return copied, got, want, image(pipe), image(want_pipe)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "save"])
 @pytest.mark.parametrize("loaded", [False, True], ids=["unloaded", "loaded"])
 def test_a_copy_of_a_staged_component_is_the_users_own_with_its_weights(
-    path: Path, loaded: bool
+    path: Path, loaded: bool, how: str
 ) -> None:
     """The copy holds the weights (an unloaded VAE loads first) and is not staged; the
-    pipeline's own VAE still is (it copied the stager's thread-local state and failed)."""
+    pipeline's own VAE still is (the copy failed: the stager's thread-local state)."""
     from stageload.diffusers._placeholder import stage_hook
 
-    copied, got, want, after, eager_image = copy_of_the_vae(path, loaded)
+    copied, got, want, after, eager_image = copy_of_the_vae(path, loaded, how)
     assert not empty(copied) and stage_hook(copied) is None
     assert torch.equal(got, want) and torch.equal(after, eager_image)
 
@@ -98,8 +109,20 @@ def test_a_copy_of_a_staged_component_is_the_users_own_with_its_weights(
 def test_control_a_stage_hook_copied_as_it_is_cannot_be(path: Path, monkeypatch: Any) -> None:
     from stageload.diffusers._placeholder import StageHook
 
-    monkeypatch.delattr(StageHook, "__deepcopy__")
+    monkeypatch.delattr(StageHook, "__reduce__")
     with pytest.raises(TypeError, match="pickle"):
+        copy_of_the_vae(path, loaded=True)
+
+
+def test_control_a_patch_copied_with_the_component_converts_the_pipelines(
+    path: Path, monkeypatch: Any
+) -> None:
+    """The copy's ``.to(float64)`` went through the original's patched ``_apply``: it
+    recorded the move for the pipeline's VAE and left the copy in float32."""
+    from stageload.hooks import registry
+
+    monkeypatch.delattr(registry._Dispatch, "__reduce__")
+    with pytest.raises(AssertionError):
         copy_of_the_vae(path, loaded=True)
 
 

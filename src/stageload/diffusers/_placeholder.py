@@ -154,10 +154,11 @@ class StageHook(ModuleHook):
     def before_copy(self) -> None:
         self.fill_on_use()
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Copied:
-        # Reached through the component's ``_hf_hook`` and its load_state_dict pre-hook:
-        # the copy gets an inert hook (its thread-local state cannot be copied anyway).
-        return _Copied(self.execution_device)
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Copied (copy.deepcopy) or pickled (torch.save) through the component's
+        # ``_hf_hook`` and its load_state_dict pre-hook: the copy gets an inert hook (the
+        # thread-local state could not be copied anyway).
+        return _Copied, (self.execution_device,)
 
     def fill_on_use(self) -> None:
         """An empty tensor of the component was used (:mod:`stageload.hooks.empty`)."""
@@ -227,6 +228,9 @@ class _Copied:
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
         return module
+
+    def before_state_dict(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        return None
 
 
 def stage_hook(module: nn.Module) -> StageHook | None:

@@ -105,19 +105,27 @@ def _empty_classes() -> tuple[type, type]:
             _on_use(func, args, kwargs)
             return func(*args, **kwargs)
 
-    def __deepcopy__(self: Any, memo: dict[int, Any]) -> Any:
-        # A copy is of the loaded tensor: fill first. The fill swaps this object's class
-        # back to its plain one, whose own __deepcopy__ then copies it (the class read
-        # before the fill would make the copy an empty tensor holding data).
-        owner = owner_of(self)
-        if owner is not None:
-            owner.fill_on_use()
-        if type(self) in (parameter, buffer):  # no owner any more: a plain meta copy
-            with torch_function_off():
-                return base[type(self)].__deepcopy__(self, memo)
-        return self.__deepcopy__(memo)
+    def filled_first(copy: str) -> Any:
+        def method(self: Any, arg: Any) -> Any:
+            # A copy (copy.deepcopy) or a pickle (torch.save) is of the loaded tensor: fill
+            # first. The fill swaps this object's class back to its plain one, whose own
+            # method then runs (the class read before the fill would make the copy an
+            # empty tensor holding data).
+            owner = owner_of(self)
+            if owner is not None:
+                owner.fill_on_use()
+            if type(self) in (parameter, buffer):  # no owner any more: as a meta tensor
+                with torch_function_off():
+                    return getattr(base[type(self)], copy)(self, arg)
+            return getattr(self, copy)(arg)
 
-    members = {"__torch_function__": classmethod(__torch_function__), "__deepcopy__": __deepcopy__}
+        return method
+
+    members = {
+        "__torch_function__": classmethod(__torch_function__),
+        "__deepcopy__": filled_first("__deepcopy__"),
+        "__reduce_ex__": filled_first("__reduce_ex__"),
+    }
     doc = {"__doc__": "An empty tensor of a released module (see stageload.hooks.empty)."}
     parameter = type("EmptyParameter", (nn.Parameter,), {**members, **doc})
     buffer = type("EmptyBuffer", (torch.Tensor,), {**members, **doc})

@@ -439,13 +439,17 @@ class _Chain:
         self.wraps: list[tuple[object, Callable[..., Any]]] = []
         self.current: Callable[..., Any] = self.base
 
+        if not isinstance(owner, type):  # see _Dispatch
+            self.installed: Any = _Dispatch(self)
+            return
+
         @functools.wraps(self.base)
         def dispatch(*args: Any, **kwargs: Any) -> Any:
             return self.current(*args, **kwargs)
 
         # On a class, a plain function would bind to instances; staticmethod keeps the
         # already-bound original (a classmethod) callable both ways.
-        self.installed: Any = staticmethod(dispatch) if isinstance(owner, type) else dispatch
+        self.installed = staticmethod(dispatch)
         if isinstance(prop, property) and prop.fget is not None:
             self.installed = property(dispatch, prop.fset, prop.fdel, prop.__doc__)
         elif isinstance(prop, types.FunctionType):  # an instance method: it must bind
@@ -456,6 +460,26 @@ class _Chain:
         for _, wrap in self.wraps:
             fn = wrap(fn)
         self.current = fn
+
+
+class _Dispatch:
+    """An object's patched attribute: calls the chain's current callable. A class, not a
+    closure, so that a copy of the object (``copy.deepcopy``, pickling) gets the attribute
+    as it was before the patch, bound to the copy: the patches act on the original (a
+    staged placeholder's conversions record a move for its stager)."""
+
+    def __init__(self, chain: _Chain) -> None:
+        self.chain = chain
+        functools.update_wrapper(self, chain.base)  # name, docstring, signature
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.chain.current(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Copied or unpickled while its owner's state is, before this attribute is set:
+        # the owner's class attribute, bound to the new owner (an attribute of the owner's
+        # own that the patch replaced is not copied).
+        return getattr, (self.chain.owner_ref(), self.chain.attr)
 
 
 # Keyed by id(owner) with weak values: the chain lives in the owner's patched attribute,

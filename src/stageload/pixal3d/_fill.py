@@ -3,7 +3,7 @@
 The port's ``pixal3d.models.from_pretrained(path)`` builds the model from ``{path}.json``
 and copies ``{path}.safetensors`` into it. Its first load stays the reference; after it,
 each reload refills the released model in place with ``load_weights`` (see
-``stageload._refill``), or keeps the port's loader when the model does not match the file,
+:mod:`stageload.load.refill`), or keeps the port's loader when the model does not match the file,
 with a ``note`` event saying why.
 """
 
