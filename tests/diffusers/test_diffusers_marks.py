@@ -208,3 +208,40 @@ def test_a_replaced_or_copied_component_marks_nothing(small_vae: Path) -> None:
     pipe.vae = copied
     _leaf(old)(torch.zeros(2))
     assert _stages(sink) == ["denoise", "decode", "denoise"]  # replaced: it marks no more
+
+
+def saved_resident_vae(small_vae: Path) -> tuple[Any, Any]:
+    """``torch.save`` then ``torch.load`` of the pipeline's resident (marked) VAE. Returns
+    (the loaded copy, the pipeline's VAE)."""
+    import io
+
+    pipe = staged_pipeline(diffusers.QwenImage21Pipeline, small_vae)
+    saved = io.BytesIO()
+    torch.save(pipe.vae, saved)
+    saved.seek(0)
+    return torch.load(saved, weights_only=False), pipe.vae
+
+
+def test_a_resident_component_saves_with_its_weights_and_no_mark(small_vae: Path) -> None:
+    """It raised: the mark's weak reference to the stager, then a ModuleList's hooked
+    forward (pickled by the name ``_forward_unimplemented``, which it cannot be found by)."""
+    from stageload.hooks.registry import HookRegistry
+
+    copied, vae = saved_resident_vae(small_vae)
+    pairs = zip(copied.state_dict().values(), vae.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert all(_marks.MARK not in (HookRegistry.of(m) or ()) for m in copied.modules())
+
+
+@pytest.mark.parametrize("broken", ["mark copied", "forward pickled as bound"])
+def test_control_a_copied_mark_or_a_bound_forward_cannot_be_saved(
+    small_vae: Path, monkeypatch: pytest.MonkeyPatch, broken: str
+) -> None:
+    from stageload.hooks import registry
+
+    if broken == "mark copied":
+        monkeypatch.setattr(_marks.StageMark, "copied", True)
+    else:
+        monkeypatch.delattr(registry._HookedForward, "__getstate__")
+    with pytest.raises((TypeError, AttributeError), match="pickle|_forward_unimplemented"):
+        saved_resident_vae(small_vae)

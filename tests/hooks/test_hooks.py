@@ -121,3 +121,49 @@ def test_a_hook_name_taken_twice_raises_and_replace_keeps_its_place():
     HookRegistry.remove(module, "a")
     HookRegistry.remove(module, "b")
     assert HookRegistry.of(module) is None and "forward" not in module.__dict__
+
+
+# -- a copy of a patched object ------------------------------------------------------------------
+class _WithOwn:
+    """An object whose patched attribute is its own (a partial), not its class's."""
+
+    def __init__(self) -> None:
+        import functools
+
+        self.cb = functools.partial(max, 0)
+
+
+class _WithMethod:
+    def helper(self, x: int) -> int:
+        return x + 1
+
+
+def copies_of_patched(obj: object, attr: str) -> list[object]:
+    """``obj`` with ``attr`` patched by ``on_call`` (a hook that counts its runs): its
+    ``copy.deepcopy`` and its pickle round trip."""
+    import copy
+    import pickle
+
+    on_call(obj, attr, before=lambda *a, **k: None)
+    return [copy.deepcopy(obj), pickle.loads(pickle.dumps(obj))]
+
+
+def test_a_copy_of_a_patched_object_has_the_attribute_as_it_was_before_the_patch():
+    """An attribute of the object's own is copied with it (copy and pickle raised
+    AttributeError); a class's method is bound to the copy, not the original."""
+    for copied in copies_of_patched(_WithOwn(), "cb"):
+        assert copied.cb(3) == 3
+    original = _WithMethod()
+    for copied in copies_of_patched(original, "helper"):
+        assert copied.helper(1) == 2 and copied.helper.__self__ is copied
+
+
+def test_control_copied_as_the_class_attribute_an_own_attribute_is_lost(monkeypatch):
+    from stageload.hooks import registry
+
+    def as_class(self: object) -> tuple:
+        return getattr, (self.chain.owner_ref(), self.chain.attr)
+
+    monkeypatch.setattr(registry._Dispatch, "__reduce__", as_class)
+    with pytest.raises(AttributeError, match="cb"):
+        copies_of_patched(_WithOwn(), "cb")

@@ -360,3 +360,56 @@ def test_loads_to_cuda_through_pinned_buffers(files, want):
         assert got.device.type == "cuda"
         expected = ref.to(want or torch.float32) if ref.is_floating_point() else ref
         assert torch.equal(got.cpu(), expected), key
+
+
+def fill_while_another_thread_builds_on_meta() -> nn.Linear:
+    """``fill_from`` into a placeholder whose weight something else holds (a weakref:
+    ``swap_tensors`` fails, the fresh tensor takes its place) while another thread is
+    inside accelerate's ``init_empty_weights``, as diffusers' ``from_pretrained`` is.
+    Returns the placeholder."""
+    import threading
+    import weakref
+
+    from accelerate import init_empty_weights
+
+    from stageload.load.skeleton import fill_from
+
+    with torch.device("meta"):
+        placeholder = nn.Linear(4, 4)
+    fresh = nn.Linear(4, 4)  # before the other thread patches nn.Module
+    held = weakref.ref(placeholder.weight)
+    inside, done = threading.Event(), threading.Event()
+
+    def build() -> None:
+        with init_empty_weights():
+            inside.set()
+            done.wait()
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    inside.wait()
+    try:
+        fill_from(placeholder, fresh, missing=KeyError)
+    finally:
+        done.set()
+        thread.join()
+    del held  # held through the fill
+    return placeholder
+
+
+def test_a_fill_runs_no_module_method_that_another_thread_patched():
+    placeholder = fill_while_another_thread_builds_on_meta()
+    assert not placeholder.weight.is_meta and not placeholder.bias.is_meta
+
+
+def test_control_a_fill_through_setattr_leaves_the_weight_on_meta(monkeypatch):
+    import stageload.load.weights as weights
+
+    def place(target, value):
+        for sub, key in target.places:
+            setattr(sub, key, value)  # nn.Module.register_parameter, patched for every thread
+        target.tensor = value
+
+    monkeypatch.setattr(weights, "place", place)
+    monkeypatch.setattr("stageload.load.skeleton.place", place)
+    assert fill_while_another_thread_builds_on_meta().weight.is_meta

@@ -42,11 +42,12 @@ MARK = "stage_mark"
 class StageMark(ModuleHook):
     """On every submodule of a component that stays loaded: its calls begin ``stage``.
 
-    The stager is held weakly: ``copy.deepcopy`` of the component copies its hooks, and
-    must neither copy the stager (locks, every model) nor keep it alive. The component is
-    held strongly, so a deep copy's mark points at the copy, which the pipeline does not
-    hold: it marks nothing.
+    The stager is held weakly (the hook must not keep it alive), and a copy of the
+    component (``copy.deepcopy``, ``torch.save``) has no mark: the pipeline does not hold
+    the copy, so it would mark nothing, and the weak reference cannot be pickled.
     """
+
+    copied = False
 
     def __init__(self, state: Stager, name: str, stage: str, component: nn.Module) -> None:
         self._state = weakref.ref(state)

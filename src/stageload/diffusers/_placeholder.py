@@ -158,7 +158,7 @@ class StageHook(ModuleHook):
         # Copied (copy.deepcopy) or pickled (torch.save) through the component's
         # ``_hf_hook`` and its load_state_dict pre-hook: the copy gets an inert hook (the
         # thread-local state could not be copied anyway).
-        return _Copied, (self.execution_device,)
+        return _Copied, ()
 
     def fill_on_use(self) -> None:
         """An empty tensor of the component was used (:mod:`stageload.hooks.empty`)."""
@@ -209,13 +209,12 @@ class StageHook(ModuleHook):
 class _Copied:
     """What a copy of a staged component holds where the original holds its
     :class:`StageHook` (``_hf_hook``, the load_state_dict pre-hook): accelerate's
-    protocol, passing everything through, and the same execution device."""
+    protocol, passing everything through, claiming no device (diffusers then reads the
+    device from the weights, as for a component without a hook)."""
 
     no_grad = False
+    execution_device = None
     passthrough = True  # StageHook.before_state_dict, bound to this, does nothing
-
-    def __init__(self, execution_device: torch.device) -> None:
-        self.execution_device = execution_device
 
     def init_hook(self, module: nn.Module) -> nn.Module:
         return module

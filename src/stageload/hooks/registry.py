@@ -241,6 +241,16 @@ class _HookedForward:
         original = registry.original_forward(module)
         functools.update_wrapper(self, original)  # name, docstring, signature (__wrapped__)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The original, a method bound to the module, pickles by its name on the module:
+        # ``_forward_unimplemented`` for a ModuleList, which it cannot be found by. As the
+        # function and the module it binds, it pickles and copies (to the copy).
+        state = dict(self.__dict__)
+        wrapped = state.get("__wrapped__")
+        if isinstance(wrapped, types.MethodType) and wrapped.__self__ is self.module:
+            state["__wrapped__"] = functools.partial(wrapped.__func__, self.module)
+        return state
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, registry = self.module, self.registry
         me = threading.get_ident()
@@ -476,10 +486,18 @@ class _Dispatch:
         return self.chain.current(*args, **kwargs)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Copied or unpickled while its owner's state is, before this attribute is set:
-        # the owner's class attribute, bound to the new owner (an attribute of the owner's
-        # own that the patch replaced is not copied).
+        # Copied or unpickled with its owner: the attribute as the owner had it before the
+        # patch. Its own one (a partial, an instance forward) is copied with it; else the
+        # class's, looked up on the new owner, whose state is being set (this attribute
+        # is not in it yet), so it binds to the copy.
+        own = self.chain.own
+        if own is not _MISSING:
+            return _itself, (own,)
         return getattr, (self.chain.owner_ref(), self.chain.attr)
+
+
+def _itself(value: Any) -> Any:
+    return value
 
 
 # Keyed by id(owner) with weak values: the chain lives in the owner's patched attribute,

@@ -467,9 +467,15 @@ def put(target: Target, new: torch.Tensor) -> None:
 
 
 def place(target: Target, value: torch.Tensor) -> None:
-    """Make ``value`` the target's tensor, as a new object under every name it has."""
+    """Make ``value`` the target's tensor, as a new object under every name it has.
+
+    Written into the module's tables, not through ``setattr``: that runs
+    ``nn.Module.register_parameter``, which accelerate's ``init_empty_weights`` patches
+    for every thread while another thread's ``from_pretrained`` builds on meta (the new
+    weight went to meta)."""
     for sub, key in target.places:
-        setattr(sub, key, value)
+        params, buffers = own_tensor_tables(sub)
+        (params if key in params else buffers)[key] = value
     target.tensor = value
 
 
