@@ -329,6 +329,53 @@ def test_a_dtype_round_trip_keeps_its_rounding(path: Path, warm: bool) -> None:
     assert same_twice(pipe, want)
 
 
+def warnings_of_a_cast(path: Path, pipe: Any) -> list[str]:
+    """The warnings diffusers logs for ``pipe.to(bfloat16)`` and two calls."""
+    import logging
+
+    from diffusers.utils import logging as diffusers_logging
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                said.append(record.getMessage()[:60])
+
+    logger = diffusers_logging.get_logger("diffusers")
+    handler = Keep()
+    logger.addHandler(handler)
+    level = diffusers_logging.get_verbosity()  # other test modules set "error"
+    diffusers_logging.set_verbosity_warning()
+    try:
+        pipe.to(torch.bfloat16)
+        image(pipe)
+        image(pipe)
+    finally:
+        diffusers_logging.set_verbosity(level)
+        logger.removeHandler(handler)
+    return said
+
+
+def test_a_cast_warns_as_often_as_eager(path: Path) -> None:
+    """diffusers warns at each ``ModelMixin.to(dtype)``: once per component for the
+    user's cast, not again at each load of a staged one (it came at every load)."""
+    want = warnings_of_a_cast(path, eager(path))
+    assert want and warnings_of_a_cast(path, staged(path)) == want
+
+
+def test_control_a_load_that_casts_through_the_library_warns_again(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def library_to(module: Any, *args: Any, **kwargs: Any) -> Any:
+        with _placeholder.passthrough(module):
+            return module.to(*args, **kwargs)
+
+    monkeypatch.setattr(_placeholder, "real_to", library_to)
+    want = warnings_of_a_cast(path, eager(path))
+    assert len(warnings_of_a_cast(path, staged(path))) > len(want)
+
+
 def test_an_upcast_vae_each_call_equals_eager(path: Path) -> None:
     """A bfloat16 pipeline whose VAE is sent to float32 and back at every call (as SDXL's
     pipeline does with ``force_upcast``), three calls, the VAE released between them."""

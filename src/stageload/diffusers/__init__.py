@@ -192,9 +192,9 @@ class StagedPipeline:
             self._classes[name], self.path / name, self.torch_dtype, self._model_kwargs
         )
         if target["device"].type != "cpu":
-            loaded = loaded.to(device=target["device"])
+            loaded = _placeholder.real_to(loaded, device=target["device"])
         for dtype in target["dtypes"]:
-            loaded = loaded.to(dtype=dtype)
+            loaded = _placeholder.real_to(loaded, dtype=dtype)
         _placeholder.fill(skeleton, loaded, tracked)
         _placeholder.check_added(name, skeleton, tracked)
         self._learn(name, skeleton)

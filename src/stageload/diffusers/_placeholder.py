@@ -387,9 +387,13 @@ def converted(chain: list[Any], dtype: Any) -> list[Any]:
 #: Tensor reads that need no values: on an empty tensor of a placeholder they answer from
 #: ``meta`` and load nothing (everything else loads the component first).
 def real_to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-    """``.to()`` on the component's weights, past the stager's conversion patch."""
+    """``.to()`` on the component's weights, past the stager's conversion patch: torch's
+    own, a replay of a conversion the user's ``.to()`` made (whose library checks and
+    warnings ran then: diffusers' "should be kept in float32" came again at each load)."""
+    from torch import nn
+
     with passthrough(module):
-        return module.to(*args, **kwargs)
+        return nn.Module.to(module, *args, **kwargs)
 
 
 # -- building ------------------------------------------------------------------------------------
