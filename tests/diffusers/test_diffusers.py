@@ -405,7 +405,7 @@ def test_control_probing_the_first_parameter_misses_wans_conversion(built, monke
 def test_conversions_back_through_wider_dtypes_end_the_chain() -> None:
     """SDXL's pipeline sends its VAE to float32 and back at every call: the chain a reload
     replays stays two long; a real rounding (float32 to bfloat16) stays in it."""
-    from stageload.diffusers._placeholder import converted
+    from stageload.load.refill import converted
 
     chain: list[Any] = []
     for _ in range(100):

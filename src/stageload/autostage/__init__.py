@@ -72,7 +72,7 @@ from ..load.checkpoint import (
     float_itemsize,
     pretrained_checkpoint,
 )
-from ..load.refill import Recipe, learn, reload
+from ..load.refill import Recipe, converted, learn, reload
 from ..load.skeleton import fill_from, stand_in
 from ..load.weights import named_tensors
 from ..memory.budget import parse_budget
@@ -105,9 +105,11 @@ class AutoError(StageloadError, ValueError):
 #: Each tensor of a model by name: (the tensor object's id, its version counter, the
 #: address of its data).
 Seen = dict[str, tuple[int, int, int]]
-#: Each tensor of a model by name: (dtype, device, requires_grad, its strides when it is
-#: in channels_last (None otherwise), its own attributes) as the script left it.
-Layout = dict[str, tuple[Any, Any, bool, tuple[int, ...] | None, dict[str, Any]]]
+#: Each tensor of a model by name: (the dtypes its values went through since they were
+#: read, the last its dtype now: :func:`stageload.load.refill.converted`; its device,
+#: requires_grad, its strides when it is in channels_last (None otherwise), its own
+#: attributes) as the script left it.
+Layout = dict[str, tuple[tuple[Any, ...], Any, bool, tuple[int, ...] | None, dict[str, Any]]]
 
 
 @dataclass(eq=False)
@@ -139,6 +141,9 @@ class _Model:
     #: Dtypes, devices and requires_grad as the script left them at the last release: a
     #: reload gives them back.
     layout: Layout = field(default_factory=dict)
+    #: Each tensor's dtypes since it was read, as the last load gave it: a conversion
+    #: since extends them (a round trip through bfloat16 keeps its rounding at a reload).
+    chains: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     #: What ``model.device`` answers while it is released (pipelines move inputs to it).
     device: Any = None
     #: How it reloads from its files, in place, when its first load read them unchanged
@@ -644,6 +649,7 @@ class AutoSession:
                 model.state, model.owner = (LOADED if ok else RELEASED), None
                 if ok:
                     model.loads += 1
+                    model.chains = {n: want[0] for n, want in layout.items()}
                     if how == "first use":
                         self._first_loaded(module, model, recipe)
                     self._emit(
@@ -686,6 +692,8 @@ class AutoSession:
         else:
             model.recipe = recipe
         model.samples = _samples(module)  # no other weights to compare with: the first
+        with torch_function_off():
+            model.chains = {n: (t.dtype,) for n, t in named_tensors(module)}
 
     def _make_room(self, size: int, name: str, keep: _Model | None = None) -> None:
         """Release idle models, one at a time, until ``size`` more bytes fit the budget
@@ -767,7 +775,7 @@ class AutoSession:
         try:
             module = model.module()
             if module is not None:
-                layout = _layout(module)
+                layout = _layout(module, model.chains)
                 size = _bytes(module)
                 release(module, name=model.name)  # the hook's released() marks its tensors
                 model.layout, model.size = layout, size
@@ -1027,13 +1035,16 @@ def _converted(samples: dict[str, Any], module: nn.Module) -> dict[str, Any]:
     return {n: v.to(dtypes[n]) if n in dtypes else v for n, v in samples.items()}
 
 
-def _layout(module: nn.Module) -> Layout:
+def _layout(module: nn.Module, chains: dict[str, tuple[Any, ...]] | None = None) -> Layout:
+    """Each tensor as the script left it (:data:`Layout`); ``chains``: the dtypes each went
+    through up to its last load."""
     import torch
 
+    chains = chains or {}
     with torch_function_off():
         return {
             n: (
-                t.dtype,
+                tuple(converted(chains.get(n, ()), t.dtype)),
                 t.device,
                 t.requires_grad,
                 # channels_last as the script left it: a 1x1 kernel is contiguous in both
@@ -1049,7 +1060,8 @@ def _layout(module: nn.Module) -> Layout:
 
 def _convert(fresh: nn.Module, layout: Layout) -> None:
     """Give ``fresh`` (a reload) the dtypes and devices the script left: each tensor
-    converted once (tied ones stay tied: ``.data`` keeps the object)."""
+    converted through the dtypes its values went through (tied ones stay tied: ``.data``
+    keeps the object)."""
     import torch
 
     done: set[int] = set()
@@ -1059,9 +1071,10 @@ def _convert(fresh: nn.Module, layout: Layout) -> None:
             if want is None or id(t) in done:
                 continue
             done.add(id(t))
-            dtype, device, _, strides, _ = want
-            if t.dtype != dtype or t.device != device:
-                t.data = t.data.to(device=device, dtype=dtype)
+            dtypes, device, _, strides, _ = want
+            for dtype in dtypes:  # each in turn: a round trip keeps its rounding
+                if t.dtype != dtype or t.device != device:
+                    t.data = t.data.to(device=device, dtype=dtype)
             if strides is not None and t.stride() != strides:  # .to(memory_format=...)
                 placed = torch.empty_strided(t.size(), strides, dtype=t.dtype, device=t.device)
                 placed.copy_(t.data)

@@ -31,7 +31,7 @@ from ..hooks.registry import patch
 from ..hooks.release import ReleasedModuleError, release, releasing
 from ..load.checkpoint import pretrained_checkpoint
 from ..load.loaders import BACKGROUND_READY_ATTR, rng_free
-from ..load.refill import Recipe, learn, reload
+from ..load.refill import Recipe, converted, learn, reload
 from ..load.skeleton import build_empty, can_stage, is_transformers_model, skeleton_dtype
 from ..memory.budget import parse_budget
 from . import _marks, _placeholder
@@ -341,7 +341,7 @@ class StagedPipeline:
             if dtype is not None:
                 # Every conversion, in order: fp32 -> bf16 -> fp32 keeps bf16's rounding,
                 # as eager's weights do (the last dtype alone would reload unrounded).
-                target["dtypes"] = _placeholder.converted(target["dtypes"], dtype)
+                target["dtypes"] = converted(target["dtypes"], dtype)
             if self.models.is_loaded(name):
                 tracked = self._tracked[name]
                 unchanged = set(tracked.names(skeleton, unchanged=True))

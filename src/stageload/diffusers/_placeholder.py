@@ -361,31 +361,6 @@ def conversion(
     return moved, next((p.dtype for was, p in probes.items() if p.dtype != was), None)
 
 
-#: Float dtypes that hold every value of the ones listed for them exactly.
-_HOLDS = {"float64": ("float32", "float16", "bfloat16"), "float32": ("float16", "bfloat16")}
-
-
-def converted(chain: list[Any], dtype: Any) -> list[Any]:
-    """``chain``, the dtypes a component was converted to in order (each applied to every
-    later load), after ``.to(dtype)``. A conversion back to a dtype the chain reached
-    before, with only dtypes that hold its values exactly in between, changed no value
-    since: the chain ends there instead of growing (SDXL's pipeline sends its VAE to
-    float32 and back to float16 at every call)."""
-
-    def holds(wide: Any, narrow: Any) -> bool:
-        name = str(narrow).removeprefix("torch.")
-        return wide == narrow or name in _HOLDS.get(str(wide).removeprefix("torch."), ())
-
-    for i in range(len(chain) - 1, -1, -1):
-        if chain[i] == dtype:
-            if all(holds(d, dtype) for d in chain[i + 1 :]):
-                return chain[: i + 1]
-            break
-    return [*chain, dtype]
-
-
-#: Tensor reads that need no values: on an empty tensor of a placeholder they answer from
-#: ``meta`` and load nothing (everything else loads the component first).
 def real_to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
     """``.to()`` on the component's weights, past the stager's conversion patch: torch's
     own, a replay of a conversion the user's ``.to()`` made (whose library checks and

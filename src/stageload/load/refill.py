@@ -14,7 +14,7 @@ reads the files straight into it. Otherwise the adapter keeps its loader and say
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -140,6 +140,30 @@ def reload(
     )
     if dtype is not None:  # pipe.to(dtype): as the eager path, convert after loading
         (real_to or type(module).to)(module, dtype=dtype)
+
+
+#: Float dtypes that hold every value of the ones listed for them exactly.
+_HOLDS = {"float64": ("float32", "float16", "bfloat16"), "float32": ("float16", "bfloat16")}
+
+
+def converted(chain: Sequence[Any], dtype: Any) -> list[Any]:
+    """``chain``, the dtypes a model's weights were converted to in order since they were
+    read (each replayed at every later load: fp32 -> bf16 -> fp32 keeps bf16's rounding, as
+    the script's weights do), after ``.to(dtype)``. A conversion back to a dtype the chain
+    reached before, with only dtypes that hold its values exactly in between, changed no
+    value since: the chain ends there instead of growing (SDXL's pipeline sends its VAE to
+    float32 and back to float16 at every call)."""
+
+    def holds(wide: Any, narrow: Any) -> bool:
+        name = str(narrow).removeprefix("torch.")
+        return wide == narrow or name in _HOLDS.get(str(wide).removeprefix("torch."), ())
+
+    for i in range(len(chain) - 1, -1, -1):
+        if chain[i] == dtype:
+            if all(holds(d, dtype) for d in chain[i + 1 :]):
+                return list(chain[: i + 1])
+            break
+    return [*chain, dtype]
 
 
 def _same_start(tensor: torch.Tensor, entry: Any, probe: int) -> bool:
