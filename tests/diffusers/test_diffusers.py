@@ -461,6 +461,9 @@ def test_bad_input_fails_before_loading_with_the_value_and_the_fix(
         staged_pipeline(FluxPipeline, "model_index.json")
     with pytest.raises(TypeError, match="FluxTransformer2DModel, which is not a diffusers"):
         staged_pipeline(FluxTransformer2DModel, path)
+    component = re.escape(f"it is a component's folder: pass its parent, {str(path)!r}")
+    with pytest.raises(FileNotFoundError, match=component):
+        staged_pipeline(FluxPipeline, path / "vae")
     with pytest.raises(TypeError, match=r"FluxPipeline instance; pass the class itself"):
         staged_pipeline(FluxPipeline.__new__(FluxPipeline), path)
     with pytest.raises(ValueError, match="FluxPipeline checkpoint without 'processor'"):

@@ -106,6 +106,22 @@ def test_a_copy_of_a_staged_component_is_the_users_own_with_its_weights(
     assert torch.equal(got, want) and torch.equal(after, eager_image)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_whole_staged_pipeline_says_what_to_do_instead(path: Path, how: str) -> None:
+    """Refused with the way out (it raised "cannot pickle '_thread.RLock' object"); the
+    pipeline still works."""
+    import copy
+    import pickle
+
+    pipe = staged(path)
+    copier = copy.deepcopy if how == "deepcopy" else pickle.dumps
+    with pytest.raises(
+        TypeError, match=r"staged pipeline cannot be copied.*copy.deepcopy\(pipe.unet\)"
+    ):
+        copier(pipe)
+    assert torch.equal(image(pipe), image(eager(path)))
+
+
 def test_control_a_stage_hook_copied_as_it_is_cannot_be(path: Path, monkeypatch: Any) -> None:
     from stageload.diffusers._placeholder import StageHook
 

@@ -440,6 +440,16 @@ class StagedPipeline:
         """Send one of the adapter's own events where the registry's go."""
         self.models.emit(event)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # copy.deepcopy(pipe), pickle.dumps(pipe), torch.save(pipe) reach the stager here;
+        # its locks, threads and registry cannot be copied, and a copy of the pipeline
+        # would hold every component at once.
+        raise TypeError(
+            "a staged pipeline cannot be copied or pickled: its stager holds the loading "
+            "state. Copy or save a component instead (copy.deepcopy(pipe.unet), "
+            "pipe.save_pretrained(folder)), or build a second pipeline with staged_pipeline()"
+        )
+
     def close(self) -> None:
         """Release every component; using one afterwards raises ReleasedModuleError."""
         with self._lock:
@@ -475,7 +485,8 @@ def staged_pipeline(
         path: a folder in the ``save_pretrained`` layout, or a hub id (resolved through
             ``pipeline_cls.download``, so the hub cache and ``HF_HUB_OFFLINE`` apply).
         device: where the models run (default CPU). Loaded models are moved there.
-        torch_dtype: passed to every component's ``from_pretrained``.
+        torch_dtype: passed to every component's ``from_pretrained`` (``dtype=``, the
+            spelling diffusers 0.42 and transformers 5 prefer, is taken too).
         stages: ``{stage: [component, ...]}`` in pipeline order. Default: ``encode`` (text
             and image encoders), ``denoise`` (transformer or unet; ``denoise_2`` for
             ``transformer_2``), ``decode`` (VAE), from ``pipeline_cls.model_cpu_offload_seq``.

@@ -87,8 +87,13 @@ def read_index(path: Path) -> dict[str, tuple[str, str]]:
     try:
         index = json.loads(index_file.read_text())
     except FileNotFoundError:
+        hint = (
+            f" (it is a component's folder: pass its parent, {str(path.parent)!r})"
+            if (path.parent / "model_index.json").is_file()
+            else ""
+        )
         raise FileNotFoundError(
-            f"{str(path)!r} has no model_index.json; pass a folder written by "
+            f"{str(path)!r} has no model_index.json{hint}; pass a folder written by "
             f"pipeline.save_pretrained() or a hub id"
         ) from None
     out: dict[str, tuple[str, str]] = {}
