@@ -1182,16 +1182,16 @@ def chosen_while_called(folder: str, monkeypatch: Any, wait: float = 30) -> tupl
     walking = threading.Event()
     made: list[Any] = []
 
-    def slow_layout(module: Any) -> Any:
+    def slow_layout(module: Any, chains: Any = None) -> Any:
         # Only lazy's release, once: a later release in T1's loop (lazy came back in T2's
         # call before T1 re-checked the budget, on a busy machine) must not wait for a hold.
         if not made or module is not made[0] or walking.is_set():
-            return real(module)
+            return real(module, chains)
         walking.set()
         deadline = time.monotonic() + 10
         while not _held_back_any() and time.monotonic() < deadline:
             time.sleep(0.005)  # until T2's call waits at the hold: the state this test needs
-        return real(module)
+        return real(module, chains)
 
     monkeypatch.setattr(stageload.autostage, "_layout", slow_layout)
     factories = [FACTORY, "fixtures.auto_script:make_lazy"]
