@@ -413,3 +413,33 @@ def test_control_a_fill_through_setattr_leaves_the_weight_on_meta(monkeypatch):
     monkeypatch.setattr(weights, "place", place)
     monkeypatch.setattr("stageload.load.skeleton.place", place)
     assert fill_while_another_thread_builds_on_meta().weight.is_meta
+
+
+class _Tied(nn.Module):
+    """An embedding and a head that share one weight, as a config's build ties them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4, bias=False)
+        self.head = nn.Linear(4, 4, bias=False)
+        self.head.weight = self.embed.weight
+
+
+@pytest.mark.parametrize("fresh_tied", [True, False], ids=["loader-ties", "loader-unties"])
+def test_a_fill_ties_and_unties_as_the_loader_did(fresh_tied: bool) -> None:
+    """The placeholder (tied) takes each weight the loader gave: one object where the loader
+    tied them, two where it left them untied (transformers 5 unties a checkpoint's embedding
+    and head that hold different values); the first fill went by the first name alone and
+    gave the head the embedding's values."""
+    from stageload.load.skeleton import fill_from
+
+    with torch.device("meta"):
+        placeholder = _Tied()
+    fresh = _Tied()
+    if not fresh_tied:
+        fresh.head.weight = nn.Parameter(torch.randn(4, 4))
+    want = {n: t.clone() for n, t in fresh.state_dict().items()}
+    fill_from(placeholder, fresh, missing=KeyError)
+    got = placeholder.state_dict()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert (placeholder.head.weight is placeholder.embed.weight) is fresh_tied

@@ -267,7 +267,8 @@ def fill_from(
     allows (``swap_tensors``), so what the script holds (a buffer it read, a tied weight,
     an adapter's reference) is live again; where something else holds it, the fresh object
     takes its place under every name. Tensors tied in ``fresh`` end up tied in ``module``
-    (transformers ties them in ``from_pretrained``; the config's build may not).
+    (transformers ties them in ``from_pretrained``; the config's build may not), and
+    tensors it left untied, untied.
 
     Only empty tensors are filled, unless ``loaded_too`` (a stand-in's buffers its
     constructor computed, whose dtype the load may change). ``names``: a tensor's name in
@@ -281,20 +282,32 @@ def fill_from(
     given: dict[int, Target] = {}  # a fresh tensor's id -> the target that took it
     with torch.no_grad():
         for target in targets(module):
-            name, t = target.names[0], target.tensor
-            if not (t.is_meta or loaded_too) or (skip is not None and skip(name, t)):
+            t = target.tensor
+            if not (t.is_meta or loaded_too):
                 continue
-            source = sources.get(names.get(name, name) if names else name)
-            if source is None:
-                if t.is_meta:
-                    raise missing(name)
-                continue
-            tied = given.get(id(source))
-            if tied is not None:  # tied in fresh: tied the same way
-                place(target, tied.tensor)
-                continue
-            given[id(source)] = target
-            if t.is_meta:
-                put(target, source)
-            else:
-                place(target, like(t, source))
+            # The names of one tensor of ``module`` by the fresh tensor each takes: one
+            # group where ``fresh`` ties them as ``module`` does; several where the loader
+            # left them untied (transformers 5 unties a checkpoint's embedding and head
+            # that hold different values, where the config's build ties them).
+            parts: dict[int, tuple[torch.Tensor, Target]] = {}
+            for where, name in zip(target.places, target.names, strict=True):
+                if skip is not None and skip(name, t):
+                    continue
+                source = sources.get(names.get(name, name) if names else name)
+                if source is None:
+                    if t.is_meta:
+                        raise missing(name)
+                    continue
+                part = parts.setdefault(id(source), (source, Target(t)))[1]
+                part.places.append(where)
+                part.names.append(name)
+            for first, (source, part) in enumerate(parts.values()):
+                tied = given.get(id(source))
+                if tied is not None:  # tied in fresh to one placed before: tied the same way
+                    place(part, tied.tensor)
+                    continue
+                given[id(source)] = part
+                if first == 0 and t.is_meta:
+                    put(part, source)  # the object itself takes the data
+                else:
+                    place(part, like(t, source))
