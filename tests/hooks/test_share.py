@@ -88,6 +88,11 @@ def test_arguments_that_print_alike_but_differ_are_not_shared():
         assert Factory.make([1, 2]) is Factory.make([1, 2])  # short reprs still compare
         options = {1: "a", "x": {2}}
         assert Factory.make(options=options) is Factory.make(options=dict(options))
+        # numpy prints 8 digits: these print alike and differ (the repr shared them)
+        near, one = np.array([1.0 + 1e-12]), np.array([1.0])
+        assert repr(near) == repr(one)
+        assert Factory.make(near) is not Factory.make(one)
+        assert Factory.make(one) is Factory.make(np.array([1.0]))  # equal values share
 
 
 def test_a_backbone_released_with_one_stage_is_rebuilt_for_the_next():

@@ -40,6 +40,9 @@ def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
             return (type(value).__name__, tuple(freeze(v) for v in value))
         if isinstance(value, set):
             return ("set", frozenset(freeze(v) for v in value))
+        if _is_array(value) and value.size <= _WHOLE:
+            # By value: a repr rounds (numpy prints 8 digits: [1.0] and [1.0 + 1e-12] alike).
+            return ("array", str(value.dtype), tuple(value.shape), value.tobytes())
         try:
             hash(value)
         except TypeError:
@@ -50,6 +53,16 @@ def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
         return value
 
     return (freeze(args), freeze(kwargs))
+
+
+#: Arrays of at most this many elements compare by value (numpy prints them whole); larger
+#: ones by identity (reading all their bytes at each call would cost as much as the call).
+_WHOLE = 1000
+
+
+def _is_array(value: Any) -> bool:
+    """A numpy-like array: unhashable, with ``tobytes``, ``dtype``, ``shape`` and ``size``."""
+    return all(hasattr(value, a) for a in ("tobytes", "dtype", "shape", "size"))
 
 
 def _unpatched(*args: Any, **kwargs: Any) -> Any:
@@ -143,8 +156,9 @@ def share(owner: Any, attr: str) -> Iterator[dict[Hashable, Any]]:
         with share(Backbone, "from_pretrained"):
             extractors = [Extractor(key) for key in keys]
 
-    Calls are identical when their arguments are equal (unhashable ones compare by
-    ``repr``, or by identity where the repr is abbreviated, as for large arrays).
+    Calls are identical when their arguments are equal (small arrays compare by value,
+    large ones by identity; other unhashable values by ``repr``, or by identity where the
+    repr is abbreviated).
     A shared instance that was released (:func:`stageload.release`, e.g. with the first
     model that held it) is never handed out again: the next identical call builds a fresh
     one, which later identical calls share. Blocks on the same ``owner.attr`` may nest and
