@@ -17,6 +17,7 @@ Only loaders that draw no random numbers may run there. Mark them with :func:`rn
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -60,6 +61,72 @@ class PolicyView:
     def __post_init__(self) -> None:
         if not isinstance(self.stages, Plan):  # a policy's own view, built from a dict
             object.__setattr__(self, "stages", Plan(self.stages))
+
+
+#: The cost model weighs each model's load time as the lower median of its last this many
+#: loads: one slow read (two reads at once, another process on the disk) does not decide
+#: alone, even with only two timed.
+LOADS_WEIGHED = 3
+
+
+@dataclass
+class Timings:
+    """What the prefetch cost model weighs, measured as a pipeline runs: each model's last
+    :data:`LOADS_WEIGHED` load times, on demand and ahead apart, and each stage's compute:
+    its span on the driving thread less that thread's time in loads and waits for them, the
+    shortest seen, alone and beside a load ahead. One per engine (``StagedModels``, auto's
+    session); its owner's lock guards it."""
+
+    loads: dict[str, list[float]] = field(default_factory=dict)
+    aheads: dict[str, list[float]] = field(default_factory=dict)
+    compute: dict[str, float] = field(default_factory=dict)
+    #: A stage's span while a load ahead ran beside it: on few cores a background load
+    #: slows the compute it overlaps, and only measuring shows by how much.
+    contended: dict[str, float] = field(default_factory=dict)
+    #: When the current stage's compute started, and the time its thread was blocked since.
+    start: float = 0.0
+    blocked: float = 0.0
+    #: A load ahead ran during the current stage.
+    ahead_in_stage: bool = False
+
+    def loaded(self, name: str, seconds: float, *, ahead: bool, overlapped: bool = False) -> None:
+        """A load of ``name`` took ``seconds``; one ``overlapped`` by another load counts
+        only when none is timed yet (the first time is better than none)."""
+        timed = self.aheads if ahead else self.loads
+        if not overlapped or name not in timed:
+            times = timed.setdefault(name, [])
+            times.append(seconds)
+            del times[:-LOADS_WEIGHED]
+
+    def stage_ends(self, stage: str | None, now: float) -> None:
+        """``stage`` (None: before the first) ended at ``now``; the next one starts."""
+        if stage is not None:
+            # The shortest span seen: other processes and a load ahead competing for the
+            # cores only make it longer, and a longer one would make any prefetch look hidden.
+            span = max(0.0, now - self.start - self.blocked)
+            table = self.contended if self.ahead_in_stage else self.compute
+            table[stage] = min(span, table.get(stage, span))
+        self.start, self.blocked, self.ahead_in_stage = now, 0.0, False
+
+    def view(
+        self,
+        stages: Plan,
+        *,
+        pinned: frozenset[str],
+        sizes: Mapping[str, int],
+        prefetchable: frozenset[str],
+    ) -> PolicyView:
+        """The policy's view: the plan and what is known of the models, with these times."""
+        return PolicyView(
+            stages=stages,
+            pinned=pinned,
+            sizes=sizes,
+            prefetchable=prefetchable,
+            load_seconds={n: statistics.median_low(t) for n, t in self.loads.items()},
+            prefetch_seconds={n: statistics.median_low(t) for n, t in self.aheads.items()},
+            compute_seconds=dict(self.compute),
+            contended_seconds=dict(self.contended),
+        )
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,6 @@ runs it at its next ``enter`` or ``models[...]``.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -59,6 +58,7 @@ from .policy import (
     PolicySteps,
     PolicyView,
     ResidencyPolicy,
+    Timings,
     check_sizes,
     choose_policy,
     over_budget,
@@ -72,11 +72,6 @@ if TYPE_CHECKING:
 
 Loader = Callable[[], "nn.Module"]
 
-
-#: The cost model weighs each model's load time as the lower median of its last this many
-#: loads: one slow read (two reads at once, another process on the disk) does not decide
-#: alone, even with only two timed.
-LOADS_WEIGHED = 3
 
 #: The hook every model handed out by a ``StagedModels`` carries: it changes nothing; a
 #: hooked module counts its calls in flight, which a release waits for (hooks/registry).
@@ -205,18 +200,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
         self._batch: Batch | None = None  # set by map() while its calls run
         self._used: set[str] = set()  # handed out in this stage: never released by a trim
         self._trim_due = False  # a background load revealed a size: trim on the driving thread
-        # What the cost model of prefetch weighs: each model's last load time, and each
-        # stage's compute (its span less the driving thread's time in loads and waits).
-        # The last LOADS_WEIGHED load times per model, on demand and ahead apart.
-        self._load_seconds: dict[str, list[float]] = {}
-        self._prefetch_seconds: dict[str, list[float]] = {}
-        self._compute: dict[str, float] = {}
-        # A stage's span while a prefetch ran beside it: on few cores a background load
-        # slows the compute it overlaps, and only measuring shows by how much.
-        self._contended: dict[str, float] = {}
-        self._prefetched_in_stage = False
-        self._stage_start = 0.0
-        self._blocked = 0.0
+        self._timings = Timings()  # what the cost model of prefetch weighs
         if self.prefetch:
             note = unprefetchable(self._plan, self._prefetchable)
             if note is not None:
@@ -247,7 +231,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
                         self._run(job)
                     module = self._wait(job)
                     if outermost and not background:  # not compute: the cost model's inputs
-                        self._blocked += time.perf_counter() - start
+                        self._timings.blocked += time.perf_counter() - start
                 with self._lock:
                     # Still resident: a load waited for may have been released since, by a
                     # stage change on the driving thread; then it is loaded again.
@@ -341,20 +325,12 @@ class StagedModels(Mapping[str, "nn.Module"]):
             batch.park(stage)
         if stage == self._stage:
             return
-        now = time.perf_counter()
-        if self._stage is not None:
-            # The shortest span seen: other processes and a prefetch competing for the cores
-            # only make it longer, and a longer one would make any prefetch look hidden.
-            span = max(0.0, now - self._stage_start - self._blocked)
-            if self._prefetched_in_stage:
-                self._contended[self._stage] = min(span, self._contended.get(self._stage, span))
-            else:
-                self._compute[self._stage] = min(span, self._compute.get(self._stage, span))
+        self._timings.stage_ends(self._stage, time.perf_counter())
         self._wait_background()
         with self._lock:
             self._driver = threading.get_ident()
             self._stage = stage
-            self._stage_start, self._blocked = time.perf_counter(), 0.0
+            self._timings.start, self._timings.blocked = time.perf_counter(), 0.0
             self._noted.clear()
             self._used.clear()
             self._trim_due = False  # the releases below see every size measured so far
@@ -373,7 +349,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
         with self._lock:
             # The stage's span starts here: its releases (and their one collection) are
             # not its compute, which the prefetch cost model weighs.
-            self._stage_start = time.perf_counter()
+            self._timings.start = time.perf_counter()
             self._check_budget(stage)
             ahead = [
                 n
@@ -386,7 +362,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
                 for name in ahead:
                     if name in self._prefetchable:
                         jobs.append(self._start(name, background=True, purpose=purpose))
-                self._prefetched_in_stage = bool(jobs)
+                self._timings.ahead_in_stage = bool(jobs)
                 if jobs and self._executor is None:
                     self._executor = ThreadPoolExecutor(
                         1,
@@ -462,8 +438,8 @@ class StagedModels(Mapping[str, "nn.Module"]):
 
     # -- internals -----------------------------------------------------------------------
     def _plan_view(self) -> PolicyView:
-        return PolicyView(
-            stages=self._plan,
+        return self._timings.view(
+            self._plan,
             pinned=self._pinned,
             sizes={**self._given_sizes, **self._sizes},
             # A loader may be fit for a background thread only at times (see
@@ -471,12 +447,6 @@ class StagedModels(Mapping[str, "nn.Module"]):
             prefetchable=frozenset(
                 n for n in self._prefetchable if ready_for_background(self._loaders[n])
             ),
-            load_seconds={n: statistics.median_low(t) for n, t in self._load_seconds.items()},
-            prefetch_seconds={
-                n: statistics.median_low(t) for n, t in self._prefetch_seconds.items()
-            },
-            compute_seconds=dict(self._compute),
-            contended_seconds=dict(self._contended),
         )
 
     def _trim(self, stage: str | None) -> None:
@@ -698,11 +668,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
             kind = PREFETCH if job.background else RELOAD if name in self._ever_loaded else LOAD
             self._models[name] = module
             self._sizes[name] = nbytes
-            timed = self._prefetch_seconds if job.background else self._load_seconds
-            if not job.overlapped or name not in timed:  # the first time is better than none
-                times = timed.setdefault(name, [])
-                times.append(seconds)
-                del times[:-LOADS_WEIGHED]
+            self._timings.loaded(name, seconds, ahead=job.background, overlapped=job.overlapped)
             self._ever_loaded.add(name)
             del self._jobs[name]
             note = f"for stage {job.purpose!r}" if job.purpose else None
