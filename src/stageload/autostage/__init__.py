@@ -17,6 +17,8 @@ wrapped. Each model they make is the script's own object, of its own class, with
   the new one fits the budget: the least recently used first, while the script makes its
   first pass; once the sequence of uses repeats, the model whose next use in that
   recorded cycle is furthest away (Belady's rule, as :class:`~stageload.FurthestNextUse`);
+- once the order is known, the next stage's models that reload from their files load ahead
+  in a background thread, as that policy decides (:meth:`AutoSession._look_ahead`);
 - identical factory calls (same factory, same plain arguments) return one object while it
   lives and the script has not changed it.
 
@@ -25,12 +27,15 @@ model used from two threads at once, one the script changed since its load (weig
 parts), one whose reload gave other weights, one that contains another staged model. A
 model in a call, through any of its parts, is never released under it.
 
-Which thread does what: factory calls, loads and releases run on the script's threads.
-``_lock`` guards the tables and each model's state, and is never held while a factory
-runs or a release waits for calls in flight: a release marks its model ``releasing``, a
-load marks it ``loading``, and other threads that need that model wait for the state to
-change. One model is released at a time, so a thread waits only on a model that is
-being released or loaded right now.
+Which thread does what: factory calls, loads and releases run on the script's threads,
+except loads ahead: one thread at a time (``_ahead``), which only fills models marked
+``loading`` for it (its owner :data:`AHEAD` until it takes them) from their files, and
+which the next stage change and the end of the block wait for. ``_lock`` guards the
+tables and each model's state, and is never held while a factory runs or a release waits
+for calls in flight: a release marks its model ``releasing``, a load marks it
+``loading``, and other threads that need that model wait for the state to change. One
+model is released at a time, so a thread waits only on a model that is being released
+or loaded right now.
 """
 
 from __future__ import annotations
@@ -50,9 +55,20 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
-from ..core.events import LOAD, NOTE, RELEASE, RELOAD, STAGE, Event, EventSink, TeeSink
+from ..core.events import (
+    LOAD,
+    NOTE,
+    PREFETCH,
+    RELEASE,
+    RELOAD,
+    STAGE,
+    Event,
+    EventSink,
+    TeeSink,
+)
 from ..core.outer import outer_trace
 from ..core.plan import Plan
+from ..core.policy import FurthestNextUse, Timings
 from ..core.rng import RngState, capture_rng, preserved_rng, restore_rng
 from ..errors import StageloadError
 from ..external import (
@@ -72,6 +88,8 @@ from ..load.checkpoint import (
     float_itemsize,
     pretrained_checkpoint,
 )
+from ..load.progress import PREFETCH_THREAD
+from ..load.reader import background_thread
 from ..load.refill import Recipe, converted, learn, reload
 from ..load.skeleton import fill_from, stand_in
 from ..load.weights import named_tensors
@@ -93,6 +111,8 @@ AUTO = "auto"
 REASON_AUTO = "auto: budget"
 #: A model's states. Only the thread that set ``loading`` or ``releasing`` changes it.
 LOADED, LOADING, RELEASING, RELEASED = "loaded", "loading", "releasing", "released"
+#: The owner of a model marked ``loading`` for a load ahead whose thread has not taken it.
+AHEAD = -1
 #: Uses kept in the record: enough to see a cycle of this many stages twice.
 USES_KEPT = 512
 
@@ -281,8 +301,22 @@ class _Hook(ModuleHook):
 class AutoSession:
     """The models made under one :func:`auto` block, the budget, and the recorded plan."""
 
-    def __init__(self, budget: int | str | None = None, events: EventSink | None = None) -> None:
+    def __init__(
+        self,
+        budget: int | str | None = None,
+        events: EventSink | None = None,
+        *,
+        prefetch: bool = True,
+    ) -> None:
         self.budget = parse_budget("auto" if budget is None else budget)
+        #: Load the next stage's models ahead, in a background thread, once the order is
+        #: known: what the adapters' policy says (:class:`~stageload.FurthestNextUse`).
+        self.prefetch = prefetch
+        self._policy = FurthestNextUse(self.budget, prefetch=True)
+        self._timings = Timings()
+        self._ahead: threading.Thread | None = None  # the load ahead running now
+        self._last_ahead: threading.Thread | None = None  # joined when the block ends
+        self._driver: int | None = None  # the thread whose use changed the stage last
         outer = outer_trace()
         sinks = [s for s in (events, outer) if s is not None]
         self._sink: EventSink | None = (
@@ -536,10 +570,21 @@ class AutoSession:
             if self._closed:
                 return
             model.last_use = self._tick()
-            if self._stage != model.name:
-                self._stage = model.name
-                self.record.add(model.name)
-                self._emit(Event(STAGE, stage=model.name))
+            if self._stage == model.name:
+                return
+            record = self.record
+            self._timings.stage_ends(record.stage if record.plan else None, time.perf_counter())
+            # As StagedModels.enter: a load ahead ends before the next stage starts (it is
+            # for that stage), so the trace and the cost model's spans see it in its own.
+            while self._ahead is not None and self._ahead is not threading.current_thread():
+                self._lock.wait()
+            self._timings.start = time.perf_counter()
+            self._stage, self._driver = model.name, threading.get_ident()
+            record.add(model.name)
+            self._emit(Event(STAGE, stage=model.name))
+            loaded = model.state == LOADED
+        if loaded:  # else once its load is done (load())
+            self._look_ahead()
 
     def pin(self, model: _Model, why: str) -> None:
         """Keep ``model`` loaded from now on, and say why once."""
@@ -583,6 +628,18 @@ class AutoSession:
     def load(self, model: _Model) -> bool:
         """Reload a released model in place (its hook's ``revive``); True once it is back."""
         me = threading.get_ident()
+        start = time.perf_counter()
+        try:
+            done = self._load(model, me)
+        finally:
+            with self._lock:
+                if me == self._driver:  # not compute: the cost model's inputs
+                    self._timings.blocked += time.perf_counter() - start
+        if done and model.name == self._stage:  # the model in use now: look ahead from it
+            self._look_ahead()
+        return done
+
+    def _load(self, model: _Model, me: int) -> bool:
         # The releases that make room give memory back once, before the load, without a
         # garbage collection: it walks the whole heap, and auto's releases free the weights
         # in place (bench/results/auto: the collection was half of a lap).
@@ -605,7 +662,14 @@ class AutoSession:
                         break
                     victim.model.state, victim.model.owner = RELEASING, me
                 self._release(victim)
+        return self._fill(model, module)
+
+    def _fill(self, model: _Model, module: nn.Module, ahead: str | None = None) -> bool:
+        """Load ``model``, marked ``loading`` by this thread, into ``module``; False when
+        ``ahead`` (a load ahead for that stage) finds it cannot reload from its files alone
+        (left released: its use loads it)."""
         ok = False
+        how = "abandoned"
         recipe: Recipe | str | None = None
         replaced: str | None = None
         start = time.perf_counter()
@@ -613,6 +677,10 @@ class AutoSession:
             renames = _renames(module, model)
             replaced = _replaced(module, model) if renames is None else None
             layout = model.layout if renames is None else _renamed(model.layout, renames)
+            if ahead is not None and (
+                model.first is not None or renames is not None or replaced is not None
+            ):
+                return False  # a first load or a change: at its use, on the script's thread
             if model.first is not None:
                 layout = _layout(module)  # the script's requires_grad and attributes
                 try:
@@ -626,6 +694,8 @@ class AutoSession:
                 how = "first use"
             elif _refill(module, model, layout, renames):
                 how = "files"
+            elif ahead is not None:  # a factory may draw: never beside the script
+                return False
             elif renames is not None:
                 raise StageloadError(
                     f"{model.name} was changed while auto had it released (parts added or "
@@ -650,15 +720,19 @@ class AutoSession:
                 if ok:
                     model.loads += 1
                     model.chains = {n: want[0] for n, want in layout.items()}
+                    seconds = time.perf_counter() - start
                     if how == "first use":
                         self._first_loaded(module, model, recipe)
+                    else:
+                        self._timings.loaded(model.name, seconds, ahead=ahead is not None)
+                    kind = LOAD if how == "first use" else RELOAD
                     self._emit(
                         Event(
-                            LOAD if how == "first use" else RELOAD,
+                            kind if ahead is None else PREFETCH,
                             model=model.name,
                             bytes=model.size,
-                            seconds=time.perf_counter() - start,
-                            note=how,
+                            seconds=seconds,
+                            note=how if ahead is None else f"{how}, for stage {ahead!r}",
                         )
                     )
                     if renames is not None:  # said as _changed says it, kept loaded
@@ -677,11 +751,128 @@ class AutoSession:
                     elif _same(_samples(module), _converted(model.samples, module)) is not None:
                         self._pin(model, "its factory gave other weights at reload", changed=True)
                     model.seen, model.samples = _seen(module), _samples(module)
+                    written = _written(model.seen) if ahead is not None else []
+                    if written:  # the script's own: kept, as a change made while loaded is
+                        self._pin(
+                            model,
+                            f"changed by the script while it loaded ahead ({written[0]})",
+                            changed=True,
+                        )
                     if self._closed:
                         _unhook(module)
                         self._finish()
                 self._lock.notify_all()
         return True
+
+    # -- loads ahead ---------------------------------------------------------------------
+    def _look_ahead(self) -> None:
+        """On a script's thread, without the lock, once the model it uses now is loaded:
+        load the next stage's models in a background thread, as the adapters' policy says
+        (:meth:`~stageload.FurthestNextUse.decide_prefetch`, from the recorded plan and the
+        times measured so far): what fits beside the models in memory, or what fits once
+        models whose next use is further go early, when the times say that pays. Only
+        models that reload from their files alone: a factory may draw random numbers,
+        which would move the script's stream. One load ahead at a time."""
+        if not self.prefetch:
+            return
+        me, start = threading.get_ident(), time.perf_counter()
+        with self._lock:
+            plan, stage = self.record.plan, self.record.stage
+            if self._closed or self._ahead is not None or plan is None or stage is None:
+                return
+            self._prune()
+            alive = {n: m for n, m in self._models.items() if m.module() is not None}
+            view = self._timings.view(
+                plan,
+                pinned=frozenset(n for n, m in alive.items() if m.pinned),
+                sizes={n: m.size for n, m in alive.items()},
+                prefetchable=frozenset(n for n, m in alive.items() if _reloads_alone(m)),
+            )
+            holding = [n for n, m in alive.items() if m.state != RELEASED]
+            decision = self._policy.decide_prefetch(stage, holding, view)
+            if not decision.names:
+                return
+            victims: list[_Victim] = []
+            for name in decision.early:  # each as _victim would take it, or no load ahead
+                victim = self._early(alive[name])
+                if victim is None:
+                    for v in victims:
+                        v.end_hold()
+                    return
+                victims.append(victim)
+            models = [alive[n] for n in decision.names]
+            thread = threading.Thread(
+                target=self._run_ahead,
+                args=(models, plan.next_stage(stage)),
+                name=f"{PREFETCH_THREAD}-auto",
+            )
+            for v in victims:
+                v.model.state, v.model.owner = RELEASING, me
+            for m in models:
+                m.state, m.owner = LOADING, AHEAD
+            self._ahead = self._last_ahead = thread
+            self._timings.ahead_in_stage = True
+        try:
+            with releasing(collect=False):
+                for v in victims:
+                    self._release(v, note=f"early, to load {', '.join(decision.names)} ahead")
+            thread.start()
+        finally:
+            with self._lock:
+                if thread.ident is None:  # a release failed (Ctrl-C): as before, no load ahead
+                    for v in victims:
+                        if v.model.state == RELEASING and v.model.owner == me:
+                            v.end_hold()  # not reached: still loaded
+                            v.model.state, v.model.owner = LOADED, None
+                    for m in models:
+                        if m.owner == AHEAD:
+                            m.state, m.owner = RELEASED, None
+                    self._ahead = None
+                if me == self._driver:
+                    self._timings.blocked += time.perf_counter() - start
+                self._lock.notify_all()
+
+    def _early(self, model: _Model) -> _Victim | None:
+        """Under the lock: ``model``, held for its release ahead of need, or None when it
+        cannot go now (the checks of :meth:`_victim`)."""
+        module = model.module()
+        if model.state != LOADED or model.pinned or module is None or _busy(model):
+            return None
+        if _changed(model) is not None or _held_elsewhere(module) is not None:
+            return None  # its use says so (_victim), not a guess ahead
+        end = try_hold(module.modules())
+        return None if end is None else _Victim(model, end)
+
+    def _run_ahead(self, models: list[_Model], purpose: str) -> None:
+        """The load-ahead thread: load ``models``, marked ``loading`` for it, in turn."""
+        background_thread()
+        me = threading.get_ident()
+        try:
+            for model in models:
+                with self._lock:
+                    module = model.module()
+                    if self._closed or module is None:
+                        continue  # left released by the finally below
+                    model.owner = me
+                try:
+                    self._fill(model, module, ahead=purpose)
+                except Exception as exc:  # its use loads it, and says what failed
+                    with self._lock:
+                        self._say(
+                            model,
+                            "ahead",
+                            f"{model.name}: a load ahead failed ({type(exc).__name__}: "
+                            f"{exc}); it loads at its use",
+                        )
+        finally:
+            with self._lock:
+                for model in models:
+                    if model.owner == AHEAD:
+                        model.state, model.owner = RELEASED, None
+                self._ahead = None
+                if self._closed:
+                    self._finish()
+                self._lock.notify_all()
 
     def _first_loaded(self, module: nn.Module, model: _Model, recipe: Recipe | str | None) -> None:
         """Under the lock, after a stand-in's first load: how it reloads, and its size."""
@@ -766,7 +957,7 @@ class AutoSession:
             return sorted(idle, key=lambda m: (-plan.next_use(m.name, stage), m.last_use))
         return sorted(idle, key=lambda m: m.last_use)
 
-    def _release(self, victim: _Victim) -> None:
+    def _release(self, victim: _Victim, note: str | None = None) -> None:
         """Release the victim's model, marked ``releasing`` and held by this thread, without
         the lock."""
         model = victim.model
@@ -793,6 +984,7 @@ class AutoSession:
                             bytes=model.size,
                             seconds=time.perf_counter() - start,
                             reason=REASON_AUTO,
+                            note=note,
                         )
                     )
                 self._lock.notify_all()
@@ -805,11 +997,19 @@ class AutoSession:
         with self._lock:
             self._closed = True
             self._last = list(last)
-            for model in self._models.values():
-                module = model.module()
-                if module is not None and model.state == LOADED:
-                    _unhook(module)
-            self._finish()
+            while self._ahead is not None and self._ahead.ident is None:
+                self._lock.wait()  # being started (or given up) on another thread
+            ahead = self._last_ahead
+        try:
+            if ahead is not None and ahead.ident is not None:  # no thread outlives the block
+                ahead.join()
+        finally:
+            with self._lock:
+                for model in self._models.values():
+                    module = model.module()
+                    if module is not None and model.state == LOADED:
+                        _unhook(module)
+                self._finish()
 
     def _finish(self) -> None:
         """Under the lock, once closed: run ``last`` when no released model is alive."""
@@ -858,6 +1058,28 @@ class AutoSession:
     def _emit(self, event: Event) -> None:
         if self._sink is not None:
             self._sink.emit(event)
+
+
+def _written(seen: Seen) -> list[str]:
+    """The tensors written since a reload from the files filled them: it leaves each at
+    version 0 (the bytes go in by ``pread``; conversions replace ``.data``, which keeps
+    the counter), so a higher one is a write by the script, made while a load ahead ran."""
+    return [name for name, (_, version, _) in seen.items() if version > 0]
+
+
+def _reloads_alone(model: _Model) -> bool:
+    """Whether ``model`` may load ahead: released, and reloads from its files alone (no
+    factory, which may draw random numbers: a background thread would move the script's
+    stream), as it was released (one device, not changed, not kept loaded)."""
+    devices = {want[1] for want in model.layout.values()}
+    return (
+        model.state == RELEASED
+        and model.first is None
+        and model.recipe is not None
+        and not model.pinned
+        and not model.changed
+        and len(devices) == 1
+    )
 
 
 def _moving_elsewhere(model: _Model) -> bool:
@@ -1597,13 +1819,15 @@ def auto(
     factories: Iterable[str] = (),
     defaults: bool = True,
     events: EventSink | None = None,
+    prefetch: bool = True,
 ) -> Iterator[AutoSession]:
     """Stage the models the block makes through its factories (see the module docstring).
 
     ``budget``: bytes, ``"12G"``, ``"80%"`` or ``"auto"`` (the default: the memory
     available now, less a reserve for working memory). ``factories``: more factories,
-    ``"module:Class.method"``; ``defaults=False`` wraps only those. After the block, a model
-    it released loads again at its next use and stays.
+    ``"module:Class.method"``; ``defaults=False`` wraps only those. ``prefetch=False``:
+    no loads ahead, every reload at its use. After the block, a model it released loads
+    again at its next use and stays.
     """
     if isinstance(factories, str):
         raise TypeError(
@@ -1621,7 +1845,7 @@ def auto(
                 "stageload.auto() is already on: the factories are wrapped for the whole "
                 "process, so one block at a time; leave the outer one on"
             )
-        session = AutoSession(budget, events)
+        session = AutoSession(budget, events, prefetch=prefetch)
         _ACTIVE.append(session)
     undo: list[Callable[[], None]] = []
     devices: list[Callable[[], None]] = []  # undone once no released model is left

@@ -19,8 +19,10 @@ DESCRIPTION = """\
 Run SCRIPT in this process with stageload.auto() on: the models it makes through
 diffusers' and transformers' from_pretrained (and each --factory) load at their first call
 and are released to 'meta' when the next one would not fit the budget: the least recently
-used first; once the script's sequence of models repeats, the one used furthest ahead.
-Seeded scripts give the results they give without it, bit for bit.
+used first; once the script's sequence of models repeats, the one used furthest ahead,
+and the next models load ahead in a background thread while the current one computes
+(those that reload from their files). Seeded scripts give the results they give without
+it, bit for bit.
 
 The command is a Python script or module: 'python script.py ARGS', 'script.py ARGS' or
 'python -m module ARGS'. Other python options are not taken (the script runs in this
@@ -58,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-defaults",
         action="store_true",
         help="wrap only the --factory ones, not diffusers' and transformers' from_pretrained",
+    )
+    parser.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="load no model ahead: every reload at its use, on the script's thread",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python SCRIPT [ARGS]")
 
@@ -107,7 +114,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         for spec in args.factory:
             _not_the_script(spec, kind, what)
-        session = auto(budget=args.budget, factories=args.factory, defaults=not args.no_defaults)
+        session = auto(
+            budget=args.budget,
+            factories=args.factory,
+            defaults=not args.no_defaults,
+            prefetch=not args.no_prefetch,
+        )
         session.__enter__()
     except (AutoError, ValueError, TypeError) as exc:
         sys.argv, sys.path[:] = saved_argv, saved_path

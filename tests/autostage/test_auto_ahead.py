@@ -1,0 +1,226 @@
+"""auto's loads ahead: once the order of the models is recorded, the next stage's models
+load in a background thread, as the adapters' policy (``FurthestNextUse``) decides, while
+the model in use computes; the script's results and random stream stay as eager's."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import stageload.autostage  # noqa: E402
+from fixtures import auto_ahead  # noqa: E402
+from stageload import ListSink  # noqa: E402
+from stageload.autostage import auto  # noqa: E402
+from stageload.load.checkpoint import CheckpointError  # noqa: E402
+from stageload.load.progress import PREFETCH_THREAD  # noqa: E402
+
+FACTORY = "fixtures.auto_ahead:load"
+UNIT = auto_ahead.unit_bytes()
+#: Room for the denoiser alone, or the encoder beside the decoder: at the decoder's stage
+#: the next lap's encoder fits without releasing anything.
+BUDGET = int(2.1 * UNIT)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return auto_ahead.save(str(tmp_path_factory.mktemp("ahead")))
+
+
+def staged(paths: list[str], laps: int, **kwargs: Any) -> tuple[Any, ListSink]:
+    sink = ListSink()
+    with auto(budget=BUDGET, factories=[FACTORY], defaults=False, events=sink, **kwargs):
+        out = auto_ahead.run(paths, laps)
+    return out, sink
+
+
+def loads_of(sink: ListSink, kind: str, name: str) -> int:
+    return sum(e.kind == kind and e.model == f"{name}.safetensors" for e in sink.events)
+
+
+def resident_before_loads(events: list[Any]) -> list[int]:
+    """Bytes in memory just after each load or load ahead, replayed from the events."""
+    loaded: dict[str, int] = {}
+    seen = []
+    for e in events:
+        if e.kind in ("load", "reload", "prefetch"):
+            loaded[e.model] = e.bytes
+            seen.append(sum(loaded.values()))
+        elif e.kind == "release":
+            loaded.pop(e.model, None)
+    return seen
+
+
+def test_the_next_model_loads_ahead_within_the_budget_and_the_output_equals_eager(paths):
+    out, sink = staged(paths, laps=4)
+    assert torch.equal(out, auto_ahead.run(paths, 4))  # the script draws between models
+    # The encoder reloads at its use in laps 1 and 2; lap 2 records the order, and from
+    # then on the encoder loads during the decoder's stage, for the next lap (the last one
+    # for a lap that never comes).
+    assert loads_of(sink, "reload", "encoder") == 2
+    assert loads_of(sink, "prefetch", "encoder") == 3
+    ahead = [e for e in sink.events if e.kind == "prefetch"]
+    assert {e.note for e in ahead} == {"files, for stage 'encoder.safetensors'"}
+    # Each load ahead ends before the stage it is for starts: in the trace, it comes
+    # right before that stage.
+    kinds = [e.kind for e in sink.events]
+    assert [kinds[kinds.index("prefetch") + 1]] == ["stage"]
+    assert max(resident_before_loads(sink.events)) <= BUDGET
+    assert not [t for t in threading.enumerate() if t.name.startswith(PREFETCH_THREAD)]
+
+
+def test_control_without_loads_ahead_each_reload_is_at_its_use(paths):
+    out, sink = staged(paths, laps=4, prefetch=False)
+    assert torch.equal(out, auto_ahead.run(paths, 4))
+    assert loads_of(sink, "prefetch", "encoder") == 0
+    assert loads_of(sink, "reload", "encoder") == 4
+
+
+def test_control_a_load_ahead_that_draws_moves_the_scripts_stream(paths, monkeypatch):
+    """The test above sees a draw on the background thread: with one, the output moves."""
+    real = stageload.autostage.reload
+
+    def drawing(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name.startswith(PREFETCH_THREAD):
+            torch.rand(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stageload.autostage, "reload", drawing)
+    out, sink = staged(paths, laps=4)
+    assert loads_of(sink, "prefetch", "encoder") == 3
+    assert not torch.equal(out, auto_ahead.run(paths, 4))
+
+
+def test_a_load_ahead_that_fails_is_said_and_the_use_raises_as_without_it(paths, tmp_path):
+    """The encoder's file is damaged after the order is recorded: the load ahead fails on
+    its thread (said, the model left released), and the encoder's use raises the error a
+    reload at the use raises without loads ahead."""
+    errors = []
+    for prefetch in (True, False):
+        folder = tmp_path / str(prefetch)
+        folder.mkdir()
+        mine = auto_ahead.save(str(folder))
+        sink = ListSink()
+        with auto(
+            budget=BUDGET, factories=[FACTORY], defaults=False, events=sink, prefetch=prefetch
+        ) as session:
+            models = [auto_ahead.load(p) for p in mine]
+            x = torch.zeros(4, auto_ahead.WIDTH)
+            with torch.no_grad():
+                for _ in range(2):
+                    for model in models:
+                        x = model(x)
+                Path(mine[0]).write_bytes(Path(mine[0]).read_bytes()[:-64])  # truncated
+                models[1](x)  # the denoiser
+                models[2](x)  # the decoder: the encoder loads ahead here
+                with pytest.raises(CheckpointError) as err:
+                    models[0](x)
+            errors.append(str(err.value).replace(str(folder), "<folder>"))
+            notes = [n for n in session.notes if "a load ahead failed" in n]
+            assert len(notes) == (1 if prefetch else 0)
+    assert errors[0] == errors[1]
+    assert "truncated" in errors[0]
+
+
+def edit_during_a_load_ahead(paths: list[str], monkeypatch: Any, *, staged: bool) -> Any:
+    """Five laps; after the decoder's call of lap 3 the script scales a row of the
+    encoder's first weight (lap 5's encoder is a reload). Staged, the encoder is loading
+    ahead then: the edit is made once its tensors are filled, before the load ahead ends
+    (held there by the test)."""
+    filled, edited, armed = threading.Event(), threading.Event(), threading.Event()
+    real = stageload.autostage._convert
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if armed.is_set() and threading.current_thread().name.startswith(PREFETCH_THREAD):
+            armed.clear()
+            filled.set()
+            assert edited.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stageload.autostage, "_convert", held)
+    sink = ListSink()
+    scope = auto(budget=BUDGET, factories=[FACTORY], defaults=False, events=sink)
+    with scope if staged else contextlib.nullcontext():
+        models = [auto_ahead.load(p) for p in paths]
+        torch.manual_seed(0)
+        x = torch.randn(4, auto_ahead.WIDTH)
+        outs = []
+        with torch.no_grad():
+            for lap in range(5):
+                for i, model in enumerate(models):
+                    if staged and (lap, i) == (2, 2):
+                        armed.set()  # the decoder's use starts the encoder's load ahead
+                    x = model(x)
+                    if (lap, i) == (2, 2):
+                        assert not staged or filled.wait(30)
+                        models[0].layers[0].weight[1].mul_(2)
+                        edited.set()
+                outs.append(x)
+    return torch.stack(outs), sink
+
+
+def test_a_write_while_its_model_loads_ahead_is_kept_and_said(paths, monkeypatch):
+    out, sink = edit_during_a_load_ahead(paths, monkeypatch, staged=True)
+    eager, _ = edit_during_a_load_ahead(paths, monkeypatch, staged=False)
+    assert torch.equal(out, eager)
+    notes = [e.note for e in sink.events if e.kind == "note"]
+    assert any("changed by the script while it loaded ahead" in n for n in notes)
+
+
+def test_control_without_the_version_check_the_write_is_lost_at_a_reload(paths, monkeypatch):
+    monkeypatch.setattr(stageload.autostage, "_written", lambda seen: [])
+    out, _ = edit_during_a_load_ahead(paths, monkeypatch, staged=True)
+    eager, _ = edit_during_a_load_ahead(paths, monkeypatch, staged=False)
+    assert not torch.equal(out, eager)
+
+
+def test_ctrl_c_in_a_release_ahead_of_need_leaves_every_model_usable(tmp_path, monkeypatch):
+    """Room for three small models of four (the last twice their size); with the cost
+    model off, a load ahead releases models early. A Ctrl-C in the first of those
+    releases: no model is left marked releasing or loading, no call is held back, the
+    load ahead is not started, and the next calls run within the budget."""
+    paths = auto_ahead.save(str(tmp_path))
+    real = stageload.autostage.release
+    armed = threading.Event()
+
+    def interrupted(module: Any, **kwargs: Any) -> Any:
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_name != "_look_ahead":
+            frame = frame.f_back
+        if frame is not None and armed.is_set():
+            armed.clear()
+            raise KeyboardInterrupt
+        return real(module, **kwargs)
+
+    monkeypatch.setattr(stageload.autostage, "release", interrupted)
+    order = [paths[0], paths[2], paths[0], paths[1]]  # encoder, decoder, encoder, denoiser
+    with auto(budget=int(3.05 * UNIT), factories=[FACTORY], defaults=False) as session:
+        session._policy.cost_model = False  # release early whenever it fits
+        models = [auto_ahead.load(p) for p in order]
+        assert len({id(m) for m in models}) == 3  # the two encoder calls share one
+        x = torch.zeros(4, auto_ahead.WIDTH)
+        interrupts = 0
+        with torch.no_grad():
+            for _ in range(4):
+                for model in models:
+                    armed.set()
+                    try:
+                        x = model(x)
+                    except KeyboardInterrupt:
+                        interrupts += 1
+        armed.clear()
+        assert interrupts >= 1
+        states = {m.state for m in session._models.values()}
+        assert states <= {"loaded", "released"}
+        for model in models:  # a call from another thread is not held back
+            t = threading.Thread(target=model, args=(x,))
+            t.start()
+            t.join(30)
+            assert not t.is_alive()
+        assert session.resident_bytes() <= session.budget
