@@ -288,10 +288,6 @@ class _Hook(ModuleHook):
         """One of the released model's tensors was used (:mod:`stageload.hooks.empty`)."""
         self.session.load(self.model)
 
-    def before_copy(self) -> None:
-        """A copy of the model is the script's own, loaded, as without auto."""
-        self.session.load(self.model)
-
     @property
     def run_device(self) -> Any:
         """What a released model's tensors answer for ``.device``: where it ran."""

@@ -151,9 +151,6 @@ class StageHook(ModuleHook):
     def released(self, module: nn.Module) -> None:
         mark_empty(module, self)
 
-    def before_copy(self) -> None:
-        self.fill_on_use()
-
     def __reduce__(self) -> tuple[Any, ...]:
         # Copied (copy.deepcopy) or pickled (torch.save) through the component's
         # ``_hf_hook`` and its load_state_dict pre-hook: the copy gets an inert hook (the

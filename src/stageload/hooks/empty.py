@@ -105,7 +105,7 @@ def _empty_classes() -> tuple[type, type]:
             _on_use(func, args, kwargs)
             return func(*args, **kwargs)
 
-    def filled_first(copy: str) -> Any:
+    def filled_first(name: str) -> Any:
         def method(self: Any, arg: Any) -> Any:
             # A copy (copy.deepcopy) or a pickle (torch.save) is of the loaded tensor: fill
             # first. The fill swaps this object's class back to its plain one, whose own
@@ -116,8 +116,8 @@ def _empty_classes() -> tuple[type, type]:
                 owner.fill_on_use()
             if type(self) in (parameter, buffer):  # no owner any more: as a meta tensor
                 with torch_function_off():
-                    return getattr(base[type(self)], copy)(self, arg)
-            return getattr(self, copy)(arg)
+                    return getattr(base[type(self)], name)(self, arg)
+            return getattr(self, name)(arg)
 
         return method
 

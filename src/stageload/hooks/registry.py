@@ -106,7 +106,11 @@ class ModuleHook:
 
     def before_copy(self) -> None:
         """The module is about to be copied (``copy.deepcopy``, pickling): a hook that
-        brings released weights back on use brings them back now, so the copy holds them."""
+        brings released weights back on use (``fill_on_use``: :mod:`stageload.hooks.empty`)
+        brings them back now, so the copy holds them."""
+        fill = getattr(self, "fill_on_use", None)
+        if fill is not None:
+            fill()
 
 
 # One condition for the calls of every hooked module: a call counts itself in and out

@@ -61,7 +61,7 @@ _WHOLE = 1000
 
 
 def _is_array(value: Any) -> bool:
-    """A numpy-like array: unhashable, with ``tobytes``, ``dtype``, ``shape`` and ``size``."""
+    """A numpy-like array: with ``tobytes``, ``dtype``, ``shape`` and ``size``."""
     return all(hasattr(value, a) for a in ("tobytes", "dtype", "shape", "size"))
 
 
