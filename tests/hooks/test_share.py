@@ -95,6 +95,21 @@ def test_arguments_that_print_alike_but_differ_are_not_shared():
         assert Factory.make(one) is Factory.make(np.array([1.0]))  # equal values share
 
 
+def test_values_equal_across_types_are_different_calls():
+    """1, 1.0 and True are equal in Python (one dict key): a factory may build differently
+    from each (an int depth, a float scale), so each is its own call, as under auto."""
+
+    class Factory:
+        @classmethod
+        def make(cls, *args, **kwargs):
+            return object()
+
+    with share(Factory, "make"):
+        assert len({id(Factory.make(v)) for v in (1, 1.0, True)}) == 3
+        assert len({id(Factory.make(scale=v)) for v in (0, 0.0, False)}) == 3
+        assert Factory.make(1) is Factory.make(1)
+
+
 def test_a_backbone_released_with_one_stage_is_rebuilt_for_the_next():
     """The README's case: extractors in different stages that share one backbone. Leaving
     the first stage releases the backbone with its extractor; the second extractor must get

@@ -81,6 +81,7 @@ from ..external import (
 from ..hooks.empty import mark_empty, own_attributes
 from ..hooks.registry import HookRegistry, ModuleHook, patch, try_hold
 from ..hooks.release import release, releasing, storage_sizes, unmark_released
+from ..hooks.share import call_key
 from ..load.checkpoint import (
     INDEX_SUFFIX,
     checkpoint_bytes,
@@ -1614,32 +1615,12 @@ def _swap_in(module: nn.Module, fresh: nn.Module) -> None:
 
 
 #: Argument types whose equal values make equal factory calls (a path, a dtype, a flag).
-_PLAIN = (str, bytes, int, float, bool, type(None), PurePath)
-
-
-def _frozen(value: Any) -> Any:
-    """``value`` as a hashable key, each part tagged with its type (1 != True here), or
-    raise TypeError for anything but plain values: a tensor, a module, a state dict or an
-    object compares by identity or not at all, and is never shared."""
-    if isinstance(value, _PLAIN):
-        return (type(value), value)
-    if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_frozen(v) for v in value))
-    if isinstance(value, dict):
-        return (dict, tuple(sorted(((_frozen(k), _frozen(v)) for k, v in value.items()), key=repr)))
-    kind = type(value)
-    if kind.__module__ == "torch" and kind.__name__ in ("dtype", "device"):
-        return (kind, str(value))
-    raise TypeError(kind.__name__)
-
-
 def _key(factory: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """What makes two factory calls identical, or None when an argument is not a plain
-    value (then the call is never shared)."""
-    try:
-        return (factory, _frozen(args), _frozen(kwargs))
-    except TypeError:
-        return None
+    """What makes two factory calls identical (:func:`stageload.hooks.share.call_key`: plain
+    values only), or None when an argument is not a plain value (then the call is never
+    shared: a tensor, a module, a state dict or an object)."""
+    key = call_key(args, kwargs, plain_only=True)
+    return None if key is None else (factory, key)
 
 
 def _unique(name: str, taken: Iterable[str]) -> str:

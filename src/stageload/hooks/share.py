@@ -6,6 +6,7 @@ import functools
 import threading
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
+from pathlib import PurePath
 from typing import Any
 
 from .registry import patch
@@ -30,16 +31,34 @@ class _ById:
         return isinstance(other, _ById) and other.value is self.value
 
 
-def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+#: Values compared by value and type (``1``, ``1.0`` and ``True`` are three calls).
+_PLAIN = (str, bytes, int, float, bool, type(None), PurePath)
+
+
+def call_key(args: tuple[Any, ...], kwargs: dict[str, Any], *, plain_only: bool = False) -> Any:
+    """What makes two calls identical: the one definition, for ``share()`` and for auto's
+    factory calls. Plain values (strings, numbers, paths, dtypes, devices, and lists,
+    tuples, dicts and sets of them) compare by value and type. Anything else, with
+    ``plain_only``, makes the call one that is never identical to another (None); without
+    it, a small array compares by value, a hashable object by itself, and another by its
+    repr (or by identity when the repr is abbreviated)."""
+
     def freeze(value: Any) -> Hashable:
+        kind = type(value)
+        if isinstance(value, _PLAIN):
+            return (kind, value)
+        if isinstance(value, (list, tuple)):
+            return (kind, tuple(freeze(v) for v in value))
         if isinstance(value, dict):
             # Sorted by the keys' repr: keys of mixed types (1 and "x") do not compare.
-            items = sorted(((k, freeze(v)) for k, v in value.items()), key=lambda kv: repr(kv[0]))
-            return ("dict", tuple(items))
-        if isinstance(value, (list, tuple)):
-            return (type(value).__name__, tuple(freeze(v) for v in value))
-        if isinstance(value, set):
-            return ("set", frozenset(freeze(v) for v in value))
+            items = ((freeze(k), freeze(v)) for k, v in value.items())
+            return (dict, tuple(sorted(items, key=repr)))
+        if isinstance(value, (set, frozenset)):
+            return (kind, frozenset(freeze(v) for v in value))
+        if kind.__module__ == "torch" and kind.__name__ in ("dtype", "device"):
+            return (kind, str(value))
+        if plain_only:
+            raise _NotPlain
         if _is_array(value) and value.size <= _WHOLE:
             # By value: a repr rounds (numpy prints 8 digits: [1.0] and [1.0 + 1e-12] alike).
             return ("array", str(value.dtype), tuple(value.shape), value.tobytes())
@@ -49,10 +68,17 @@ def _key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
             text = repr(value)
             # numpy and torch abbreviate large arrays with "...": two different arrays can
             # print the same, so such values only match themselves.
-            return ("repr", type(value).__qualname__, _ById(value) if "..." in text else text)
+            return ("repr", kind.__qualname__, _ById(value) if "..." in text else text)
         return value
 
-    return (freeze(args), freeze(kwargs))
+    try:
+        return (freeze(args), freeze(kwargs))
+    except _NotPlain:
+        return None
+
+
+class _NotPlain(Exception):
+    """An argument that is not a plain value (:func:`call_key` with ``plain_only``)."""
 
 
 #: Arrays of at most this many elements compare by value (numpy prints them whole); larger
@@ -86,7 +112,7 @@ class _Slot:
         self.building: dict[Hashable, tuple[int, threading.Event]] = {}
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        key = _key(args, kwargs)
+        key = call_key(args, kwargs)
         me = threading.get_ident()
         while True:
             with self.lock:
