@@ -224,3 +224,21 @@ def test_ctrl_c_in_a_release_ahead_of_need_leaves_every_model_usable(tmp_path, m
             t.join(30)
             assert not t.is_alive()
         assert session.resident_bytes() <= session.budget
+
+
+def test_a_reload_inside_inference_mode_gives_the_weights_as_the_script_made_them(paths):
+    """The script converts its models (``.double()``) outside inference_mode and runs them
+    inside it; a reload there converts the fresh weights as the first load's mode made
+    them, not as inference tensors (the script trains them afterwards, as eager can)."""
+    with auto(budget=int(2.1 * UNIT), factories=[FACTORY], defaults=False, prefetch=False):
+        models = [auto_ahead.load(p).double() for p in paths]
+        x = torch.zeros(4, auto_ahead.WIDTH, dtype=torch.float64)
+        with torch.inference_mode():
+            for _ in range(2):
+                for model in models:
+                    x = model(x)
+        encoder = models[0]
+        weight = encoder.layers[0].weight
+        assert weight.dtype == torch.float64 and not weight.is_inference()
+        encoder(torch.ones(1, auto_ahead.WIDTH, dtype=torch.float64)).sum().backward()
+        assert weight.grad is not None

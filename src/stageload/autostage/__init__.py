@@ -665,6 +665,8 @@ class AutoSession:
         """Load ``model``, marked ``loading`` by this thread, into ``module``; False when
         ``ahead`` (a load ahead for that stage) finds it cannot reload from its files alone
         (left released: its use loads it)."""
+        import torch
+
         ok = False
         how = "abandoned"
         recipe: Recipe | str | None = None
@@ -701,10 +703,11 @@ class AutoSession:
                     f"first), or give auto a factory that reads safetensors files"
                 )
             else:
-                with preserved_rng():
-                    restore_rng(model.rng)  # the first load's draws: the same random parts
-                    fresh = model.make()
-                _convert(fresh, model.layout)
+                with torch.inference_mode(model.inference):  # the first load's mode
+                    with preserved_rng():
+                        restore_rng(model.rng)  # the first load's draws: the same random parts
+                        fresh = model.make()
+                    _convert(fresh, model.layout)
                 with torch_function_off():  # reading an empty tensor would load it again
                     _swap_in(module, fresh)
                 del fresh
@@ -1465,9 +1468,12 @@ def _refill(
     devices = {want[1] for want in layout.values()}
     if model.recipe is None or len(devices) != 1:
         return False
-    with torch_function_off(), torch.inference_mode(model.inference):
-        reload(module, model.recipe, devices.pop(), names=renames, progress=False)
-    _convert(module, layout)
+    # The mode of the first load, not the caller's: a reload inside the script's
+    # inference_mode must not make a converted weight an inference tensor.
+    with torch.inference_mode(model.inference):
+        with torch_function_off():
+            reload(module, model.recipe, devices.pop(), names=renames, progress=False)
+        _convert(module, layout)
     return True
 
 
