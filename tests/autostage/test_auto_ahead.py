@@ -242,3 +242,41 @@ def test_a_reload_inside_inference_mode_gives_the_weights_as_the_script_made_the
         assert weight.dtype == torch.float64 and not weight.is_inference()
         encoder(torch.ones(1, auto_ahead.WIDTH, dtype=torch.float64)).sum().backward()
         assert weight.grad is not None
+
+
+def test_a_stage_of_several_models_is_one_span_for_the_load_ahead(tmp_path, monkeypatch):
+    """A plan source's stage lists the denoiser and the decoder; the load ahead for the
+    next stage starts at the denoiser's use and runs on while the decoder, in the same
+    stage, is used: the decoder's use does not wait for it (it waited for each model
+    change: the load ahead, held here until the decoder's call returns, timed out)."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    encoder, denoiser, decoder = auto_ahead.save(str(first))
+    other = auto_ahead.save(str(second))[0]  # a second encoder
+    filled, proceed = threading.Event(), threading.Event()
+    real = stageload.autostage._convert
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name.startswith(PREFETCH_THREAD) and not filled.is_set():
+            filled.set()
+            assert proceed.wait(5), "the script waited for the load ahead"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stageload.autostage, "_convert", held)
+    sink = ListSink()
+    with auto(budget=int(4.1 * UNIT), factories=[FACTORY], defaults=False, events=sink) as session:
+        session._policy.cost_model = False  # release early whenever it fits: no timing
+        models = [auto_ahead.load(p) for p in (other, encoder, denoiser, decoder)]
+        second_encoder, first_encoder, den, dec = models
+        session.seed([[first_encoder], [den, dec], [second_encoder]], "a test")
+        x = torch.zeros(4, auto_ahead.WIDTH)
+        with torch.no_grad():
+            x = first_encoder(x)
+            x = den(x)  # the second encoder starts loading ahead
+            assert filled.wait(30)
+            x = dec(x)  # same stage: no wait
+            proceed.set()
+            second_encoder(x)
+    assert not [n for n in session.notes if "a load ahead failed" in n]
+    assert [e.model for e in sink.events if e.kind == "prefetch"][:1] == ["encoder.safetensors"]

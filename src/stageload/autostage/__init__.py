@@ -569,15 +569,19 @@ class AutoSession:
             model.last_use = self._tick()
             if self._stage == model.name:
                 return
-            record = self.record
-            self._timings.stage_ends(record.stage if record.plan else None, time.perf_counter())
-            # As StagedModels.enter: a load ahead ends before the next stage starts (it is
-            # for that stage), so the trace and the cost model's spans see it in its own.
-            while self._ahead is not None and self._ahead is not threading.current_thread():
-                self._lock.wait()
-            self._timings.start = time.perf_counter()
-            self._stage, self._driver = model.name, threading.get_ident()
+            record, now = self.record, time.perf_counter()
+            plan, stage = record.plan, record.stage
             record.add(model.name)
+            # The plan's stage, not the model, bounds the spans and the loads ahead: a
+            # source's stage may list several models (Pixal3D's).
+            if plan is None or record.plan is not plan or record.stage != stage:
+                self._timings.stage_ends(stage if plan else None, now)
+                # As StagedModels.enter: a load ahead ends before the next stage starts (it
+                # is for that stage), so the trace and the cost model's spans see it there.
+                while self._ahead is not None and self._ahead is not threading.current_thread():
+                    self._lock.wait()
+                self._timings.start = time.perf_counter()
+            self._stage, self._driver = model.name, threading.get_ident()
             self._emit(Event(STAGE, stage=model.name))
             loaded = model.state == LOADED
         if loaded:  # else once its load is done (load())
