@@ -755,7 +755,7 @@ class AutoSession:
                     elif _same(_samples(module), _converted(model.samples, module)) is not None:
                         self._pin(model, "its factory gave other weights at reload", changed=True)
                     model.seen, model.samples = _seen(module), _samples(module)
-                    written = _written(model.seen) if ahead is not None else []
+                    written = _written(model, model.seen) if ahead is not None else []
                     if written:  # the script's own: kept, as a change made while loaded is
                         self._pin(
                             model,
@@ -1064,11 +1064,14 @@ class AutoSession:
             self._sink.emit(event)
 
 
-def _written(seen: Seen) -> list[str]:
-    """The tensors written since a reload from the files filled them: it leaves each at
-    version 0 (the bytes go in by ``pread``; conversions replace ``.data``, which keeps
-    the counter), so a higher one is a write by the script, made while a load ahead ran."""
-    return [name for name, (_, version, _) in seen.items() if version > 0]
+def _written(model: _Model, seen: Seen) -> list[str]:
+    """The tensors written since a reload from the files filled them: it leaves each it
+    reads at version 0 (the bytes go in by ``pread``; conversions replace ``.data``, which
+    keeps the counter), so a higher one is a write by the script, made while a load ahead
+    ran. Tensors the files lack (``position_ids``, computed at the first load and cloned
+    back) are not read: their counter may have moved in the reload itself."""
+    computed = model.recipe.computed if model.recipe is not None else {}
+    return [n for n, (_, version, _) in seen.items() if version > 0 and n not in computed]
 
 
 def _reloads_alone(model: _Model) -> bool:
