@@ -280,3 +280,38 @@ def test_a_stage_of_several_models_is_one_span_for_the_load_ahead(tmp_path, monk
             second_encoder(x)
     assert not [n for n in session.notes if "a load ahead failed" in n]
     assert [e.model for e in sink.events if e.kind == "prefetch"][:1] == ["encoder.safetensors"]
+
+
+def test_ctrl_c_inside_a_release_leaves_the_model_released_and_the_next_call_works(
+    paths, monkeypatch
+):
+    """A notebook's interrupt lands inside a release, after some tensors went to meta; the
+    script catches it and runs again: the model was finished releasing (not taken as
+    loaded with meta weights), reloads at its use, and the result equals eager's."""
+    import stageload.hooks.release as release_module
+
+    real, calls, armed = release_module._to_meta, [], threading.Event()
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        if armed.is_set():
+            calls.append(1)
+            if len(calls) == 2:  # the release's second tensor: one is on meta already
+                raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(release_module, "_to_meta", interrupted)
+    with auto(budget=BUDGET, factories=[FACTORY], defaults=False, prefetch=False):
+        models = [auto_ahead.load(p) for p in paths]  # the third's build releases the first
+        armed.set()
+        torch.manual_seed(0)
+        x = torch.randn(4, auto_ahead.WIDTH)
+        with torch.no_grad():
+            with pytest.raises(KeyboardInterrupt):
+                for model in models:
+                    x = model(x)  # the encoder's reload releases the decoder: interrupted
+            assert len(calls) >= 2
+            got = [model(torch.ones(2, auto_ahead.WIDTH)) for model in models]
+    want_models = [auto_ahead.load(p) for p in paths]
+    with torch.no_grad():
+        want = [model(torch.ones(2, auto_ahead.WIDTH)) for model in want_models]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

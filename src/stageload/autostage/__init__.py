@@ -972,7 +972,18 @@ class AutoSession:
             if module is not None:
                 layout = _layout(module, model.chains)
                 size = _bytes(module)
-                release(module, name=model.name)  # the hook's released() marks its tensors
+                try:
+                    release(module, name=model.name)  # the hook's released() marks its tensors
+                except BaseException:
+                    # Ctrl-C inside the release: a model is loaded or released, never half
+                    # (half on meta, it was taken as loaded: every later call failed).
+                    if not _partly_released(module):
+                        raise
+                    release(module, name=model.name)
+                    model.layout, model.size = layout, size
+                    model.device = next(iter(layout.values()), (None, model.device))[1]
+                    done = True
+                    raise
                 model.layout, model.size = layout, size
                 model.device = next(iter(layout.values()), (None, model.device))[1]
             done = True
@@ -1062,6 +1073,12 @@ class AutoSession:
     def _emit(self, event: Event) -> None:
         if self._sink is not None:
             self._sink.emit(event)
+
+
+def _partly_released(module: nn.Module) -> bool:
+    """Whether any of ``module``'s tensors is on ``meta``: a release stopped midway."""
+    with torch_function_off():
+        return any(t.is_meta for _, t in named_tensors(module))
 
 
 def _written(model: _Model, seen: Seen) -> list[str]:
