@@ -45,20 +45,8 @@ MODES = ("auto, no loads ahead", "auto", "hand, loads ahead")
 FACTORY = "auto_ahead:load"  # this file, imported as ``auto_ahead`` with bench/ on sys.path
 DEPTH = 4  # layers per unit of size
 
-
-def _net(width: int, depth: int):  # noqa: ANN202
-    import torch
-    from torch import nn
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.tanh(self.layers(x))
-
-    return Net
+sys.path.insert(0, str(ROOT / "bench"))
+from auto import _net  # noqa: E402 (bench/auto.py's model: Linear layers, then tanh)
 
 
 def _shape(path: str) -> tuple[int, int]:
