@@ -108,3 +108,68 @@ def test_control_without_the_clean_up_the_next_access_hangs(monkeypatch):
         models["m"]
     assert next_access(models, "m") == []  # still waiting on the interrupted load
     assert calls["n"] == 1
+
+
+def _sigint_in_a_release(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """A real SIGINT while ``name``'s second tensor goes to meta."""
+    import stageload.hooks.release as release_module
+
+    real, moved = release_module._to_meta, []
+
+    def interrupted(sub: nn.Module, *args: object) -> object:
+        if getattr(sub, "tag", None) == name:
+            moved.append(1)
+            if len(moved) == 2:
+                signal.raise_signal(signal.SIGINT)
+        return real(sub, *args)
+
+    monkeypatch.setattr(release_module, "_to_meta", interrupted)
+
+
+def _tagged(name: str) -> nn.Module:
+    layer = nn.Linear(4, 4)
+    layer.tag = name
+    return layer
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_in_a_stage_change_releases_every_model_it_decided_to(monkeypatch):
+    """Entering stage b releases x and y; a Ctrl-C lands inside x's release. Both end
+    released (y's memory is not left waiting for some later access), the trace says
+    both, and the next access of x loads it again."""
+    sink = stageload.ListSink()
+    models = StagedModels(
+        {n: (lambda n=n: _tagged(n)) for n in "xyz"},
+        stages={"a": ["x", "y"], "b": ["z"]},
+        events=sink,
+    )
+    models.enter("a")
+    x, y = models["x"], models["y"]
+    _sigint_in_a_release(monkeypatch, "x")
+    with pytest.raises(KeyboardInterrupt):
+        models.enter("b")
+    assert all(t.is_meta for t in [*x.parameters(), *y.parameters()])
+    released = [e for e in sink.events if e.kind == "release"]
+    assert [e.model for e in released] == ["x", "y"]
+    assert released[0].bytes is None and "interrupted" in (released[0].note or "")
+    assert models.loaded() == []
+    assert not any(t.is_meta for t in models["x"].parameters())
+
+
+def test_control_a_drain_that_stops_at_the_first_raise_leaves_the_other_loaded(monkeypatch):
+    """The check above can fail: an error (not an interrupt) ends the drain at once, as
+    an interrupt did before, and y stays loaded."""
+    import stageload.hooks.release as release_module
+
+    def failing(sub: nn.Module, *args: object) -> object:
+        raise RuntimeError("stop")
+
+    models = StagedModels(
+        {n: (lambda n=n: _tagged(n)) for n in "xyz"}, stages={"a": ["x", "y"], "b": ["z"]}
+    )
+    models.enter("a")
+    y = models["y"]
+    monkeypatch.setattr(release_module, "_to_meta", failing)
+    with pytest.raises(RuntimeError):
+        models.enter("b")
+    assert not any(t.is_meta for t in y.parameters())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from stageload import ReleasedModuleError, release
+from stageload.hooks.registry import HookRegistry, ModuleHook
 from stageload.hooks.release import is_released, module_bytes
 
 TESTS = Path(__file__).parents[1]
@@ -227,3 +229,68 @@ def test_unmark_released_restores_only_our_forward():
     other.forward = custom
     unmark_released(other)
     assert other.forward is custom
+
+
+def _sigint_at(monkeypatch: pytest.MonkeyPatch, nth: int) -> list[int]:
+    """A real SIGINT when the ``nth`` tensor goes to meta (Python's handler raises
+    KeyboardInterrupt there, as a Ctrl-C does); returns the count of tensors moved."""
+    import signal
+
+    import stageload.hooks.release as release_module
+
+    real, moved = release_module._to_meta, []
+
+    def interrupted(*args: object) -> object:
+        moved.append(1)
+        if len(moved) == nth:
+            signal.raise_signal(signal.SIGINT)
+        return real(*args)
+
+    monkeypatch.setattr(release_module, "_to_meta", interrupted)
+    return moved
+
+
+def _three_layers() -> tuple[nn.Module, list[str]]:
+    class Told(ModuleHook):
+        def released(self, module: nn.Module) -> None:
+            told.append("released")
+
+    told: list[str] = []
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    HookRegistry.attach(model).add("told", Told())
+    return model, told
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_inside_a_release_is_raised_once_the_module_is_released_whole(monkeypatch):
+    """The interrupt lands after the first tensor went to meta: the release goes on to
+    the last tensor and tells the module's hooks, then the interrupt is raised."""
+    model, told = _three_layers()
+    moved = _sigint_at(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        release(model, name="m")
+    assert len(moved) == 7  # six tensors; the second again, as the interrupt came first
+    assert all(t.is_meta for t in model.state_dict().values())
+    assert is_released(model) and told == ["released"]
+    with pytest.raises(ReleasedModuleError):
+        model(torch.zeros(1, 8))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_control_without_finishing_a_ctrl_c_leaves_the_module_half_on_meta(monkeypatch):
+    import stageload.hooks.release as release_module
+
+    def once(step: Callable[[], None]) -> BaseException | None:
+        try:
+            step()
+        except KeyboardInterrupt as exc:
+            return exc
+        return None
+
+    monkeypatch.setattr(release_module, "_to_the_end", once)
+    model, told = _three_layers()
+    _sigint_at(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        release(model, name="m")
+    on_meta = [t.is_meta for t in model.state_dict().values()]
+    assert any(on_meta) and not all(on_meta) and told == []

@@ -480,12 +480,13 @@ class StagedModels(Mapping[str, "nn.Module"]):
         garbage is collected once for all of them (``releasing``)."""
         me = threading.get_ident()
         total = 0
+        interrupt: BaseException | None = None  # Ctrl-C: the releases decided go on first
         with releasing():
             while True:
                 with self._lock:
                     mine = next((d for d in self._doomed if d.thread == me), None)
                     if mine is None:
-                        return total
+                        break
                     self._doomed.remove(mine)
                     # Storage the loaded models and those still to be released share must
                     # survive this release (a shared backbone goes with the last holder).
@@ -494,7 +495,15 @@ class StagedModels(Mapping[str, "nn.Module"]):
                     keep: list[Any] = list(others.values())
                     note = held_elsewhere(mine.module, others) if self._sink is not None else None
                     batch = self._batch is not None
-                total += self._release_now(mine, keep, note, wait=not batch)
+                try:
+                    total += self._release_now(mine, keep, note, wait=not batch)
+                except Exception:
+                    raise
+                except BaseException as exc:
+                    interrupt = interrupt or exc
+        if interrupt is not None:
+            raise interrupt
+        return total
 
     def _release_now(self, doomed: _Doomed, keep: list[Any], note: str | None, wait: bool) -> int:
         name, module, stage = doomed.name, doomed.module, doomed.stage
@@ -509,22 +518,30 @@ class StagedModels(Mapping[str, "nn.Module"]):
                 )
             )
 
-        start = time.perf_counter()
-        # A batch's other calls are parked, not computing: waiting for them would wait for
-        # the scheduler, which waits for this release.
-        nbytes = release(module, name=name, stage=stage, keep=keep, wait=wait, on_wait=waiting)
-        seconds = time.perf_counter() - start
-        self.emit(
-            Event(
-                RELEASE,
-                model=name,
-                stage=stage,
-                bytes=nbytes,
-                seconds=seconds,
-                reason=doomed.reason,
-                note=note,
+        def said(nbytes: int | None, *why: str | None) -> None:
+            self.emit(
+                Event(
+                    RELEASE,
+                    model=name,
+                    stage=stage,
+                    bytes=nbytes,
+                    seconds=time.perf_counter() - start,
+                    reason=doomed.reason,
+                    note="; ".join(filter(None, why)) or None,
+                )
             )
-        )
+
+        start = time.perf_counter()
+        try:
+            # A batch's other calls are parked, not computing: waiting for them would wait
+            # for the scheduler, which waits for this release.
+            nbytes = release(module, name=name, stage=stage, keep=keep, wait=wait, on_wait=waiting)
+        except Exception:
+            raise
+        except BaseException:  # Ctrl-C, raised by release() once it is done
+            said(None, note, "interrupted (Ctrl-C), released whole")
+            raise
+        said(nbytes, note)
         return nbytes
 
     def _check_budget(self, stage: str | None, after: str | None = None) -> None:

@@ -193,6 +193,9 @@ def release(
     calls are waited for. ``wait=False`` skips that, for callers whose other threads are
     parked, not computing (a stage-major batch).
 
+    A Ctrl-C (any interrupt) during a release is raised once the release is done: a
+    module is released whole, never left half on ``meta``.
+
     Dead reference cycles are collected once afterwards (``gc.collect()``): once per
     :func:`releasing` block instead inside one, and not at all from inside a hooked
     module's call (a streamed block released after its forward: a forward must not pay a
@@ -202,20 +205,53 @@ def release(
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"release() expects an nn.Module, got {type(module).__name__}")
-    hold = quiesced(module.modules(), on_wait=on_wait, unhooked=True) if wait else nullcontext()
-    with hold:
-        nbytes = _release(module, name, stage, keep)
+    keep = list(keep)
+    freed: dict[tuple[str, int], int] = {}  # storage -> bytes, over every pass
+    devices: set[str] = set()  # where they were
+
+    def whole() -> None:  # a second pass skips what went to meta in the first
+        hold = quiesced(module.modules(), on_wait=on_wait, unhooked=True) if wait else nullcontext()
+        with hold:
+            _release(module, name, stage, keep, freed, devices)
+
+    interrupt = _to_the_end(whole)
+    return_memory_to_os(devices, collect=False)
     if getattr(_batch, "depth", 0):
         _batch.released = True
     elif not in_call():
         collect_garbage()
-    return nbytes
+    if interrupt is not None:
+        raise interrupt
+    return sum(freed.values())
+
+
+def _to_the_end(step: Callable[[], None]) -> BaseException | None:
+    """Run ``step`` to its end through Ctrl-C (KeyboardInterrupt, SystemExit: a
+    BaseException that is not an Exception), running it again after each; returns the
+    first interrupt, for the caller to raise once done. Ctrl-C midway through a release
+    left a module half on meta: neither usable nor released, and its owner could not
+    tell (auto took it as loaded, and every later call failed)."""
+    interrupt: BaseException | None = None
+    while True:
+        try:
+            step()
+            return interrupt
+        except Exception:
+            raise
+        except BaseException as exc:
+            interrupt = interrupt or exc
 
 
 def _release(
-    module: nn.Module, name: str | None, stage: str | None, keep: Iterable[nn.Module]
-) -> int:
-    """:func:`release`'s work, with calls of ``module`` from other threads held back."""
+    module: nn.Module,
+    name: str | None,
+    stage: str | None,
+    keep: list[nn.Module],
+    freed: dict[tuple[str, int], int],
+    devices: set[str],
+) -> None:
+    """:func:`release`'s work, with calls of ``module`` from other threads held back; the
+    storage it frees goes in ``freed``, its device type in ``devices``."""
     import torch
 
     kept_modules: set[int] = set()
@@ -231,9 +267,7 @@ def _release(
     retained = {
         id(t) for hook in (registry.hooks() if registry else ()) for t in hook.retain(module)
     }
-    freed: dict[tuple[str, int], int] = {}
     replaced: dict[int, torch.Tensor] = {}  # old tensor id -> meta twin, keeps tied weights tied
-    devices: set[str] = set()
     with torch.no_grad():
         for sub in module.modules():
             if id(sub) in kept_modules:
@@ -263,8 +297,6 @@ def _release(
     replaced.clear()
     for hook in registry.hooks() if registry is not None else ():
         hook.released(module)  # after the tensors went: a staged placeholder marks them
-    return_memory_to_os(devices, collect=False)
-    return sum(freed.values())
 
 
 def _to_meta(sub: nn.Module, key: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
