@@ -1416,7 +1416,7 @@ def test_a_factory_that_changes_what_it_read_reloads_through_itself(st_folder):
     notes = [e.note for e in sink.events if e.kind == "note"]
     assert notes[0] == (
         "a.safetensors: reloads through its factory: 'layers.0.weight' differs from the "
-        "file's (converted on load?)"
+        "file's (converted on load?); it loads at its use, never ahead"
     )
     assert len(notes) == 3
 

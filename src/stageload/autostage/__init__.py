@@ -455,13 +455,12 @@ class AutoSession:
         recipe = _learn(obj, args, kwargs, whole=not trusted)
         with self._lock:
             model = self._new(obj, name, make, _bytes(obj), rng)
-            unique = model.name
             model.device = next((t.device for _, t in named_tensors(obj)), None)
             model.seen, model.samples = _seen(obj), _samples(obj)
             model.made = _as_made(model, obj)
             model.inference = any(t.is_inference() for _, t in named_tensors(obj))
             if isinstance(recipe, str):
-                self._say(model, "factory", f"{unique}: reloads through its factory: {recipe}")
+                self._through_factory(model, recipe)
             else:
                 model.recipe = recipe
             inner = sorted(
@@ -797,8 +796,8 @@ class AutoSession:
             if not decision.names:
                 return
             victims: list[_Victim] = []
-            for name in decision.early:  # each as _victim would take it, or no load ahead
-                victim = self._early(alive[name])
+            for name in decision.early:  # each held as _victim would, or no load ahead
+                victim = self._held_for_release(alive[name], say=False)
                 if victim is None:
                     for v in victims:
                         v.end_hold()
@@ -836,14 +835,32 @@ class AutoSession:
                     self._timings.blocked += time.perf_counter() - start
                 self._lock.notify_all()
 
-    def _early(self, model: _Model) -> _Victim | None:
-        """Under the lock: ``model``, held for its release ahead of need, or None when it
-        cannot go now (the checks of :meth:`_victim`)."""
+    def _held_for_release(self, model: _Model, *, say: bool) -> _Victim | None:
+        """Under the lock: ``model``, held for its release, or None when it cannot go now:
+        not loaded, kept loaded, in a call, changed by the script or held outside the model.
+        With ``say`` (a use needs room), a change or a holder is said, and a change keeps
+        it loaded; ahead of need, the use says it, not a guess ahead."""
         module = model.module()
         if model.state != LOADED or model.pinned or module is None or _busy(model):
             return None
-        if _changed(model) is not None or _held_elsewhere(module) is not None:
-            return None  # its use says so (_victim), not a guess ahead
+        changed = _changed(model)
+        if changed is not None:
+            if say:
+                self._pin(model, f"changed by the script since its load ({changed})", changed=True)
+            return None
+        held = _held_elsewhere(module)
+        if held is not None:  # freeing it would free memory under the holder
+            if say:
+                self._say(
+                    model,
+                    "held",
+                    f"{model.name}: {held} is held outside the model (a view the script keeps, "
+                    f"or an output's autograd graph: run under torch.no_grad()): kept "
+                    f"loaded while it is",
+                )
+            return None
+        # Chosen and held in one step: a call that starts now waits for the release (then
+        # reloads), instead of being waited for by it.
         end = try_hold(module.modules())
         return None if end is None else _Victim(model, end)
 
@@ -883,7 +900,7 @@ class AutoSession:
         model.first = None
         model.size = _bytes(module)
         if isinstance(recipe, str):
-            self._say(model, "factory", f"{model.name}: reloads through its factory: {recipe}")
+            self._through_factory(model, recipe)
         else:
             model.recipe = recipe
         model.samples = _samples(module)  # no other weights to compare with: the first
@@ -919,29 +936,9 @@ class AutoSession:
         if sum(m.size for m in others) + size <= self.budget:
             return None
         for m in self._order([m for m in others if m.state == LOADED and not m.pinned]):
-            module = m.module()
-            if module is None or _busy(m):
-                continue
-            changed = _changed(m)
-            if changed is not None:
-                self._pin(m, f"changed by the script since its load ({changed})", changed=True)
-                continue
-            held = _held_elsewhere(module)
-            if held is not None:  # freeing it would free memory under the holder
-                self._say(
-                    m,
-                    "held",
-                    f"{m.name}: {held} is held outside the model (a view the script keeps, "
-                    f"or an output's autograd graph: run under torch.no_grad()): kept "
-                    f"loaded while it is",
-                )
-                continue
-            # Chosen and held in one step: a call that starts now waits for the release
-            # (then reloads), instead of being waited for by it.
-            end = try_hold(module.modules())
-            if end is None:
-                continue
-            return _Victim(m, end)
+            victim = self._held_for_release(m, say=True)
+            if victim is not None:
+                return victim
         if keep is not None:  # said once per model; the room made before a factory says nothing
             n = len(others)
             what = f"beside {n} model{'s' * (n != 1)} in use" if others else "alone"
@@ -967,26 +964,21 @@ class AutoSession:
         model = victim.model
         done = False
         start = time.perf_counter()
+        module = None
         try:
             module = model.module()
             if module is not None:
-                layout = _layout(module, model.chains)
-                size = _bytes(module)
-                try:
-                    release(module, name=model.name)  # the hook's released() marks its tensors
-                except BaseException:
-                    # Ctrl-C inside the release: a model is loaded or released, never half
-                    # (half on meta, it was taken as loaded: every later call failed).
-                    if not _partly_released(module):
-                        raise
-                    release(module, name=model.name)
-                    model.layout, model.size = layout, size
-                    model.device = next(iter(layout.values()), (None, model.device))[1]
-                    done = True
-                    raise
-                model.layout, model.size = layout, size
-                model.device = next(iter(layout.values()), (None, model.device))[1]
+                model.layout, model.size = _layout(module, model.chains), _bytes(module)
+                model.device = next(iter(model.layout.values()), (None, model.device))[1]
+                # The hook's released() marks its tensors. A Ctrl-C is raised once the
+                # release is done (release() finishes first), so the model is released.
+                release(module, name=model.name)
             done = True
+        except Exception:
+            raise
+        except BaseException:  # Ctrl-C: released if the release began (it finishes)
+            done = module is not None and _began(module)
+            raise
         finally:
             victim.end_hold()
             with self._lock:
@@ -1061,6 +1053,13 @@ class AutoSession:
             model.pinned = True
             self._say(model, "pinned", f"{model.name}: {why}: kept loaded, not staged")
 
+    def _through_factory(self, model: _Model, why: str) -> None:
+        """Say once that ``model`` reloads by calling its factory again, and why: its
+        files alone do not give its weights. A factory may draw random numbers, so it
+        never runs on the load-ahead thread."""
+        ahead = "; it loads at its use, never ahead" if self.prefetch else ""
+        self._say(model, "factory", f"{model.name}: reloads through its factory: {why}{ahead}")
+
     def _say(self, model: _Model, kind: str, text: str) -> None:
         if kind not in model.said:
             model.said.add(kind)
@@ -1075,8 +1074,9 @@ class AutoSession:
             self._sink.emit(event)
 
 
-def _partly_released(module: nn.Module) -> bool:
-    """Whether any of ``module``'s tensors is on ``meta``: a release stopped midway."""
+def _began(module: nn.Module) -> bool:
+    """Whether a release of ``module`` began: one of its tensors is on ``meta`` (and
+    :func:`~stageload.release` finishes what it begins)."""
     with torch_function_off():
         return any(t.is_meta for _, t in named_tensors(module))
 
