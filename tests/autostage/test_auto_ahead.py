@@ -315,3 +315,42 @@ def test_ctrl_c_inside_a_release_leaves_the_model_released_and_the_next_call_wor
     with torch.no_grad():
         want = [model(torch.ones(2, auto_ahead.WIDTH)) for model in want_models]
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def reloads_by_rule(tmp_path: Path) -> tuple[int, list[int], torch.Tensor]:
+    """Two models of two units and one of one, room for three units, eight laps with no
+    loads ahead: the reloads, the bytes in memory after each load, and the output."""
+    paths = auto_ahead.save(str(tmp_path), auto_ahead.UNEQUAL)
+    sink = ListSink()
+    with auto(
+        budget=int(3.05 * UNIT), factories=[FACTORY], defaults=False, events=sink, prefetch=False
+    ):
+        out = auto_ahead.run(paths, 8)
+    reloads = sum(e.kind == "reload" for e in sink.events)
+    return reloads, resident_before_loads(sink.events), out
+
+
+def test_with_unequal_sizes_auto_releases_the_fewest_models_as_the_adapters_policy_does(
+    tmp_path,
+):
+    """Loading a large model beside the other large one and the small one: furthest next
+    use first released the small one, then still had to release the large one; the
+    adapters' rule (``FurthestNextUse.victims``: the fewest models, then furthest) releases
+    the large one alone, and the small one stays loaded for good: two reloads a lap, not
+    three."""
+    reloads, resident, out = reloads_by_rule(tmp_path)
+    assert max(resident) <= 3.05 * UNIT
+    assert torch.equal(out, auto_ahead.run(auto_ahead.save(str(tmp_path), auto_ahead.UNEQUAL), 8))
+    assert reloads <= 2 * 8 + 1  # one more while the first laps learn the order (17 here)
+
+
+def test_control_furthest_next_use_first_reloads_three_models_a_lap(tmp_path, monkeypatch):
+    def furthest_first(self, idle, holding, name, size):  # auto's rule before
+        plan, stage = self.record.plan, self.record.stage
+        if plan is None or stage is None:
+            return sorted(idle, key=lambda m: m.last_use)
+        return sorted(idle, key=lambda m: (-plan.next_use(m.name, stage), m.last_use))
+
+    monkeypatch.setattr(stageload.autostage.AutoSession, "_order", furthest_first)
+    reloads, _, _ = reloads_by_rule(tmp_path)
+    assert reloads >= 3 * 7  # 24 here

@@ -935,7 +935,8 @@ class AutoSession:
         ]
         if sum(m.size for m in others) + size <= self.budget:
             return None
-        for m in self._order([m for m in others if m.state == LOADED and not m.pinned]):
+        idle = [m for m in others if m.state == LOADED and not m.pinned]
+        for m in self._order(idle, others, keep.name if keep is not None else name, size):
             victim = self._held_for_release(m, say=True)
             if victim is not None:
                 return victim
@@ -950,13 +951,32 @@ class AutoSession:
             )
         return None
 
-    def _order(self, idle: Sequence[_Model]) -> list[_Model]:
-        """Who goes first: furthest next use in the plan once there is one (a model it
-        does not list first, least recently used among those), else least recently used."""
+    def _order(
+        self, idle: Sequence[_Model], holding: Sequence[_Model], name: str, size: int
+    ) -> list[_Model]:
+        """Who goes first, so that ``name`` (``size`` bytes) fits beside ``holding``. Once
+        there is a plan, the adapters' rule (:meth:`~stageload.FurthestNextUse.victims`):
+        the fewest models whose next uses are furthest, the stage's own models kept; then
+        the other idle models, furthest next use first. Before a plan, least recently
+        used first."""
         plan, stage = self.record.plan, self.record.stage
-        if plan is not None and stage is not None:  # not listed: next use inf
-            return sorted(idle, key=lambda m: (-plan.next_use(m.name, stage), m.last_use))
-        return sorted(idle, key=lambda m: m.last_use)
+        by_use = sorted(idle, key=lambda m: m.last_use)
+        if plan is None or stage is None:
+            return by_use
+        sizes = {m.name: m.size for m in self._models.values() if m.module() is not None}
+        sizes[name] = size
+        view = self._timings.view(plan, pinned=frozenset(), sizes=sizes, prefetchable=frozenset())
+        loaded = [*(m.name for m in holding), name]
+        free = {m.name for m in idle}
+        names = self._policy.victims(
+            stage, loaded, view, protect=frozenset(n for n in loaded if n not in free)
+        )
+        first = [self._models[n] for n in names if n in free]
+        # A model the plan does not list has no next use: inf, it goes first.
+        rest = sorted(
+            (m for m in by_use if m not in first), key=lambda m: -plan.next_use(m.name, stage)
+        )
+        return first + rest
 
     def _release(self, victim: _Victim, note: str | None = None) -> None:
         """Release the victim's model, marked ``releasing`` and held by this thread, without
