@@ -354,3 +354,75 @@ def test_control_furthest_next_use_first_reloads_three_models_a_lap(tmp_path, mo
     monkeypatch.setattr(stageload.autostage.AutoSession, "_order", furthest_first)
     reloads, _, _ = reloads_by_rule(tmp_path)
     assert reloads >= 3 * 7  # 24 here
+
+
+def half_files_staged(tmp_path: Path) -> tuple[Any, ListSink, Any]:
+    paths = auto_ahead.save(str(tmp_path), dtype=torch.float16)  # read into float32
+    out, sink = staged(paths, 5)
+    return out, sink, auto_ahead.run(paths, 5)
+
+
+def test_a_load_ahead_that_converts_the_files_dtype_is_no_change_by_the_script(tmp_path):
+    """float16 files read into a float32 model (``torch_dtype`` other than the files'):
+    the conversion goes through the reader's bounce buffer, which must leave the tensors'
+    version counters as a plain read does, or every load ahead reads as the script's
+    write and the model is kept loaded over the budget."""
+    out, sink, want = half_files_staged(tmp_path)
+    assert torch.equal(out, want)
+    assert sum(e.kind == "prefetch" for e in sink.events) >= 3
+    assert [e.note for e in sink.events if e.kind == "note" and "changed" in e.note] == []
+
+
+def test_control_a_conversion_that_moves_the_version_counter_reads_as_a_write(
+    tmp_path, monkeypatch
+):
+    import stageload.load.reader as reader
+
+    monkeypatch.setattr(reader, "unversioned", lambda t: t)
+    _, sink, _ = half_files_staged(tmp_path)
+    notes = [e.note for e in sink.events if e.kind == "note"]
+    assert any("changed by the script while it loaded ahead" in n for n in notes)
+
+
+def test_a_conversion_of_a_model_loading_ahead_waits_for_the_load(paths, monkeypatch):
+    """``model.to(torch.float64)`` while the model loads ahead (``pipe.to(dtype)`` right
+    after a call): the conversion waits for the load, then converts what it loaded. Made
+    midway, it converted the tensors just read, and the load's own conversion then undid
+    it: mixed dtypes, or a dtype mismatch in the next call. The first load ahead is held
+    once its files are read, until the script's conversion has finished or waits."""
+    import time
+
+    real = stageload.autostage.reload
+    started, converting, converted = threading.Event(), threading.Event(), threading.Event()
+    box: dict[str, Any] = {}
+
+    def held(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)  # read: the tensors hold the files' values, not yet converted
+        if threading.current_thread().name.startswith(PREFETCH_THREAD) and not started.is_set():
+            started.set()
+            waiters = box["session"]._lock._waiters  # threads waiting for a state change
+            while not converted.is_set() and not (converting.is_set() and waiters):
+                time.sleep(0.001)  # polls a state: the script's .to() is done, or waits
+
+    monkeypatch.setattr(stageload.autostage, "reload", held)
+    with auto(budget=BUDGET, factories=[FACTORY], defaults=False) as session:
+        box["session"] = session
+        models = [auto_ahead.load(p) for p in paths]
+        x = torch.zeros(4, auto_ahead.WIDTH)
+        with torch.no_grad():
+            for model in [*models] * 6:
+                x = model(x)
+                if session._ahead is not None:  # held until the .to() below
+                    break
+            assert started.wait(60)
+            (loading,) = [m for m in session._models.values() if m.state == "loading"]
+            target = loading.module()
+            converting.set()
+            target.to(torch.float64)
+            converted.set()
+            session._last_ahead.join()  # the load ahead is over
+            assert {p.dtype for p in target.parameters()} == {torch.float64}
+            path = paths[[m.name for m in session._models.values()].index(loading.name)]
+            want = auto_ahead.load(path).double().state_dict()
+            got = target.state_dict()
+            assert all(torch.equal(got[k], want[k]) for k in want)

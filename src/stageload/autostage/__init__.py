@@ -586,6 +586,13 @@ class AutoSession:
         if loaded:  # else once its load is done (load())
             self._look_ahead()
 
+    def settled(self, model: _Model) -> None:
+        """Wait while another thread loads or releases ``model`` (a load ahead): the script
+        converts a model (``.to``) once that is done."""
+        with self._lock:
+            while _moving_elsewhere(model):
+                self._lock.wait()
+
     def pin(self, model: _Model, why: str) -> None:
         """Keep ``model`` loaded from now on, and say why once."""
         with self._lock:
@@ -1371,6 +1378,22 @@ def released_device(module: Any, found: Any) -> Any:
     return found
 
 
+def _settled_first(inner: Callable[..., Any]) -> Callable[..., Any]:
+    """``nn.Module._apply`` (``.to``, ``.half``, ``.cuda``...) while auto is on: a model
+    that another thread is loading (ahead) or releasing is converted once that is done.
+    Converted midway, the load's own conversion to the layout it started with undid the
+    script's: mixed dtypes, or a dtype mismatch at the next call."""
+
+    @functools.wraps(inner)
+    def _apply(module: Any, *args: Any, **kwargs: Any) -> Any:
+        hook = _auto_hook(module)
+        if isinstance(hook, _Hook):
+            hook.session.settled(hook.model)
+        return inner(module, *args, **kwargs)
+
+    return _apply
+
+
 def _device_wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(inner)
     def device(module: Any) -> Any:
@@ -1874,7 +1897,9 @@ def auto(
             )
         session = AutoSession(budget, events, prefetch=prefetch)
         _ACTIVE.append(session)
-    undo: list[Callable[[], None]] = []
+    from torch import nn
+
+    undo: list[Callable[[], None]] = [patch(nn.Module, "_apply", _settled_first)]
     devices: list[Callable[[], None]] = []  # undone once no released model is left
 
     def factory(spec: str) -> Callable[[Any], None]:

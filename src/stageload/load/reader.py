@@ -99,7 +99,10 @@ def run_chunks(
                 pread_into(fd, path, offset, memory(buf, 0, n))
                 size = src.itemsize
                 first = at // size
-                dst.view(-1)[first : first + n // size].copy_(buf[:n].view(src))
+                # Through an alias with a version counter of its own: a read leaves each
+                # tensor it fills at version 0 (auto tells the script's writes by it).
+                alias = unversioned(dst)
+                alias.view(-1)[first : first + n // size].copy_(buf[:n].view(src))
             if on_bytes is not None:
                 on_bytes(n)
         except BaseException:
@@ -119,6 +122,15 @@ def run_chunks(
     raised = [e for e in errors if e is not None]
     if raised:
         raise raised[0]
+
+
+def unversioned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``t``'s memory, of its shape, with a version counter of its own: writing
+    through it leaves ``t``'s counter as it was (``t.view`` or ``t.detach()`` share it)."""
+    import torch
+
+    alias = torch.empty(0, dtype=t.dtype, device=t.device)
+    return alias.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
 
 def _bounce_buffer(pin: bool, nbytes: int) -> torch.Tensor:
