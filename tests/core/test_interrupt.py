@@ -173,3 +173,43 @@ def test_control_a_drain_that_stops_at_the_first_raise_leaves_the_other_loaded(m
     with pytest.raises(RuntimeError):
         models.enter("b")
     assert not any(t.is_meta for t in y.parameters())
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ctrl_c_while_a_release_waits_for_a_call_in_flight_leaves_the_model_loaded():
+    """Another thread's call of x is in flight; entering stage b waits for it before
+    releasing x, and Ctrl-C lands there: x was not touched, so it stays loaded and listed,
+    and once the call ends the next stage change releases it."""
+    inside, leave = threading.Event(), threading.Event()
+
+    class Blocking(nn.Linear):
+        def forward(self, x: object) -> object:
+            inside.set()
+            leave.wait(HANG)
+            return super().forward(x)
+
+    class InterruptOnWait:
+        def emit(self, event: object) -> None:
+            if "waits for" in (getattr(event, "note", None) or ""):
+                signal.raise_signal(signal.SIGINT)
+
+    models = StagedModels(
+        {"x": lambda: Blocking(4, 4), "z": lambda: nn.Linear(4, 4)},
+        stages={"a": ["x"], "b": ["z"]},
+        events=InterruptOnWait(),
+    )
+    models.enter("a")
+    x = models["x"]
+    import torch
+
+    caller = threading.Thread(target=x, args=(torch.zeros(1, 4),))
+    caller.start()
+    assert inside.wait(HANG)
+    with pytest.raises(KeyboardInterrupt):
+        models.enter("b")
+    assert "x" in models.loaded()
+    assert not any(t.is_meta for t in x.parameters())
+    leave.set()
+    caller.join(HANG)
+    models.enter("b")
+    assert all(t.is_meta for t in x.parameters()) and models.loaded() == []

@@ -322,7 +322,10 @@ class AutoSession:
         # The tables and every model's state; never held while a factory runs or a
         # release waits (see the module docstring). Reentrant: a hook inside a section
         # that holds it (an event sink's write) may ask again.
-        self._lock = threading.Condition(threading.RLock())
+        # Taken as `with self._mutex` (C code): a Ctrl-C inside a Condition's own __enter__
+        # (Python code) left it taken, and the next load ahead or call hung on it.
+        self._mutex = threading.RLock()
+        self._lock = threading.Condition(self._mutex)  # to wait on and notify
         self._in_making: dict[Any, threading.Event] = {}  # factory calls running now
         #: Factory calls waiting for the same call, or for its model's load or release, on
         #: another thread.
@@ -342,18 +345,18 @@ class AutoSession:
     @property
     def models(self) -> dict[str, nn.Module | None]:
         """Each model's name and object (None once the script dropped it)."""
-        with self._lock:
+        with self._mutex:
             return {name: m.module() for name, m in self._models.items()}
 
     def resident(self) -> list[str]:
         """The models loaded now."""
-        with self._lock:
+        with self._mutex:
             return [
                 n for n, m in self._models.items() if m.state == LOADED and m.module() is not None
             ]
 
     def resident_bytes(self) -> int:
-        with self._lock:
+        with self._mutex:
             return sum(self._models[n].size for n in self.resident())
 
     # -- the factories -------------------------------------------------------------------
@@ -375,7 +378,7 @@ class AutoSession:
             return factory(*args, **kwargs)
         key = _key(factory, args, kwargs)
         while True:
-            with self._lock:
+            with self._mutex:
                 self._prune()
                 known = self._shared.get(key) if key is not None else None
                 module = known.module() if known is not None else None
@@ -408,13 +411,13 @@ class AutoSession:
             try:
                 running.wait()  # another thread makes the same model: take its result
             finally:
-                with self._lock:
+                with self._mutex:
                     self.waiting -= 1
         try:
             return self._make(factory, name, args, kwargs, key, trusted)
         finally:
             if key is not None:
-                with self._lock:
+                with self._mutex:
                     self._in_making.pop(key).set()
 
     def _make(
@@ -436,7 +439,7 @@ class AutoSession:
         # name them (a larger model than any before would otherwise load on top of the
         # others: SD3's transformer after its T5), and for the largest model seen.
         expected = _file_bytes(factory, args, kwargs)
-        with self._lock:
+        with self._mutex:
             expected = max([expected, *(m.size for m in self._models.values())])
         self._make_room(expected, name)
         rng = capture_rng()
@@ -453,7 +456,7 @@ class AutoSession:
         if registry is not None and AUTO in registry:
             return obj  # a model auto made already (the factory keeps a cache of its own)
         recipe = _learn(obj, args, kwargs, whole=not trusted)
-        with self._lock:
+        with self._mutex:
             model = self._new(obj, name, make, _bytes(obj), rng)
             model.device = next((t.device for _, t in named_tensors(obj)), None)
             model.seen, model.samples = _seen(obj), _samples(obj)
@@ -539,7 +542,7 @@ class AutoSession:
         kwargs = copy.deepcopy(kwargs)
         make = self._maker(factory, args, kwargs)
         size = _file_bytes(factory, args, kwargs)
-        with self._lock:
+        with self._mutex:
             model = self._new(
                 obj,
                 name,
@@ -556,13 +559,13 @@ class AutoSession:
             self._add(obj, model, key)
         with releasing(collect=False):  # its computed buffers: the load makes them again
             release(obj, name=model.name, wait=False)  # the hook's released() marks them
-        with self._lock:
+        with self._mutex:
             model.seen, model.made = _seen(obj), _as_made(model, obj)
         return obj
 
     # -- uses, loads and releases ----------------------------------------------------------
     def used(self, model: _Model) -> None:
-        with self._lock:
+        with self._mutex:
             if self._closed:
                 return
             model.last_use = self._tick()
@@ -589,13 +592,13 @@ class AutoSession:
     def settled(self, model: _Model) -> None:
         """Wait while another thread loads or releases ``model`` (a load ahead): the script
         converts a model (``.to``) once that is done."""
-        with self._lock:
+        with self._mutex:
             while _moving_elsewhere(model):
                 self._lock.wait()
 
     def pin(self, model: _Model, why: str) -> None:
         """Keep ``model`` loaded from now on, and say why once."""
-        with self._lock:
+        with self._mutex:
             self._pin(model, why)
 
     def seed(self, stages: Iterable[Iterable[Any]], source: str) -> None:
@@ -604,7 +607,7 @@ class AutoSession:
         goes); said once per plan."""
         from torch import nn
 
-        with self._lock:
+        with self._mutex:
             plan_stages: dict[str, tuple[str, ...]] = {}
             for objects in stages:
                 names: list[str] = []
@@ -639,7 +642,7 @@ class AutoSession:
         try:
             done = self._load(model, me)
         finally:
-            with self._lock:
+            with self._mutex:
                 if me == self._driver:  # not compute: the cost model's inputs
                     self._timings.blocked += time.perf_counter() - start
         if done and model.name == self._stage:  # the model in use now: look ahead from it
@@ -652,7 +655,7 @@ class AutoSession:
         # in place (bench/results/auto: the collection was half of a lap).
         with releasing(collect=False):
             while True:
-                with self._lock:
+                with self._mutex:
                     module = model.module()
                     if module is None:
                         return False
@@ -725,7 +728,7 @@ class AutoSession:
             _settle(module, layout)
             ok = True
         finally:
-            with self._lock:
+            with self._mutex:
                 model.state, model.owner = (LOADED if ok else RELEASED), None
                 if ok:
                     model.loads += 1
@@ -786,7 +789,7 @@ class AutoSession:
         if not self.prefetch:
             return
         me, start = threading.get_ident(), time.perf_counter()
-        with self._lock:
+        with self._mutex:
             plan, stage = self.record.plan, self.record.stage
             if self._closed or self._ahead is not None or plan is None or stage is None:
                 return
@@ -828,7 +831,7 @@ class AutoSession:
                     self._release(v, note=f"early, to load {', '.join(decision.names)} ahead")
             thread.start()
         finally:
-            with self._lock:
+            with self._mutex:
                 if thread.ident is None:  # a release failed (Ctrl-C): as before, no load ahead
                     for v in victims:
                         if v.model.state == RELEASING and v.model.owner == me:
@@ -877,7 +880,7 @@ class AutoSession:
         me = threading.get_ident()
         try:
             for model in models:
-                with self._lock:
+                with self._mutex:
                     module = model.module()
                     if self._closed or module is None:
                         continue  # left released by the finally below
@@ -885,7 +888,7 @@ class AutoSession:
                 try:
                     self._fill(model, module, ahead=purpose)
                 except Exception as exc:  # its use loads it, and says what failed
-                    with self._lock:
+                    with self._mutex:
                         self._say(
                             model,
                             "ahead",
@@ -893,7 +896,7 @@ class AutoSession:
                             f"{exc}); it loads at its use",
                         )
         finally:
-            with self._lock:
+            with self._mutex:
                 for model in models:
                     if model.owner == AHEAD:
                         model.state, model.owner = RELEASED, None
@@ -920,7 +923,7 @@ class AutoSession:
         me = threading.get_ident()
         with releasing(collect=False):
             while True:
-                with self._lock:
+                with self._mutex:
                     victim = self._victim(size, name, keep)
                     if victim is None:
                         return
@@ -1008,7 +1011,7 @@ class AutoSession:
             raise
         finally:
             victim.end_hold()
-            with self._lock:
+            with self._mutex:
                 model.state, model.owner = (RELEASED if done else LOADED), None
                 if done:
                     self._emit(
@@ -1028,7 +1031,7 @@ class AutoSession:
         its hook and reloads at its next use (then loses it), with no budget. ``last``
         runs once no released model is left (the ``.device`` answers a released model
         needs until then)."""
-        with self._lock:
+        with self._mutex:
             self._closed = True
             self._last = list(last)
             while self._ahead is not None and self._ahead.ident is None:
@@ -1038,7 +1041,7 @@ class AutoSession:
             if ahead is not None and ahead.ident is not None:  # no thread outlives the block
                 ahead.join()
         finally:
-            with self._lock:
+            with self._mutex:
                 for model in self._models.values():
                     module = model.module()
                     if module is not None and model.state == LOADED:

@@ -120,7 +120,8 @@ class Batch:
         self._fn = fn
         self._items = list(items)
         self._order = {stage: k for k, stage in enumerate(models.stages)}
-        self._cond = threading.Condition()
+        self._mutex = threading.RLock()  # `with` it, not the Condition (Ctrl-C safe)
+        self._cond = threading.Condition(self._mutex)
         self._turn = _SCHEDULER
         self._abandoned = False
         self._calls: list[_Call] = []
@@ -163,7 +164,7 @@ class Batch:
         return call.served
 
     def _hand_back(self, call: _Call) -> None:
-        with self._cond:
+        with self._mutex:
             self._turn = _SCHEDULER
             self._cond.notify_all()
             while self._turn != call.index:
@@ -174,7 +175,7 @@ class Batch:
     def _body(self, call: _Call, context: contextvars.Context, modes: tuple[bool, bool]) -> None:
         import torch
 
-        with self._cond:
+        with self._mutex:
             while self._turn != call.index:
                 self._cond.wait()
         try:
@@ -189,7 +190,7 @@ class Batch:
             call.error = exc
         finally:
             call.done = True
-            with self._cond:
+            with self._mutex:
                 self._turn = _SCHEDULER
                 self._cond.notify_all()
 
@@ -248,7 +249,7 @@ class Batch:
     def _resume(self, call: _Call) -> None:
         """Give ``call`` the turn with its own RNG state; return when it parks or ends."""
         restore_rng(call.rng)
-        with self._cond:
+        with self._mutex:
             self._turn = call.index
             self._cond.notify_all()
             while self._turn != _SCHEDULER:
@@ -277,12 +278,12 @@ class Batch:
     def _abandon(self) -> None:
         """Unwind every unfinished call, one at a time, after the scheduler was interrupted."""
         self._abandoned = True
-        with self._cond:
+        with self._mutex:
             while self._turn != _SCHEDULER:  # the running call parks or ends first
                 self._cond.wait()
         for call in self._calls:
             if not call.done:
-                with self._cond:
+                with self._mutex:
                     self._turn = call.index
                     self._cond.notify_all()
                     while self._turn != _SCHEDULER:

@@ -345,7 +345,12 @@ class StagedModels(Mapping[str, "nn.Module"]):
                 self._release(name, stage, steps.why(name, stage, plan))
         # Released without the lock: a release waits for the model's calls in flight, and
         # a call may ask the registry for a model.
-        self._drain()
+        try:
+            self._drain()
+        except BaseException:  # Ctrl-C: the change is not done, and entering again does it
+            with self._lock:
+                self._stage = None
+            raise
         with self._lock:
             # The stage's span starts here: its releases (and their one collection) are
             # not its compute, which the prefetch cost model weighs.
@@ -538,8 +543,12 @@ class StagedModels(Mapping[str, "nn.Module"]):
             nbytes = release(module, name=name, stage=stage, keep=keep, wait=wait, on_wait=waiting)
         except Exception:
             raise
-        except BaseException:  # Ctrl-C, raised by release() once it is done
-            said(None, note, "interrupted (Ctrl-C), released whole")
+        except BaseException:  # Ctrl-C
+            if is_released(module):  # release() finishes what it begins, then raises
+                said(None, note, "interrupted (Ctrl-C), released whole")
+            else:  # while it waited for calls in flight: the registry as it was
+                with self._lock:
+                    self._models.setdefault(name, module)
             raise
         said(nbytes, note)
         return nbytes

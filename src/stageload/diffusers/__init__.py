@@ -760,7 +760,8 @@ class _Gather:
 
     def __init__(self, state: StagedPipeline) -> None:
         self._state = weakref.ref(state)
-        self._cond = threading.Condition()
+        self._mutex = threading.RLock()  # `with` it, not the Condition (Ctrl-C safe)
+        self._cond = threading.Condition(self._mutex)
         self._queue: list[_Pending] = []
         self._running = False
         self.batches: list[int] = []  # the size of each batch run, for tests and benches
@@ -770,7 +771,7 @@ class _Gather:
         if getattr(self._local, "inside", False):  # a pipeline calling another of this
             return inner(pipe, **kwargs)  # stager's (Kandinsky's combined pipelines): direct
         mine = _Pending(inner, pipe, kwargs)
-        with self._cond:
+        with self._mutex:
             self._queue.append(mine)
             if not self._running:
                 self._running = mine.leads = True
@@ -785,12 +786,12 @@ class _Gather:
     def wait_for_waiting(self, n: int, timeout: float | None = None) -> bool:
         """Wait until ``n`` calls wait for the next batch (tests and benches wait for this
         state instead of sleeping); False on timeout."""
-        with self._cond:
+        with self._mutex:
             return self._cond.wait_for(lambda: len(self._queue) >= n, timeout)
 
     def _run_next(self) -> None:
         """Run every queued call as one batch, then hand the turn to the next arrival."""
-        with self._cond:
+        with self._mutex:
             batch, self._queue = self._queue, []
         state = self._state()
         try:
@@ -805,7 +806,7 @@ class _Gather:
             else:
                 self._many(state, batch)
         finally:
-            with self._cond:
+            with self._mutex:
                 for p in batch:
                     p.done = True
                 if self._queue:

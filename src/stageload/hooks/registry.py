@@ -113,13 +113,38 @@ class ModuleHook:
             fill()
 
 
-# One condition for the calls of every hooked module: a call counts itself in and out
-# under it, and quiesced() waits on it. Uncontended, it costs two lock round trips per call.
-_calls = threading.Condition(threading.Lock())  # never taken twice by one thread
-# This thread's calls in flight, of all hooked modules (see in_call()).
+# One lock and condition for the calls of every hooked module: a call counts itself in and
+# out under it, and quiesced() waits on it. Uncontended, it costs two lock round trips per
+# call. Taken as `with _calls_lock` (C code), never `with _calls`: a Ctrl-C inside the
+# Condition's own __enter__ (Python code) left the lock taken, and every later call hung.
+_calls_lock = threading.Lock()  # never taken twice by one thread
+_calls = threading.Condition(_calls_lock)
+#: How long a wait on ``_calls`` lasts before it looks again: a Ctrl-C inside notify_all()
+#: may lose a wake-up, which then costs this, not a hang.
+_RECHECK = 0.1
+# This thread's calls in flight, of all hooked modules, one token each (see in_call()).
 _depth = threading.local()
-# Threads whose call waits for a hold to end: they compute nothing until it does.
-_held_back: set[int] = set()
+# Threads whose call waits for a hold to end: they compute nothing until it does. A dict,
+# so a clean-up is `del` (no call: no point where Ctrl-C can land, see _HookedForward).
+_held_back: dict[int, bool] = {}
+
+
+class _Hold:
+    """One thread's hold of some modules' calls (:func:`quiesced`, :func:`try_hold`). Over
+    once ``active`` is False: one store, which no Ctrl-C can split, so an interrupted
+    clean-up never leaves a module held."""
+
+    __slots__ = ("active", "thread")
+
+    def __init__(self, thread: int) -> None:
+        self.thread = thread
+        self.active = True
+
+
+def _holder(registry: HookRegistry) -> int | None:
+    """The thread holding the module's calls now, or None."""
+    hold = registry._held_by
+    return hold.thread if hold is not None and hold.active else None
 
 
 class HookRegistry:
@@ -132,8 +157,11 @@ class HookRegistry:
         self._reset_calls()
 
     def _reset_calls(self) -> None:
-        self._running: dict[int, int] = {}  # thread ident -> calls of the module in flight there
-        self._held_by: int | None = None  # the thread inside quiesced() for this module
+        # One token per call of the module in flight -> its thread. A call removes its own
+        # token, whatever a Ctrl-C interrupted: a count could be left one too high (a call
+        # in flight forever, which a release on another thread then waited for).
+        self._running: dict[object, int] = {}
+        self._held_by: _Hold | None = None  # the hold of quiesced() or try_hold(), if any
         # Bumped as a hold starts and ends: a call whose hooks ran across either asks again.
         self._epoch = 0
 
@@ -150,13 +178,13 @@ class HookRegistry:
     def called_elsewhere(self) -> bool:
         """Whether a thread other than this one has a call of the module running now."""
         me = threading.get_ident()
-        with _calls:
-            return any(thread != me for thread in self._running)
+        with _calls_lock:
+            return any(thread != me for thread in self._running.values())
 
     def calls_in_flight(self) -> int:
         """How many calls of the module are running now, on every thread."""
-        with _calls:
-            return sum(self._running.values())
+        with _calls_lock:
+            return len(self._running)
 
     # -- finding ----------------------------------------------------------------------------
     @staticmethod
@@ -257,37 +285,42 @@ class _HookedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, registry = self.module, self.registry
-        me = threading.get_ident()
-        while True:
-            epoch = registry._epoch
-            # A hook may take itself or others off while running (a revived placeholder
-            # loses its release hooks): each step asks the registry as it is now.
-            call_args, call_kwargs = args, kwargs
-            for hook in registry.hooks():
-                if hook in registry._hooks.values():
-                    changed = hook.pre_call(module, call_args, call_kwargs)
-                    if changed is not None:
-                        call_args, call_kwargs = changed
-            with _calls:
-                while registry._held_by not in (None, me):
-                    _held_back.add(me)
-                    _calls.wait()  # a release is emptying the module: wait for its end
-                _held_back.discard(me)
-                if registry._epoch == epoch:
-                    registry._running[me] = registry._running.get(me, 0) + 1
-                    _depth.n = getattr(_depth, "n", 0) + 1
-                    break
-            # Released (or held) while the hooks ran: ask them again (revive or raise).
+        me, token = threading.get_ident(), object()
+        mine = _tokens()
+        # CPython raises a Ctrl-C's KeyboardInterrupt at a function's start, after a call
+        # returns and at a loop's jump back: the counting in and out below makes no call
+        # between its steps, and each step is undone only if done.
         try:
+            while True:
+                epoch = registry._epoch
+                # A hook may take itself or others off while running (a revived placeholder
+                # loses its release hooks): each step asks the registry as it is now.
+                call_args, call_kwargs = args, kwargs
+                for hook in registry.hooks():
+                    if hook in registry._hooks.values():
+                        changed = hook.pre_call(module, call_args, call_kwargs)
+                        if changed is not None:
+                            call_args, call_kwargs = changed
+                with _calls_lock:
+                    while _holder(registry) not in (None, me):
+                        _held_back[me] = True
+                        _calls.wait(_RECHECK)  # a release is emptying the module: its end
+                    if me in _held_back:
+                        del _held_back[me]
+                    if registry._epoch == epoch:
+                        registry._running[token] = me
+                        mine[token] = True
+                        break
+                # Released (or held) while the hooks ran: ask them again (revive or raise).
             output = registry.original_forward(module)(*call_args, **call_kwargs)
-        finally:
-            with _calls:
-                left = registry._running[me] - 1
-                if left:
-                    registry._running[me] = left
-                else:
-                    del registry._running[me]
-                _depth.n -= 1
+        finally:  # each step undoes only what was done: safe wherever a Ctrl-C landed
+            with _calls_lock:
+                if token in registry._running:
+                    del registry._running[token]
+                if token in mine:
+                    del mine[token]
+                if me in _held_back:
+                    del _held_back[me]
                 _calls.notify_all()
         for hook in reversed(registry.hooks()):
             output = hook.post_call(module, output)
@@ -297,11 +330,19 @@ class _HookedForward:
 def in_call() -> bool:
     """Whether this thread is inside a call of a hooked module (a hook's own work, such as
     a streamed block released after its forward, runs inside the model's call)."""
-    return getattr(_depth, "n", 0) > 0
+    return bool(_tokens())
+
+
+def _tokens() -> dict[object, bool]:
+    """This thread's calls in flight, of every hooked module."""
+    tokens = getattr(_depth, "tokens", None)
+    if tokens is None:
+        tokens = _depth.tokens = {}
+    return tokens
 
 
 def _others(registries: list[HookRegistry], me: int) -> int:
-    return sum(n for r in registries for t, n in r._running.items() if t != me)
+    return sum(t != me for r in registries for t in r._running.values())
 
 
 @contextmanager
@@ -327,24 +368,25 @@ def quiesced(
     me = threading.get_ident()
     modules = list(modules)
     registries = [r for m in modules if (r := HookRegistry.of(m)) is not None]
-    with _calls:
+    with _calls_lock:
         busy = _others(registries, me)
     if busy and on_wait is not None:
         on_wait(busy)
     made: list[tuple[nn.Module, HookRegistry]] = []
-    with _calls:
-        while _others(registries, me) or any(r._held_by not in (None, me) for r in registries):
-            _calls.wait()
-        mine = [r for r in registries if r._held_by is None]
-        if unhooked:
-            for m in modules:
-                if HookRegistry.of(m) is None:
-                    made.append((m, HookRegistry.attach(m)))
-            mine += [r for _, r in made]
-        for r in mine:
-            r._held_by = me
-            r._epoch += 1
+    hold = _Hold(me)
     try:
+        with _calls_lock:
+            while _others(registries, me) or any(_holder(r) not in (None, me) for r in registries):
+                _calls.wait(_RECHECK)
+            free = [r for r in registries if _holder(r) is None]
+            if unhooked:
+                for m in modules:
+                    if HookRegistry.of(m) is None:
+                        made.append((m, HookRegistry.attach(m)))
+                free += [r for _, r in made]
+            for r in free:
+                r._held_by = hold
+                r._epoch += 1
         if made:
             ids = {id(m) for m, _ in made}
             uncounted = _uncounted(ids, me)
@@ -354,10 +396,12 @@ def quiesced(
                 _wait_uncounted(ids, me)
         yield
     finally:
-        with _calls:
-            for r in mine:
-                r._held_by = None
-                r._epoch += 1  # hooks run during the hold saw the module half released
+        hold.active = False  # first: over for every module, whatever interrupts the rest
+        with _calls_lock:
+            for r in registries + [r for _, r in made]:
+                if r._held_by is hold:
+                    r._held_by = None
+                    r._epoch += 1  # hooks run during the hold saw the module half released
             for m, r in made:  # given for the block only, and still without hooks
                 if not r._hooks and HookRegistry.of(m) is r:
                     HookRegistry._detach(m, r)
@@ -374,21 +418,28 @@ def try_hold(modules: Iterable[nn.Module]) -> Callable[[], None] | None:
     inside the hold proceeds at once."""
     me = threading.get_ident()
     registries = [r for m in modules if (r := HookRegistry.of(m)) is not None]
-    with _calls:
-        if _others(registries, me) or any(r._held_by not in (None, me) for r in registries):
-            return None
-        mine = [r for r in registries if r._held_by is None]
-        for r in mine:
-            r._held_by = me
-            r._epoch += 1
+    hold = _Hold(me)
 
     def end() -> None:
-        with _calls:
-            for r in mine:
-                r._held_by = None
-                r._epoch += 1
+        hold.active = False  # first: over for every module, whatever interrupts the rest
+        with _calls_lock:
+            for r in registries:
+                if r._held_by is hold:
+                    r._held_by = None
+                    r._epoch += 1
             _calls.notify_all()
 
+    try:
+        with _calls_lock:
+            if _others(registries, me) or any(_holder(r) not in (None, me) for r in registries):
+                return None
+            for r in registries:
+                if _holder(r) is None:
+                    r._held_by = hold
+                    r._epoch += 1
+    except BaseException:  # Ctrl-C: nothing stays held
+        hold.active = False
+        raise
     return end
 
 
@@ -404,7 +455,7 @@ def _uncounted(ids: set[int], me: int) -> int:
     until the hold ends: it is not waited for, or the two would wait for each other."""
     call, hooked = _call_code(), _HookedForward.__call__.__code__
     n = 0
-    with _calls:
+    with _calls_lock:
         waiting = set(_held_back)
     for thread, frame in sys._current_frames().items():
         if thread == me or thread in waiting:

@@ -208,13 +208,13 @@ def release(
     keep = list(keep)
     freed: dict[tuple[str, int], int] = {}  # storage -> bytes, over every pass
     devices: set[str] = set()  # where they were
-
-    def whole() -> None:  # a second pass skips what went to meta in the first
-        hold = quiesced(module.modules(), on_wait=on_wait, unhooked=True) if wait else nullcontext()
-        with hold:
-            _release(module, name, stage, keep, freed, devices)
-
-    interrupt = _to_the_end(whole)
+    hold = quiesced(module.modules(), on_wait=on_wait, unhooked=True) if wait else nullcontext()
+    # A Ctrl-C while waiting for calls in flight leaves the module as it was; once the
+    # tensors start to go, they all go (inside the hold, so no call sees half of them).
+    with hold:
+        interrupt = _to_the_end(
+            functools.partial(_release, module, name, stage, keep, freed, devices)
+        )
     return_memory_to_os(devices, collect=False)
     if getattr(_batch, "depth", 0):
         _batch.released = True
@@ -228,9 +228,10 @@ def release(
 def _to_the_end(step: Callable[[], None]) -> BaseException | None:
     """Run ``step`` to its end through Ctrl-C (KeyboardInterrupt, SystemExit: a
     BaseException that is not an Exception), running it again after each; returns the
-    first interrupt, for the caller to raise once done. Ctrl-C midway through a release
-    left a module half on meta: neither usable nor released, and its owner could not
-    tell (auto took it as loaded, and every later call failed)."""
+    first interrupt, for the caller to raise once done. ``step`` does work, never waits:
+    each pass makes progress. Ctrl-C midway through a release left a module half on meta:
+    neither usable nor released, and its owner could not tell (auto took it as loaded,
+    and every later call failed)."""
     interrupt: BaseException | None = None
     while True:
         try:
