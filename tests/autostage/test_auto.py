@@ -340,7 +340,9 @@ with scope or contextlib.nullcontext() as session:
         with tempfile.TemporaryDirectory() as tmp:
             asset = g.image_to_asset(pipeline, g.Image.open(image), args, "cpu", tmp)
         g.asset_to_glb(asset, f"{out}.{i}", args)
-print(sum(e.kind == "reload" for e in sink.events))
+# MoGe is made anew per image and dropped (del moge): whether the next image's call shares
+# the last one (a reload) or makes a new one depends on when the collector frees it.
+print(sum(e.kind == "reload" and e.model != "moge-tiny" for e in sink.events))
 print(sum(n.startswith("the plan before the first use") for n in getattr(session, "notes", [])))
 """.replace("FACTORIES", repr(list(PIXAL3D_FACTORIES)))
 
@@ -353,9 +355,8 @@ def pixal3d_images(stub: Path, image: Path, out: Path, budget: int, plan: bool) 
 
 def test_three_images_through_the_pixal3d_port_follow_its_stage_plan(stub, image, tmp_path):
     """The port's stages seed the plan at each ``run`` (until one learned from the uses
-    replaces it): with room for about two flow models, three images reload 16 times, and
-    17 without the port's plan (20 when auto released by furthest next use alone, not the
-    adapters' fewest-then-furthest); the GLBs are byte for byte the port's own (eager: the same
+    replaces it), said once: with room for about two flow models, three images reload 16
+    times (MoGe not counted); the GLBs are byte for byte the port's own (eager: the same
     script without auto; one thread in both)."""
     pytest.importorskip("PIL.Image")
     pixal3d_images(stub, image, tmp_path / "eager.glb", 0, plan=True)
@@ -366,10 +367,15 @@ def test_three_images_through_the_pixal3d_port_follow_its_stage_plan(stub, image
     assert (reloads, said) == (16, 1)
 
 
-def test_control_without_the_pixal3d_plan_three_images_reload_more(stub, image, tmp_path):
+def test_control_without_the_pixal3d_plan_it_is_not_said_and_the_reloads_are_as_many(
+    stub, image, tmp_path
+):
+    """Without the port's plan, auto learns it from the uses; with auto's eviction the
+    adapters' rule (fewest models, then furthest next use), three images reload as often
+    as with the port's plan. (Furthest-first, the rule before: 19 both ways.)"""
     pytest.importorskip("PIL.Image")
     reloads, said = pixal3d_images(stub, image, tmp_path / "auto.glb", 130_000, plan=False)
-    assert (reloads, said) == (17, 0)
+    assert (reloads, said) == (16, 0)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memory cgroups are Linux only")
@@ -1183,16 +1189,16 @@ def chosen_while_called(folder: str, monkeypatch: Any, wait: float = 30) -> tupl
     walking = threading.Event()
     made: list[Any] = []
 
-    def slow_layout(module: Any, chains: Any = None) -> Any:
+    def slow_layout(module: Any, *args: Any) -> Any:
         # Only lazy's release, once: a later release in T1's loop (lazy came back in T2's
         # call before T1 re-checked the budget, on a busy machine) must not wait for a hold.
         if not made or module is not made[0] or walking.is_set():
-            return real(module, chains)
+            return real(module, *args)
         walking.set()
         deadline = time.monotonic() + 10
         while not _held_back_any() and time.monotonic() < deadline:
             time.sleep(0.005)  # until T2's call waits at the hold: the state this test needs
-        return real(module, chains)
+        return real(module, *args)
 
     monkeypatch.setattr(stageload.autostage, "_layout", slow_layout)
     factories = [FACTORY, "fixtures.auto_script:make_lazy"]
@@ -1233,7 +1239,7 @@ def test_control_without_the_hold_the_release_and_the_call_wait_for_each_other(f
 def _held_back_any() -> bool:
     from stageload.hooks import registry
 
-    with registry._calls:
+    with registry._calls_lock:
         return bool(registry._held_back)
 
 

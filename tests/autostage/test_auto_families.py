@@ -6,6 +6,7 @@ and nothing is said but the plan and the budget (no component kept loaded)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +98,51 @@ def test_with_room_to_load_ahead_auto_gives_eagers_outputs(root: Path, name: str
     assert same(got, want)
     said = [e.note for e in sink.events if e.kind == "note"]
     assert [n for n in said if not any(e in n for e in EXPECTED)] == []
+
+
+def round_trip(path: Path, staged: bool) -> tuple[list[Any], list[int]]:
+    """Stable Diffusion: a call, ``pipe.to(float64)``, a call, ``pipe.to(float32)``, a call
+    (under a budget of 1 byte, each component reloads at each use); the outputs, and the
+    unet's weights' addresses modulo 64 at the last call."""
+    family, aligned = FAMILIES["sd"], []
+    scope = auto(budget=1, events=ListSink(), prefetch=False) if staged else None
+    with scope if scope is not None else contextlib.nullcontext():
+        pipe = family.load(path)
+        pipe.set_progress_bar_config(disable=True)
+        outs = [pipe(**family.call(0))[0]]
+        pipe.to(torch.float64)
+        outs.append(pipe(**family.call(1))[0])
+        pipe.to(torch.float32)
+        hook = pipe.unet.register_forward_pre_hook(
+            lambda m, a: aligned.extend(p.data_ptr() % 64 for p in m.parameters())
+        )
+        outs.append(pipe(**family.call(2))[0])
+        hook.remove()
+    return outs, aligned
+
+
+def test_a_dtype_round_trip_reloads_into_fresh_memory_as_the_scripts_conversion_did(root):
+    """After ``float32 -> float64 -> float32`` (no value changed) the script's weights sit
+    in fresh, 64-byte aligned memory; a reload from the files put them where the first
+    load did (56 bytes past a line), and the unet's time embedding gave other last bits
+    (a new-user helper's finding). Each reload now matches the script's placement."""
+    path = folder(FAMILIES["sd"], root)
+    want, want_aligned = round_trip(path, staged=False)
+    got, got_aligned = round_trip(path, staged=True)
+    assert got_aligned == want_aligned and set(want_aligned) == {0}
+    assert same(got, want)
+
+
+def test_control_reloaded_where_the_first_load_put_them_the_weights_are_not_aligned(
+    root, monkeypatch
+):
+    import stageload.autostage as autostage
+
+    real = autostage._layout
+
+    def unmoved(*args: Any, **kwargs: Any) -> Any:
+        return {n: (*want[:5], False) for n, want in real(*args, **kwargs).items()}
+
+    monkeypatch.setattr(autostage, "_layout", unmoved)
+    _, got_aligned = round_trip(folder(FAMILIES["sd"], root), staged=True)
+    assert set(got_aligned) != {0}

@@ -129,8 +129,9 @@ Seen = dict[str, tuple[int, int, int]]
 #: Each tensor of a model by name: (the dtypes its values went through since they were
 #: read, the last its dtype now: :func:`stageload.load.refill.converted`; its device,
 #: requires_grad, its strides when it is in channels_last (None otherwise), its own
-#: attributes) as the script left it.
-Layout = dict[str, tuple[tuple[Any, ...], Any, bool, tuple[int, ...] | None, dict[str, Any]]]
+#: attributes, whether its data moved since its load: a conversion gave it a new
+#: allocation, even one that changed no value) as the script left it.
+Layout = dict[str, tuple[tuple[Any, ...], Any, bool, tuple[int, ...] | None, dict[str, Any], bool]]
 
 
 @dataclass(eq=False)
@@ -158,6 +159,8 @@ class _Model:
     #: The tensors as auto last loaded them, and a few of their values: whether the script
     #: changed the model since.
     seen: Seen = field(default_factory=dict)
+    #: Each tensor's address as its last load left it (see :data:`Layout`).
+    placed: dict[str, int] = field(default_factory=dict)
     samples: dict[str, Any] = field(default_factory=dict)
     #: Dtypes, devices and requires_grad as the script left them at the last release: a
     #: reload gives them back.
@@ -460,6 +463,7 @@ class AutoSession:
             model = self._new(obj, name, make, _bytes(obj), rng)
             model.device = next((t.device for _, t in named_tensors(obj)), None)
             model.seen, model.samples = _seen(obj), _samples(obj)
+            model.placed = {n: address for n, (_, _, address) in model.seen.items()}
             model.made = _as_made(model, obj)
             model.inference = any(t.is_inference() for _, t in named_tensors(obj))
             if isinstance(recipe, str):
@@ -764,6 +768,7 @@ class AutoSession:
                     elif _same(_samples(module), _converted(model.samples, module)) is not None:
                         self._pin(model, "its factory gave other weights at reload", changed=True)
                     model.seen, model.samples = _seen(module), _samples(module)
+                    model.placed = {n: address for n, (_, _, address) in model.seen.items()}
                     written = _written(model, model.seen) if ahead is not None else []
                     if written:  # the script's own: kept, as a change made while loaded is
                         self._pin(
@@ -972,6 +977,7 @@ class AutoSession:
         plan, stage = self.record.plan, self.record.stage
         by_use = sorted(idle, key=lambda m: m.last_use)
         if plan is None or stage is None:
+            import sys as _s; print("LRU", name, size, [(m.name, m.size) for m in holding], [m.name for m in by_use], file=_s.stderr)
             return by_use
         sizes = {m.name: m.size for m in self._models.values() if m.module() is not None}
         sizes[name] = size
@@ -986,6 +992,7 @@ class AutoSession:
         rest = sorted(
             (m for m in by_use if m not in first), key=lambda m: -plan.next_use(m.name, stage)
         )
+        import sys as _s; print("ORDER", name, size, stage, [(m.name, m.size) for m in holding], [m.name for m in first + rest], file=_s.stderr)
         return first + rest
 
     def _release(self, victim: _Victim, note: str | None = None) -> None:
@@ -998,7 +1005,8 @@ class AutoSession:
         try:
             module = model.module()
             if module is not None:
-                model.layout, model.size = _layout(module, model.chains), _bytes(module)
+                model.layout = _layout(module, model.chains, model.placed)
+                model.size = _bytes(module)
                 model.device = next(iter(model.layout.values()), (None, model.device))[1]
                 # The hook's released() marks its tensors. A Ctrl-C is raised once the
                 # release is done (release() finishes first), so the model is released.
@@ -1311,12 +1319,16 @@ def _converted(samples: dict[str, Any], module: nn.Module) -> dict[str, Any]:
     return {n: v.to(dtypes[n]) if n in dtypes else v for n, v in samples.items()}
 
 
-def _layout(module: nn.Module, chains: dict[str, tuple[Any, ...]] | None = None) -> Layout:
+def _layout(
+    module: nn.Module,
+    chains: dict[str, tuple[Any, ...]] | None = None,
+    placed: dict[str, int] | None = None,
+) -> Layout:
     """Each tensor as the script left it (:data:`Layout`); ``chains``: the dtypes each went
-    through up to its last load."""
+    through up to its last load; ``placed``: where that load left each."""
     import torch
 
-    chains = chains or {}
+    chains, placed = chains or {}, placed or {}
     with torch_function_off():
         return {
             n: (
@@ -1329,6 +1341,7 @@ def _layout(module: nn.Module, chains: dict[str, tuple[Any, ...]] | None = None)
                 if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
                 else None,
                 own_attributes(t),
+                placed.get(n, t.data_ptr()) != t.data_ptr(),
             )
             for n, t in named_tensors(module)
         }
@@ -1337,7 +1350,11 @@ def _layout(module: nn.Module, chains: dict[str, tuple[Any, ...]] | None = None)
 def _convert(fresh: nn.Module, layout: Layout) -> None:
     """Give ``fresh`` (a reload) the dtypes and devices the script left: each tensor
     converted through the dtypes its values went through (tied ones stay tied: ``.data``
-    keeps the object)."""
+    keeps the object). One the script's conversions moved gets an allocation of its own
+    even where they changed no value (float32 -> float64 -> float32): left where the load
+    put it (a checkpoint's offset, 56 bytes past a 64-byte line), a kernel could take
+    another path than on the script's fresh, aligned copy, and a linear layer gave other
+    last bits (a new-user helper's finding, 3e-7 on Stable Diffusion's time embedding)."""
     import torch
 
     done: set[int] = set()
@@ -1347,10 +1364,13 @@ def _convert(fresh: nn.Module, layout: Layout) -> None:
             if want is None or id(t) in done:
                 continue
             done.add(id(t))
-            dtypes, device, _, strides, _ = want
+            dtypes, device, _, strides, _, moved = want
+            before = t.data_ptr()
             for dtype in dtypes:  # each in turn: a round trip keeps its rounding
                 if t.dtype != dtype or t.device != device:
                     t.data = t.data.to(device=device, dtype=dtype)
+            if moved and t.data_ptr() == before:
+                t.data = t.data.clone()
             if strides is not None and t.stride() != strides:  # .to(memory_format=...)
                 placed = torch.empty_strided(t.size(), strides, dtype=t.dtype, device=t.device)
                 placed.copy_(t.data)
