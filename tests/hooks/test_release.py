@@ -7,6 +7,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -294,3 +295,29 @@ def test_control_without_finishing_a_ctrl_c_leaves_the_module_half_on_meta(monke
         release(model, name="m")
     on_meta = [t.is_meta for t in model.state_dict().values()]
     assert any(on_meta) and not all(on_meta) and told == []
+
+
+def test_ctrl_c_as_a_tensor_went_to_meta_still_frees_its_storage_and_keeps_ties(monkeypatch):
+    """The interrupt lands just after the first tensor went to meta (CPython raises a
+    signal's exception as a call returns): the next pass skips that tensor, now on meta,
+    yet its storage is emptied, and a weight tied to it stays tied. Views held elsewhere
+    make each tensor take the twin path (``swap_tensors`` refuses a tensor so held)."""
+    import stageload.hooks.release as release_module
+
+    real, calls = release_module._to_meta, []
+
+    def interrupted_after(*args: Any) -> Any:
+        out = real(*args)
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(release_module, "_to_meta", interrupted_after)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    model[1].weight = model[0].weight  # tied
+    views = [p.detach() for p in model.parameters()]
+    with pytest.raises(KeyboardInterrupt):
+        release(model)
+    assert all(v.untyped_storage().nbytes() == 0 for v in views)
+    assert model[1].weight is model[0].weight and model[0].weight.is_meta

@@ -977,7 +977,6 @@ class AutoSession:
         plan, stage = self.record.plan, self.record.stage
         by_use = sorted(idle, key=lambda m: m.last_use)
         if plan is None or stage is None:
-            import sys as _s; print("LRU", name, size, [(m.name, m.size) for m in holding], [m.name for m in by_use], file=_s.stderr)
             return by_use
         sizes = {m.name: m.size for m in self._models.values() if m.module() is not None}
         sizes[name] = size
@@ -992,7 +991,6 @@ class AutoSession:
         rest = sorted(
             (m for m in by_use if m not in first), key=lambda m: -plan.next_use(m.name, stage)
         )
-        import sys as _s; print("ORDER", name, size, stage, [(m.name, m.size) for m in holding], [m.name for m in first + rest], file=_s.stderr)
         return first + rest
 
     def _release(self, victim: _Victim, note: str | None = None) -> None:
@@ -1005,7 +1003,7 @@ class AutoSession:
         try:
             module = model.module()
             if module is not None:
-                model.layout = _layout(module, model.chains, model.placed)
+                model.layout = _layout(module, model.chains, model.placed, model.layout)
                 model.size = _bytes(module)
                 model.device = next(iter(model.layout.values()), (None, model.device))[1]
                 # The hook's released() marks its tensors. A Ctrl-C is raised once the
@@ -1323,12 +1321,15 @@ def _layout(
     module: nn.Module,
     chains: dict[str, tuple[Any, ...]] | None = None,
     placed: dict[str, int] | None = None,
+    before: Layout | None = None,
 ) -> Layout:
     """Each tensor as the script left it (:data:`Layout`); ``chains``: the dtypes each went
-    through up to its last load; ``placed``: where that load left each."""
+    through up to its last load; ``placed``: where that load left each; ``before``: the
+    layout at the release before (a tensor once moved stays so: the reload that gave it
+    fresh memory left it where the next load will look)."""
     import torch
 
-    chains, placed = chains or {}, placed or {}
+    chains, placed, before = chains or {}, placed or {}, before or {}
     with torch_function_off():
         return {
             n: (
@@ -1341,10 +1342,14 @@ def _layout(
                 if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
                 else None,
                 own_attributes(t),
-                placed.get(n, t.data_ptr()) != t.data_ptr(),
+                placed.get(n, t.data_ptr()) != t.data_ptr() or before.get(n, _UNMOVED)[5],
             )
             for n, t in named_tensors(module)
         }
+
+
+#: A layout entry of a tensor never released: only its ``moved``, False, is read.
+_UNMOVED = ((), None, False, None, {}, False)
 
 
 def _convert(fresh: nn.Module, layout: Layout) -> None:
@@ -1922,7 +1927,7 @@ def auto(
         _ACTIVE.append(session)
     from torch import nn
 
-    undo: list[Callable[[], None]] = [patch(nn.Module, "_apply", _settled_first)]
+    undo: list[Callable[[], None]] = []
     devices: list[Callable[[], None]] = []  # undone once no released model is left
 
     def factory(spec: str) -> Callable[[Any], None]:
@@ -1951,6 +1956,7 @@ def auto(
     # diffusers as it is resolved below gets the defaults wrapped too.
     sys.meta_path.insert(0, finder)
     try:
+        undo.append(patch(nn.Module, "_apply", _settled_first))
         for module_name, todo in steps.items():
 
             def run(module: Any, todo: list[Callable[[Any], None]] = todo) -> None:

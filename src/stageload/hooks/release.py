@@ -12,7 +12,8 @@ import gc
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -206,23 +207,40 @@ def release(
     if not isinstance(module, nn.Module):
         raise TypeError(f"release() expects an nn.Module, got {type(module).__name__}")
     keep = list(keep)
-    freed: dict[tuple[str, int], int] = {}  # storage -> bytes, over every pass
-    devices: set[str] = set()  # where they were
+    done = _Progress()  # over every pass
     hold = quiesced(module.modules(), on_wait=on_wait, unhooked=True) if wait else nullcontext()
     # A Ctrl-C while waiting for calls in flight leaves the module as it was; once the
     # tensors start to go, they all go (inside the hold, so no call sees half of them).
     with hold:
-        interrupt = _to_the_end(
-            functools.partial(_release, module, name, stage, keep, freed, devices)
-        )
-    return_memory_to_os(devices, collect=False)
+        interrupt = _to_the_end(functools.partial(_release, module, name, stage, keep, done))
+    for storage in done.storages:  # a pass interrupted between a tensor and its storage
+        if storage.nbytes():
+            with suppress(RuntimeError):  # not resizable: it goes with its last view
+                storage.resize_(0)
+    done.storages.clear()  # before giving memory back: the last reference may be these
+    done.replaced.clear()
+    return_memory_to_os(done.devices, collect=False)
     if getattr(_batch, "depth", 0):
         _batch.released = True
     elif not in_call():
         collect_garbage()
     if interrupt is not None:
         raise interrupt
-    return sum(freed.values())
+    return sum(done.freed.values())
+
+
+@dataclass
+class _Progress:
+    """What a release did so far, kept across the passes a Ctrl-C makes it run: each
+    storage it frees (recorded before its tensor goes to meta: a pass interrupted right
+    after would skip that tensor, now on meta), the devices, the meta twins that keep tied
+    weights tied, and the storages to empty at the end."""
+
+    freed: dict[tuple[str, int], int] = field(default_factory=dict)
+    devices: set[str] = field(default_factory=set)
+    #: Old tensor id -> (the old tensor, kept so its id stays its own; its meta twin).
+    replaced: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    storages: list[Any] = field(default_factory=list)
 
 
 def _to_the_end(step: Callable[[], None]) -> BaseException | None:
@@ -248,11 +266,10 @@ def _release(
     name: str | None,
     stage: str | None,
     keep: list[nn.Module],
-    freed: dict[tuple[str, int], int],
-    devices: set[str],
+    done: _Progress,
 ) -> None:
-    """:func:`release`'s work, with calls of ``module`` from other threads held back; the
-    storage it frees goes in ``freed``, its device type in ``devices``."""
+    """:func:`release`'s work, with calls of ``module`` from other threads held back; what
+    it did goes in ``done``, so a second pass finishes an interrupted one."""
     import torch
 
     kept_modules: set[int] = set()
@@ -268,7 +285,7 @@ def _release(
     retained = {
         id(t) for hook in (registry.hooks() if registry else ()) for t in hook.retain(module)
     }
-    replaced: dict[int, torch.Tensor] = {}  # old tensor id -> meta twin, keeps tied weights tied
+    freed, replaced = done.freed, done.replaced
     with torch.no_grad():
         for sub in module.modules():
             if id(sub) in kept_modules:
@@ -284,18 +301,22 @@ def _release(
                 if skey in kept_storage:
                     continue
                 if id(t) in replaced:  # a tied weight already done under another name
-                    if replaced[id(t)] is not t:
-                        setattr(sub, key, replaced[id(t)])
+                    twin = replaced[id(t)][1]
+                    if twin is not t:
+                        setattr(sub, key, twin)
                     continue
-                size, device = t.untyped_storage().nbytes(), t.device.type
-                replaced[id(t)], old = _to_meta(sub, key, t)
-                if skey not in freed:
-                    freed[skey] = size
-                    devices.add(device)
+                storage = t.untyped_storage()
+                first = skey not in freed
+                if first:
+                    freed[skey] = storage.nbytes()
+                    done.devices.add(t.device.type)
+                    done.storages.append(storage)
+                twin, old = _to_meta(sub, key, t)
+                replaced[id(t)] = (t, twin)
+                if first:
                     _empty_storage(old)
             # A part released before (a streamed block) now says this release.
             HookRegistry.attach(sub).add(RELEASED, ReleasedHook(name, stage, module), replace=True)
-    replaced.clear()
     for hook in registry.hooks() if registry is not None else ():
         hook.released(module)  # after the tensors went: a staged placeholder marks them
 
