@@ -581,16 +581,14 @@ def test_control_unserialized_a_running_call_sees_its_model_released(
     path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without the gathering (no stager found, so no batch and no lock) and without
-    release's wait for calls in flight (hooks.registry.quiesced), a second call runs while
+    release's wait for calls in flight (hooks.registry.hold_calls), a second call runs while
     the first is inside its UNet's forward: its stages release that UNet under the running
     forward. Unheld, such races crashed the process (exit 139) in 2 of 3 runs of
     tests/fixtures/concurrent_calls.py --no-lock; here the first call waits at a known
     point and looks. (With the wait alone, the second call's release waits for the first
     call, which here waits for the second: the wait is tested in tests/core/test_threads.py.)"""
     monkeypatch.setattr("stageload.diffusers._stagers", lambda pipe: [])
-    monkeypatch.setattr(
-        "stageload.hooks.release.quiesced", lambda *a, **k: contextlib.nullcontext()
-    )
+    monkeypatch.setattr("stageload.hooks.release.hold_calls", lambda *a, **k: None)
     pipe = staged(path)
     holding, go = threading.Event(), threading.Event()
     seen: list[bool] = []

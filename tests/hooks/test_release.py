@@ -288,7 +288,7 @@ def test_control_without_finishing_a_ctrl_c_leaves_the_module_half_on_meta(monke
             return exc
         return None
 
-    monkeypatch.setattr(release_module, "_to_the_end", once)
+    monkeypatch.setattr(release_module, "to_the_end", once)
     model, told = _three_layers()
     _sigint_at(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):

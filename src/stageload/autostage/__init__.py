@@ -79,8 +79,8 @@ from ..external import (
     torch_function_off,
 )
 from ..hooks.empty import mark_empty, own_attributes
-from ..hooks.registry import HookRegistry, ModuleHook, patch, try_hold
-from ..hooks.release import release, releasing, storage_sizes, unmark_released
+from ..hooks.registry import Hold, HookRegistry, ModuleHook, end_hold, patch, try_hold
+from ..hooks.release import is_released, release, releasing, storage_sizes, unmark_released
 from ..hooks.share import call_key
 from ..load.checkpoint import (
     INDEX_SUFFIX,
@@ -247,10 +247,10 @@ class _Record:
 
 @dataclass
 class _Victim:
-    """A model chosen for release, and what ends the hold on its calls."""
+    """A model chosen for release, and the hold on its calls (:func:`end_hold` ends it)."""
 
     model: _Model
-    end_hold: Callable[[], None]
+    hold: Hold
 
 
 class _Hook(ModuleHook):
@@ -815,7 +815,7 @@ class AutoSession:
                 victim = self._held_for_release(alive[name], say=False)
                 if victim is None:
                     for v in victims:
-                        v.end_hold()
+                        end_hold(v.hold)
                     return
                 victims.append(victim)
             models = [alive[n] for n in decision.names]
@@ -840,7 +840,7 @@ class AutoSession:
                 if thread.ident is None:  # a release failed (Ctrl-C): as before, no load ahead
                     for v in victims:
                         if v.model.state == RELEASING and v.model.owner == me:
-                            v.end_hold()  # not reached: still loaded
+                            end_hold(v.hold)  # not reached: still loaded
                             v.model.state, v.model.owner = LOADED, None
                     for m in models:
                         if m.owner == AHEAD:
@@ -876,8 +876,8 @@ class AutoSession:
             return None
         # Chosen and held in one step: a call that starts now waits for the release (then
         # reloads), instead of being waited for by it.
-        end = try_hold(module.modules())
-        return None if end is None else _Victim(model, end)
+        hold = try_hold(module.modules())
+        return None if hold is None else _Victim(model, hold)
 
     def _run_ahead(self, models: list[_Model], purpose: str) -> None:
         """The load-ahead thread: load ``models``, marked ``loading`` for it, in turn."""
@@ -1013,10 +1013,11 @@ class AutoSession:
         except Exception:
             raise
         except BaseException:  # Ctrl-C: released if the release began (it finishes)
-            done = module is not None and _began(module)
+            done = module is not None and is_released(module)
             raise
         finally:
-            victim.end_hold()
+            victim.hold.active = False  # one store: over, whatever interrupts the rest
+            end_hold(victim.hold)
             with self._mutex:
                 model.state, model.owner = (RELEASED if done else LOADED), None
                 if done:
@@ -1108,13 +1109,6 @@ class AutoSession:
     def _emit(self, event: Event) -> None:
         if self._sink is not None:
             self._sink.emit(event)
-
-
-def _began(module: nn.Module) -> bool:
-    """Whether a release of ``module`` began: one of its tensors is on ``meta`` (and
-    :func:`~stageload.release` finishes what it begins)."""
-    with torch_function_off():
-        return any(t.is_meta for _, t in named_tensors(module))
 
 
 def _written(model: _Model, seen: Seen) -> list[str]:

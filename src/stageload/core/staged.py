@@ -32,7 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import StageloadError
 from ..hooks.registry import HookRegistry, ModuleHook
-from ..hooks.release import held_elsewhere, is_released, module_bytes, release, releasing
+from ..hooks.release import (
+    held_elsewhere,
+    is_released,
+    module_bytes,
+    release,
+    releasing,
+    to_the_end,
+)
 from ..load.loaders import ready_for_background
 from ..load.progress import PREFETCH_THREAD
 from ..load.reader import background_thread
@@ -325,6 +332,21 @@ class StagedModels(Mapping[str, "nn.Module"]):
             batch.park(stage)
         if stage == self._stage:
             return
+        try:
+            self._change(stage)
+        except BaseException:  # Ctrl-C, a failed release: entering again makes the change
+            with self._lock:
+                self._stage = None
+                # Taken out but not released (interrupted before its release began): listed
+                # again, else a use would load a second copy beside it.
+                for doomed in self._taken_out():
+                    if not is_released(doomed.module):
+                        self._models.setdefault(doomed.name, doomed.module)
+                    self._doomed.remove(doomed)
+            raise
+
+    def _change(self, stage: str) -> None:
+        """:meth:`enter`'s work: undone (the stage forgotten) if it does not end."""
         self._timings.stage_ends(self._stage, time.perf_counter())
         self._wait_background()
         with self._lock:
@@ -345,12 +367,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
                 self._release(name, stage, steps.why(name, stage, plan))
         # Released without the lock: a release waits for the model's calls in flight, and
         # a call may ask the registry for a model.
-        try:
-            self._drain()
-        except BaseException:  # Ctrl-C: the change is not done, and entering again does it
-            with self._lock:
-                self._stage = None
-            raise
+        self._drain()
         with self._lock:
             # The stage's span starts here: its releases (and their one collection) are
             # not its compute, which the prefetch cost model weighs.
@@ -477,38 +494,55 @@ class StagedModels(Mapping[str, "nn.Module"]):
     def _release(self, name: str, stage: str | None, reason: str | None = None) -> None:
         """Take ``name`` out (lock held): it is handed out no more. This thread releases it
         at its next :meth:`_drain`, once it holds no lock."""
-        self._doomed.append(_Doomed(name, self._models.pop(name), stage, reason))
+        doomed = _Doomed(name, self._models[name], stage, reason)
+        self._doomed.append(doomed)
+        del self._models[name]  # after: a Ctrl-C between the two leaves it listed, not lost
 
     def _drain(self) -> int:
         """Release what this thread took out, in order (no lock held); returns the bytes
         freed. Each release waits for the model's calls in flight on other threads; the
-        garbage is collected once for all of them (``releasing``)."""
-        me = threading.get_ident()
+        garbage is collected once for all of them (``releasing``). A Ctrl-C is raised once
+        every release decided is done."""
         total = 0
-        interrupt: BaseException | None = None  # Ctrl-C: the releases decided go on first
-        with releasing():
+        taken: list[_Doomed] = []  # out of _doomed, its release not over yet
+
+        def rest() -> None:
+            nonlocal total
+            # An earlier pass was interrupted before this one's release was done (while it
+            # waited for calls in flight, or before it began): it stays loaded and listed.
+            for doomed in taken:
+                if not is_released(doomed.module):
+                    with self._lock:
+                        self._models.setdefault(doomed.name, doomed.module)
+            taken.clear()
             while True:
                 with self._lock:
-                    mine = next((d for d in self._doomed if d.thread == me), None)
-                    if mine is None:
-                        break
-                    self._doomed.remove(mine)
+                    taken_out = self._taken_out()
+                    if not taken_out:
+                        return
+                    mine = taken_out[0]
                     # Storage the loaded models and those still to be released share must
                     # survive this release (a shared backbone goes with the last holder).
-                    others = {d.name: d.module for d in self._doomed if d.thread == me}
+                    others = {d.name: d.module for d in taken_out[1:]}
                     others.update(self._models)
                     keep: list[Any] = list(others.values())
                     note = held_elsewhere(mine.module, others) if self._sink is not None else None
                     batch = self._batch is not None
-                try:
-                    total += self._release_now(mine, keep, note, wait=not batch)
-                except Exception:
-                    raise
-                except BaseException as exc:
-                    interrupt = interrupt or exc
+                    taken.append(mine)
+                    self._doomed.remove(mine)
+                total += self._release_now(mine, keep, note, wait=not batch)
+                taken.clear()
+
+        with releasing():
+            interrupt = to_the_end(rest)
         if interrupt is not None:
             raise interrupt
         return total
+
+    def _taken_out(self) -> list[_Doomed]:
+        """The models this thread took out, to release, in order (lock held)."""
+        me = threading.get_ident()
+        return [d for d in self._doomed if d.thread == me]
 
     def _release_now(self, doomed: _Doomed, keep: list[Any], note: str | None, wait: bool) -> int:
         name, module, stage = doomed.name, doomed.module, doomed.stage
@@ -543,12 +577,9 @@ class StagedModels(Mapping[str, "nn.Module"]):
             nbytes = release(module, name=name, stage=stage, keep=keep, wait=wait, on_wait=waiting)
         except Exception:
             raise
-        except BaseException:  # Ctrl-C
+        except BaseException:  # Ctrl-C; if not released, _drain lists the model again
             if is_released(module):  # release() finishes what it begins, then raises
                 said(None, note, "interrupted (Ctrl-C), released whole")
-            else:  # while it waited for calls in flight: the registry as it was
-                with self._lock:
-                    self._models.setdefault(name, module)
             raise
         said(nbytes, note)
         return nbytes

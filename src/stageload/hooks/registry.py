@@ -21,9 +21,9 @@ So the only attributes stageload sets on objects it does not own are ``HOOKS_ATT
 
 Calls in flight: every call of a hooked module counts itself in around the module's own
 forward (after the ``pre_call`` hooks, before the ``post_call`` ones), per thread.
-:func:`quiesced` waits until no other thread has a call of given modules in flight and
-holds new ones back while the block runs; :func:`stageload.release` empties a module
-inside it, so weights are never freed under a running call (freeing them under one
+:func:`hold_calls` waits until no other thread has a call of given modules in flight and
+holds new ones back until :func:`end_hold`; :func:`stageload.release` empties a module
+inside such a hold, so weights are never freed under a running call (freeing them under one
 crashed the interpreter). A call held back, or one whose ``pre_call`` hooks ran while the
 module was released, asks its hooks again: it is revived or raises
 :class:`~stageload.ReleasedModuleError`, never computes on freed memory.
@@ -41,8 +41,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..external import module_call_code
@@ -113,32 +112,57 @@ class ModuleHook:
             fill()
 
 
-# One lock and condition for the calls of every hooked module: a call counts itself in and
-# out under it, and quiesced() waits on it. Uncontended, it costs two lock round trips per
-# call. Taken as `with _calls_lock` (C code), never `with _calls`: a Ctrl-C inside the
-# Condition's own __enter__ (Python code) left the lock taken, and every later call hung.
+# One lock for the calls of every hooked module: a call counts itself in and out under it,
+# and a hold waits for them (see Bell). Uncontended, it costs two lock round trips per
+# call. Taken as `with _calls_lock` (C code): a Ctrl-C inside a Condition's own __enter__
+# (Python code) left the lock taken, and every later call hung.
 _calls_lock = threading.Lock()  # never taken twice by one thread
-_calls = threading.Condition(_calls_lock)
-#: How long a wait on ``_calls`` lasts before it looks again: a Ctrl-C inside notify_all()
-#: may lose a wake-up, which then costs this, not a hang.
-_RECHECK = 0.1
+
+
+class Bell:
+    """Wakes the threads waiting for a state that a lock guards to change.
+
+    ``threading.Condition.wait`` lets go of the lock in Python code: a Ctrl-C just after
+    leaves it released under the caller's ``with``, which releases it again on the way
+    out (a plain Lock, taken meanwhile by another thread). Here a waiter sleeps outside
+    the lock, on a ticket of its own, so the lock is only ever taken and given back by
+    ``with``::
+
+        while True:
+            with lock:
+                if ready():
+                    break
+                ticket = bell.ticket()
+            ticket.acquire(timeout=RECHECK)
+
+    ``ticket`` and ``ring`` are called holding the lock. A wake-up lost to a Ctrl-C inside
+    ``ring`` costs the waiter its timeout, not a hang."""
+
+    def __init__(self) -> None:
+        self._tickets: dict[Any, bool] = {}
+
+    def ticket(self) -> Any:
+        """A lock that :meth:`ring` releases: acquiring it waits for the next ring."""
+        ticket = threading.Lock()
+        ticket.acquire()
+        self._tickets[ticket] = True  # after the acquire: a ring never finds it unheld
+        return ticket
+
+    def ring(self) -> None:
+        """Wake every thread waiting on a ticket."""
+        while self._tickets:
+            ticket, _ = self._tickets.popitem()
+            ticket.release()
+
+
+_changed = Bell()  # rung whenever a call ends or a hold ends
+#: How long a wait sleeps before it looks again (a ring lost to a Ctrl-C costs this).
+RECHECK = 0.1
 # This thread's calls in flight, of all hooked modules, one token each (see in_call()).
 _depth = threading.local()
 # Threads whose call waits for a hold to end: they compute nothing until it does. A dict,
 # so a clean-up is `del` (no call: no point where Ctrl-C can land, see _HookedForward).
 _held_back: dict[int, bool] = {}
-
-
-class _Hold:
-    """One thread's hold of some modules' calls (:func:`quiesced`, :func:`try_hold`). Over
-    once ``active`` is False: one store, which no Ctrl-C can split, so an interrupted
-    clean-up never leaves a module held."""
-
-    __slots__ = ("active", "thread")
-
-    def __init__(self, thread: int) -> None:
-        self.thread = thread
-        self.active = True
 
 
 def _holder(registry: HookRegistry) -> int | None:
@@ -161,7 +185,7 @@ class HookRegistry:
         # token, whatever a Ctrl-C interrupted: a count could be left one too high (a call
         # in flight forever, which a release on another thread then waited for).
         self._running: dict[object, int] = {}
-        self._held_by: _Hold | None = None  # the hold of quiesced() or try_hold(), if any
+        self._held_by: Hold | None = None  # the hold of hold_calls() or try_hold(), if any
         # Bumped as a hold starts and ends: a call whose hooks ran across either asks again.
         self._epoch = 0
 
@@ -301,16 +325,20 @@ class _HookedForward:
                         changed = hook.pre_call(module, call_args, call_kwargs)
                         if changed is not None:
                             call_args, call_kwargs = changed
-                with _calls_lock:
-                    while _holder(registry) not in (None, me):
+                while True:
+                    with _calls_lock:
+                        if _holder(registry) in (None, me):
+                            if me in _held_back:
+                                del _held_back[me]
+                            if registry._epoch == epoch:
+                                registry._running[token] = me
+                                mine[token] = True
+                            break
                         _held_back[me] = True
-                        _calls.wait(_RECHECK)  # a release is emptying the module: its end
-                    if me in _held_back:
-                        del _held_back[me]
-                    if registry._epoch == epoch:
-                        registry._running[token] = me
-                        mine[token] = True
-                        break
+                        ticket = _changed.ticket()
+                    ticket.acquire(timeout=RECHECK)  # a release is emptying the module: its end
+                if token in mine:
+                    break
                 # Released (or held) while the hooks ran: ask them again (revive or raise).
             output = registry.original_forward(module)(*call_args, **call_kwargs)
         finally:  # each step undoes only what was done: safe wherever a Ctrl-C landed
@@ -321,7 +349,7 @@ class _HookedForward:
                     del mine[token]
                 if me in _held_back:
                     del _held_back[me]
-                _calls.notify_all()
+                _changed.ring()
         for hook in reversed(registry.hooks()):
             output = hook.post_call(module, output)
         return output
@@ -345,15 +373,45 @@ def _others(registries: list[HookRegistry], me: int) -> int:
     return sum(t != me for r in registries for t in r._running.values())
 
 
-@contextmanager
-def quiesced(
+class Hold:
+    """One thread's hold of some modules' calls (:func:`hold_calls`, :func:`try_hold`).
+    Over once ``active`` is False: one store, which no Ctrl-C can split, so an interrupted
+    clean-up never leaves a module held. It lists what it holds, for :func:`end_hold`."""
+
+    __slots__ = ("active", "made", "registries", "thread")
+
+    def __init__(self, thread: int) -> None:
+        self.thread = thread
+        self.active = True
+        self.registries: list[HookRegistry] = []
+        # Modules given a registry for the hold only (unhooked ones): taken off after.
+        self.made: list[tuple[nn.Module, HookRegistry]] = []
+
+
+def new_hold() -> Hold:
+    """A hold for this thread, holding nothing yet. Made in the caller's frame before its
+    ``try`` (a Ctrl-C then finds it there to end), filled by :func:`hold_calls`::
+
+        hold = new_hold()
+        try:
+            hold_calls(hold, modules)
+            ...
+        finally:
+            hold.active = False  # one store: over, whatever interrupts the rest
+            end_hold(hold)
+    """
+    return Hold(threading.get_ident())
+
+
+def hold_calls(
+    hold: Hold,
     modules: Iterable[nn.Module],
     *,
     on_wait: Callable[[int], None] | None = None,
     unhooked: bool = False,
-) -> Iterator[None]:
+) -> None:
     """Wait until no other thread has a call of any hooked module in ``modules`` in flight,
-    then hold new calls of them back (on other threads) until the block ends.
+    then hold new calls of them back (on other threads) until :func:`end_hold`.
 
     ``on_wait(n)`` is called once, before waiting, when ``n`` calls are in flight.
     This thread's own calls are not waited for (it would wait for itself): a hook that
@@ -361,74 +419,69 @@ def quiesced(
     once, so a call nested in two of them never waits for a release waiting for it.
 
     ``unhooked=True`` covers the modules without hooks too (``release`` of a plain
-    module): each gets a registry for the block (so new calls are held), and calls that
+    module): each gets a registry for the hold (so new calls are held), and calls that
     began before, which nothing counted, are waited for by looking at the other threads'
     stacks (``nn.Module._call_impl`` frames of these modules), polled every few ms.
     """
-    me = threading.get_ident()
+    me = hold.thread
     modules = list(modules)
     registries = [r for m in modules if (r := HookRegistry.of(m)) is not None]
     with _calls_lock:
         busy = _others(registries, me)
     if busy and on_wait is not None:
         on_wait(busy)
-    made: list[tuple[nn.Module, HookRegistry]] = []
-    hold = _Hold(me)
-    try:
+    while True:
         with _calls_lock:
-            while _others(registries, me) or any(_holder(r) not in (None, me) for r in registries):
-                _calls.wait(_RECHECK)
-            free = [r for r in registries if _holder(r) is None]
-            if unhooked:
-                for m in modules:
-                    if HookRegistry.of(m) is None:
-                        made.append((m, HookRegistry.attach(m)))
-                free += [r for _, r in made]
-            for r in free:
-                r._held_by = hold
-                r._epoch += 1
-        if made:
-            ids = {id(m) for m, _ in made}
-            uncounted = _uncounted(ids, me)
-            if uncounted and not busy and on_wait is not None:
-                on_wait(uncounted)
-            if uncounted:
-                _wait_uncounted(ids, me)
-        yield
-    finally:
-        hold.active = False  # first: over for every module, whatever interrupts the rest
-        with _calls_lock:
-            for r in registries + [r for _, r in made]:
-                if r._held_by is hold:
-                    r._held_by = None
-                    r._epoch += 1  # hooks run during the hold saw the module half released
-            for m, r in made:  # given for the block only, and still without hooks
-                if not r._hooks and HookRegistry.of(m) is r:
-                    HookRegistry._detach(m, r)
-            _calls.notify_all()
+            if not _others(registries, me) and all(_holder(r) in (None, me) for r in registries):
+                for r in registries:
+                    if _holder(r) is None:
+                        r._held_by = hold
+                        r._epoch += 1
+                        hold.registries.append(r)
+                if unhooked:
+                    for m in modules:
+                        if HookRegistry.of(m) is None:
+                            made = HookRegistry.attach(m)
+                            made._held_by = hold
+                            hold.made.append((m, made))
+                break
+            ticket = _changed.ticket()
+        ticket.acquire(timeout=RECHECK)
+    if hold.made:
+        ids = {id(m) for m, _ in hold.made}
+        uncounted = _uncounted(ids, me)
+        if uncounted and not busy and on_wait is not None:
+            on_wait(uncounted)
+        if uncounted:
+            _wait_uncounted(ids, me)
 
 
-def try_hold(modules: Iterable[nn.Module]) -> Callable[[], None] | None:
+def end_hold(hold: Hold) -> None:
+    """End ``hold`` (already over once ``hold.active`` is False; this tidies up): its
+    modules' calls go on, and registries given for the hold only are taken off."""
+    hold.active = False
+    with _calls_lock:
+        for r in hold.registries + [r for _, r in hold.made]:
+            if r._held_by is hold:
+                r._held_by = None
+                r._epoch += 1  # hooks run during the hold saw the module half released
+        for m, r in hold.made:  # given for the hold only, and still without hooks
+            if not r._hooks and HookRegistry.of(m) is r:
+                HookRegistry._detach(m, r)
+        _changed.ring()
+
+
+def try_hold(modules: Iterable[nn.Module]) -> Hold | None:
     """Hold new calls of the hooked modules among ``modules`` back now, if no other thread
-    has a call of one in flight; return what ends the hold, or None (nothing held).
+    has a call of one in flight; return the hold (for :func:`end_hold`), or None.
 
-    Unlike :func:`quiesced` it never waits, so a caller may choose a module and hold it
+    Unlike :func:`hold_calls` it never waits, so a caller may choose a module and hold it
     in one step under a lock of its own: a call that starts afterwards waits for the hold
-    to end instead of being waited for. A :func:`quiesced` (a ``release``) by this thread
-    inside the hold proceeds at once."""
+    to end instead of being waited for. A release by this thread inside the hold proceeds
+    at once."""
     me = threading.get_ident()
     registries = [r for m in modules if (r := HookRegistry.of(m)) is not None]
-    hold = _Hold(me)
-
-    def end() -> None:
-        hold.active = False  # first: over for every module, whatever interrupts the rest
-        with _calls_lock:
-            for r in registries:
-                if r._held_by is hold:
-                    r._held_by = None
-                    r._epoch += 1
-            _calls.notify_all()
-
+    hold = Hold(me)
     try:
         with _calls_lock:
             if _others(registries, me) or any(_holder(r) not in (None, me) for r in registries):
@@ -437,10 +490,11 @@ def try_hold(modules: Iterable[nn.Module]) -> Callable[[], None] | None:
                 if _holder(r) is None:
                     r._held_by = hold
                     r._epoch += 1
+                    hold.registries.append(r)
     except BaseException:  # Ctrl-C: nothing stays held
         hold.active = False
         raise
-    return end
+    return hold
 
 
 @functools.lru_cache(maxsize=1)

@@ -12,7 +12,7 @@ import gc
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 from ..errors import StageloadError
-from .registry import HookRegistry, ModuleHook, in_call, quiesced
+from .registry import HookRegistry, ModuleHook, end_hold, hold_calls, in_call, new_hold
 
 #: The name of the hook :func:`release` adds to every module it empties.
 RELEASED = "released"
@@ -144,9 +144,10 @@ def releasing(*, collect: bool = True) -> Iterator[None]:
     torch is imported here), only frees the script's own dead cycles. ``stageload.auto``
     releases this way. Nested blocks collect if any of them asked to."""
     depth = getattr(_batch, "depth", 0)
-    _batch.depth = depth + 1
-    _batch.collect = getattr(_batch, "collect", False) or collect
-    try:
+    try:  # set inside: a Ctrl-C between the two left the depth raised, and no later
+        # release of this thread collected
+        _batch.depth = depth + 1
+        _batch.collect = getattr(_batch, "collect", False) or collect
         yield
     finally:
         _batch.depth = depth
@@ -208,11 +209,17 @@ def release(
         raise TypeError(f"release() expects an nn.Module, got {type(module).__name__}")
     keep = list(keep)
     done = _Progress()  # over every pass
-    hold = quiesced(module.modules(), on_wait=on_wait, unhooked=True) if wait else nullcontext()
     # A Ctrl-C while waiting for calls in flight leaves the module as it was; once the
     # tensors start to go, they all go (inside the hold, so no call sees half of them).
-    with hold:
-        interrupt = _to_the_end(functools.partial(_release, module, name, stage, keep, done))
+    # The hold is made here, before the try, so no interrupt can leave it behind.
+    hold = new_hold()
+    try:
+        if wait:
+            hold_calls(hold, module.modules(), on_wait=on_wait, unhooked=True)
+        interrupt = to_the_end(functools.partial(_release, module, name, stage, keep, done))
+    finally:
+        hold.active = False  # one store: over, whatever interrupts the rest
+        end_hold(hold)
     for storage in done.storages:  # a pass interrupted between a tensor and its storage
         if storage.nbytes():
             with suppress(RuntimeError):  # not resizable: it goes with its last view
@@ -243,11 +250,13 @@ class _Progress:
     storages: list[Any] = field(default_factory=list)
 
 
-def _to_the_end(step: Callable[[], None]) -> BaseException | None:
+def to_the_end(step: Callable[[], None]) -> BaseException | None:
     """Run ``step`` to its end through Ctrl-C (KeyboardInterrupt, SystemExit: a
     BaseException that is not an Exception), running it again after each; returns the
-    first interrupt, for the caller to raise once done. ``step`` does work, never waits:
-    each pass makes progress. Ctrl-C midway through a release left a module half on meta:
+    first interrupt, for the caller to raise once done. An Exception is raised at once.
+
+    ``step`` resumes where an interrupted pass stopped, and never waits for long: each
+    pass makes progress. Ctrl-C midway through a release left a module half on meta:
     neither usable nor released, and its owner could not tell (auto took it as loaded,
     and every later call failed)."""
     interrupt: BaseException | None = None
