@@ -387,3 +387,20 @@ def test_a_trace_cut_by_sigkill_of_the_command_is_readable(pipeline, child_env, 
     assert [s.stage for s in summary.stages] == ["setup", "encode", "decode"]
     assert summary.exit_code == 128 + signal.SIGKILL
     assert read_trace(trace).end["signal"] == "SIGKILL"
+
+
+def test_a_release_that_frees_nothing_says_so_in_the_outer_trace_too(outer):
+    """With no sink of its own (under ``stageload meter`` only), the release event still
+    says which model holds the weights on (a helper found the note computed only for a
+    sink)."""
+    backbone = nn.Linear(64, 64)
+    models = StagedModels(
+        {"backbone": lambda: backbone, "head": lambda: nn.Sequential(backbone, nn.Linear(64, 4))},
+        stages={"both": ["backbone", "head"], "head": ["head"]},
+    )
+    models.enter("both")
+    models["backbone"], models["head"]
+    models.enter("head")
+    (kept,) = [e for e in events_of(outer) if e["kind"] == "release"]
+    assert kept["model"] == "backbone" and kept["bytes"] == 0
+    assert kept["note"] == "16.2 KiB of its weights stay, still held by 'head'"

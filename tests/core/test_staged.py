@@ -227,6 +227,27 @@ def test_a_custom_residency_policy_decides_what_goes(checkpoints):
     assert models.loaded() == ["encoder", "denoiser"]
 
 
+def test_a_custom_policys_loads_ahead_happen_with_prefetch_on_too(checkpoints):
+    """With ``prefetch=True``, the loads ahead a custom policy names whose loaders may not
+    run in the background (not marked rng_free) load on entry, on this thread, as without
+    prefetch. (They were dropped: Pixal3D's shared backbone, loaded ahead so that its four
+    extractors share it, was built inside each of them.)"""
+
+    class LoadAhead:
+        def to_release(self, stage, loaded, plan):
+            return []
+
+        def to_prefetch(self, stage, loaded, plan):
+            return [n for n in plan.stages[stage] if n not in loaded]
+
+    models = StagedModels(
+        loaders_for(checkpoints), stages=STAGES, policy=LoadAhead(), prefetch=True
+    )
+    assert models.prefetch and "encoder" not in models._prefetchable
+    models.enter("encode")
+    assert models.loaded() == ["encoder"]
+
+
 def test_load_bytes_count_only_what_the_load_added():
     """A backbone another loaded model already holds is not counted again."""
     backbone = nn.Linear(64, 64)

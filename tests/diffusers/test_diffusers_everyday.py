@@ -24,6 +24,7 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 import stageload.hooks.empty  # noqa: E402
+import stageload.hooks.registry  # noqa: E402
 from stageload import ModelLoadError  # noqa: E402
 from stageload.diffusers import _placeholder, staged_pipeline  # noqa: E402
 from stageload.external import tensor_version  # noqa: E402
@@ -214,6 +215,44 @@ def test_from_pipe_builds_a_staged_pipeline_equal_to_eager(path: Path, family: s
     for _ in range(2):
         assert torch.equal(pipe(**fam.call(0))[0], want)
         assert empty(pipe.unet)  # still staged: released after denoising
+
+
+def fresh_img2img() -> type:
+    """An img2img pipeline class no stager patched (patches last for the process, and
+    another test may have patched the family's class): a subclass with its own
+    ``__call__``, the family's as diffusers wrote it."""
+    base = FAMILIES["sd-img2img"].cls
+    call = base.__dict__["__call__"]
+    patched = call.__code__.co_filename == stageload.hooks.registry.__file__  # its dispatch
+    original = call.__wrapped__ if patched else call
+    return type("FreshImg2Img", (base,), {"__call__": original})
+
+
+@pytest.mark.parametrize("build", ["from_pipe", "constructor"])
+def test_a_pipeline_of_another_class_built_on_staged_components_runs_its_calls_batched(
+    path: Path, build: str
+) -> None:
+    """``from_pipe`` to another class, or that class given ``pipe.components``: its calls
+    go through the stager's gather (so calls from several threads take turns, stage-major),
+    as the staged pipeline's own do. (A helper found that they ran unlocked.)"""
+    pipe, cls = staged(path), fresh_img2img()
+    other = cls.from_pipe(pipe) if build == "from_pipe" else cls(**pipe.components)
+    other.set_progress_bar_config(disable=True)
+    before = list(pipe.stageload.gather.batches)
+    other(**FAMILIES["sd-img2img"].call(0))
+    assert pipe.stageload.gather.batches == [*before, 1]
+
+
+def test_control_without_following_new_pipelines_their_calls_bypass_the_gather(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pipe, cls = staged(path), fresh_img2img()
+    monkeypatch.setattr("stageload.diffusers._serialize_calls", lambda cls: None)
+    other = cls.from_pipe(pipe)
+    other.set_progress_bar_config(disable=True)
+    before = list(pipe.stageload.gather.batches)
+    other(**FAMILIES["sd-img2img"].call(0))
+    assert pipe.stageload.gather.batches == before
 
 
 def test_control_a_placeholder_subclass_breaks_from_pipe(

@@ -393,8 +393,11 @@ class StagedModels(Mapping[str, "nn.Module"]):
                     )
                 for job in jobs:
                     self._executor.submit(self._run_background, job)  # type: ignore[union-attr]
-        if not self.prefetch:  # a custom policy's loads ahead, on this thread as before
-            for name in ahead:
+        # A custom policy's loads ahead that may not run in the background (all of them
+        # without prefetch): on this thread, now, as the policy asked. (Dropped before when
+        # prefetch was on: Pixal3D's shared backbone was built inside each extractor.)
+        for name in ahead:
+            if not (self.prefetch and name in self._prefetchable):
                 self[name]
 
     def map(
@@ -526,7 +529,8 @@ class StagedModels(Mapping[str, "nn.Module"]):
                     others = {d.name: d.module for d in taken_out[1:]}
                     others.update(self._models)
                     keep: list[Any] = list(others.values())
-                    note = held_elsewhere(mine.module, others) if self._sink is not None else None
+                    heard = self._sink is not None or self._outer is not None
+                    note = held_elsewhere(mine.module, others) if heard else None
                     batch = self._batch is not None
                     taken.append(mine)
                     self._doomed.remove(mine)

@@ -631,6 +631,7 @@ def staged_pipeline(
     _marks.attach(state, pipe.components, marks)  # resident components begin their stage
     pipe.stageload = state
     _serialize_calls(type(pipe))
+    _serialize_pipelines_built_on_staged()
     state._pipeline = weakref.ref(pipe)  # for map(); the pipeline owns its stager
     resident = {s: [f"{n} (resident)" for n, at in marks.items() if at == s] for s in state.plan}
     summary = "; ".join(f"{s}: {', '.join([*n, *resident[s]])}" for s, n in state.plan.items())
@@ -736,6 +737,27 @@ def _serialize_calls(pipeline_cls: type) -> None:
         return __call__
 
     patch(pipeline_cls, "__call__", wrap)
+
+
+@functools.cache
+def _serialize_pipelines_built_on_staged() -> None:
+    """A pipeline built on staged components, of another class (``from_pipe``, or a
+    constructor given ``pipe.components``), serializes its calls too: its class is patched
+    as its ``__init__`` registers a staged component (``register_modules``, which every
+    pipeline's ``__init__`` calls). Before, such a pipeline ran unlocked: calls from two
+    threads released models under each other's forward."""
+    from diffusers import DiffusionPipeline
+
+    def wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(inner)
+        def register_modules(self: Any, **kwargs: Any) -> None:
+            inner(self, **kwargs)
+            if _stagers(self):
+                _serialize_calls(type(self))
+
+        return register_modules
+
+    patch(DiffusionPipeline, "register_modules", wrap)
 
 
 class _Pending:
