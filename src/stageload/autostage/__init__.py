@@ -182,6 +182,9 @@ class _Model:
     #: reloads from its files with this.
     first: Callable[[nn.Module], Recipe | str | None] | None = None
     grad: bool = True
+    #: Conversions the script made (``.to``, ``.half``: the function ``_apply`` was given)
+    #: before the first load: replayed on it, in order.
+    pending: list[Callable[[Any], Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -593,6 +596,44 @@ class AutoSession:
         if loaded:  # else once its load is done (load())
             self._look_ahead()
 
+    def convert_released(
+        self,
+        model: _Model,
+        module: nn.Module,
+        fn: Callable[[Any], Any],
+        apply: Callable[..., Any],
+    ) -> bool:
+        """A conversion (``_apply(fn)``: ``.to``, ``.half``, ``.cuda``) of a released model:
+        taken without loading it. Its dtypes change now (on meta), the rest at its next
+        load: the layout a reload gives it, or, before the first load, the conversion
+        itself, replayed. False while it is loaded, or being loaded or released: the
+        caller converts it. ``apply`` is torch's own ``_apply``. (Loaded for it before:
+        ``pipe.to(device)`` after ``from_pretrained`` loaded every model at once, and
+        accelerate's model offloading reloaded each released one at every call: 15
+        reloads for 1 on tiny SD.)"""
+        import torch
+
+        with self._mutex:
+            if model.state != RELEASED or model.owner is not None or model.module() is not module:
+                return False
+            device = model.device if model.device is not None else torch.device("cpu")
+            with torch_function_off():
+                probes = _probes(fn, {t.dtype for _, t in named_tensors(module)}, device)
+                if probes is None:
+                    return False
+                dtypes = {d: p.dtype for d, p in probes.items() if p.dtype != d}
+                moved = {p.device for p in probes.values()} - {device}
+                if dtypes:  # on meta only the dtype changes now
+                    apply(module, lambda t: t.to(dtypes.get(t.dtype, t.dtype)))
+                    mark_empty(module, _auto_hook(module))  # converted buffers are new
+            if model.first is not None:
+                model.pending.append(fn)
+            else:
+                model.layout = _converted_layout(model.layout, dtypes, next(iter(moved), None))
+            if moved:
+                model.device = next(iter(moved))
+            return True
+
     def settled(self, model: _Model) -> None:
         """Wait while another thread loads or releases ``model`` (a load ahead): the script
         converts a model (``.to``) once that is done."""
@@ -688,6 +729,7 @@ class AutoSession:
         how = "abandoned"
         recipe: Recipe | str | None = None
         replaced: str | None = None
+        replayed: dict[str, tuple[Any, ...]] | None = None
         start = time.perf_counter()
         try:
             renames = _renames(module, model)
@@ -703,6 +745,9 @@ class AutoSession:
                     _first_load(module, model, renames)
                     # How it reloads (a renamed one is kept loaded: see below).
                     recipe = model.first(module) if renames is None else None
+                    if model.pending:  # the script's conversions while it waited
+                        replayed = _replayed(module, model.pending)
+                        model.pending = []
                 except BaseException:  # Ctrl-C, a factory that failed: empty again, as it was
                     with releasing(collect=False):
                         release(module, name=model.name, wait=False)
@@ -739,7 +784,7 @@ class AutoSession:
                     model.chains = {n: want[0] for n, want in layout.items()}
                     seconds = time.perf_counter() - start
                     if how == "first use":
-                        self._first_loaded(module, model, recipe)
+                        self._first_loaded(module, model, recipe, replayed)
                     else:
                         self._timings.loaded(model.name, seconds, ahead=ahead is not None)
                     kind = LOAD if how == "first use" else RELOAD
@@ -910,8 +955,15 @@ class AutoSession:
                     self._finish()
                 self._lock.notify_all()
 
-    def _first_loaded(self, module: nn.Module, model: _Model, recipe: Recipe | str | None) -> None:
-        """Under the lock, after a stand-in's first load: how it reloads, and its size."""
+    def _first_loaded(
+        self,
+        module: nn.Module,
+        model: _Model,
+        recipe: Recipe | str | None,
+        chains: dict[str, tuple[Any, ...]] | None,
+    ) -> None:
+        """Under the lock, after a stand-in's first load: how it reloads, its size, and the
+        dtypes its tensors went through (``chains``, when conversions were replayed)."""
         model.first = None
         model.size = _bytes(module)
         if isinstance(recipe, str):
@@ -920,7 +972,7 @@ class AutoSession:
             model.recipe = recipe
         model.samples = _samples(module)  # no other weights to compare with: the first
         with torch_function_off():
-            model.chains = {n: (t.dtype,) for n, t in named_tensors(module)}
+            model.chains = chains or {n: (t.dtype,) for n, t in named_tensors(module)}
 
     def _make_room(self, size: int, name: str, keep: _Model | None = None) -> None:
         """Release idle models, one at a time, until ``size`` more bytes fit the budget
@@ -1346,6 +1398,57 @@ def _layout(
 _UNMOVED = ((), None, False, None, {}, False)
 
 
+def _converted_layout(layout: Layout, dtypes: dict[Any, Any], device: Any) -> Layout:
+    """``layout`` after a conversion of the released model: ``dtypes`` maps each dtype that
+    changes to its new one, ``device`` is where every tensor goes (None: each stays). A
+    tensor converted gets fresh memory at its reload, as the script's conversion gave it
+    (a round trip that ends where it began included)."""
+    out: Layout = {}
+    for name, (chain, was, grad, strides, attrs, moved) in layout.items():
+        dtype = dtypes.get(chain[-1]) if chain else None
+        new = tuple(converted(chain, dtype)) if dtype is not None else chain
+        to = device if device is not None else was
+        out[name] = (new, to, grad, strides, attrs, moved or dtype is not None or to != was)
+    return out
+
+
+def _probes(fn: Callable[[Any], Any], dtypes: set[Any], device: Any) -> dict[Any, Any] | None:
+    """What ``fn`` (a conversion ``_apply`` was given) makes of a tensor of each of
+    ``dtypes`` on ``device``; None where it does more than change dtypes and devices (a
+    memory format, probed on 4- and 5-dimensional tensors, whose channels_last strides
+    differ from contiguous ones), or raises (torch's own path then says what is wrong)."""
+    import torch
+
+    out: dict[Any, Any] = {}
+    try:
+        for dtype in dtypes:
+            for shape in ((1, 2, 1, 2), (1, 2, 1, 1, 2)):
+                probe = torch.zeros(shape, dtype=dtype, device=device)
+                got = fn(probe)
+                same = isinstance(got, torch.Tensor) and got.shape == probe.shape
+                if not same or got.stride() != probe.stride():
+                    return None
+                out[dtype] = got
+    except Exception:
+        return None
+    return out
+
+
+def _replayed(module: nn.Module, pending: list[Callable[[Any], Any]]) -> dict[str, tuple[Any, ...]]:
+    """Run the conversions the script made before the first load on it, in order; returns
+    each tensor's dtypes through them (a round trip keeps its rounding at a reload, as it
+    does in the script's weights)."""
+    with torch_function_off():
+        chains = {n: (t.dtype,) for n, t in named_tensors(module)}
+    for fn in pending:
+        module._apply(fn)  # loading, by this thread: torch's own conversion
+        with torch_function_off():
+            chains = {
+                n: tuple(converted(chains.get(n, ()), t.dtype)) for n, t in named_tensors(module)
+            }
+    return chains
+
+
 def _convert(fresh: nn.Module, layout: Layout) -> None:
     """Give ``fresh`` (a reload) the dtypes and devices the script left: each tensor
     converted through the dtypes its values went through (tied ones stay tied: ``.data``
@@ -1410,6 +1513,9 @@ def _settled_first(inner: Callable[..., Any]) -> Callable[..., Any]:
     def _apply(module: Any, *args: Any, **kwargs: Any) -> Any:
         hook = _auto_hook(module)
         if isinstance(hook, _Hook):
+            whole = len(args) == 1 and not kwargs  # _apply(fn, recurse=False): a part only
+            if whole and hook.session.convert_released(hook.model, module, args[0], inner):
+                return module
             hook.session.settled(hook.model)
         return inner(module, *args, **kwargs)
 
