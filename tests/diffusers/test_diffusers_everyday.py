@@ -270,6 +270,35 @@ def test_control_a_placeholder_subclass_breaks_from_pipe(
         FAMILIES["sd-img2img"].cls.from_pipe(staged(path))
 
 
+# -- channels_last ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("when", ["before the first call", "after a call"])
+def test_channels_last_holds_through_every_load(path: Path, when: str) -> None:
+    """``unet.to(memory_format=torch.channels_last)``, diffusers' own speed tip, on a staged
+    unet released or never loaded: made at each load (its 1x1 kernels' strides too). It
+    was dropped: a 1-element probe saw no change, and the output moved by 3e-7."""
+    ref, pipe = eager(path), staged(path)
+    if when == "after a call":
+        assert torch.equal(image(pipe), image(ref))
+        assert empty(pipe.unet)
+    for p in (ref, pipe):
+        p.unet.to(memory_format=torch.channels_last)
+    assert same_twice(pipe, image(ref))
+    assert pipe.unet.conv_in.weight.stride() == ref.unet.conv_in.weight.stride()
+
+
+def test_control_a_one_element_probe_drops_channels_last(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def one_element(fn: Any, dtypes: set[Any], device: Any) -> dict[Any, Any]:
+        return {d: fn(torch.zeros(1, dtype=d, device=device)) for d in dtypes}
+
+    monkeypatch.setattr(_placeholder, "conversion_probes", one_element)
+    ref, pipe = eager(path), staged(path)
+    for p in (ref, pipe):
+        p.unet.to(memory_format=torch.channels_last)
+    assert not torch.equal(image(pipe), image(ref))
+
+
 # -- weight edits, LoRA, textual inversion: loaded or not ---------------------------------------
 def edit(pipe: Any) -> None:
     pipe.unet.conv_out.weight.data.mul_(1.5)

@@ -91,7 +91,7 @@ from ..load.checkpoint import (
 )
 from ..load.progress import PREFETCH_THREAD
 from ..load.reader import background_thread
-from ..load.refill import Recipe, converted, learn, reload
+from ..load.refill import Recipe, conversion_probes, converted, learn, reload
 from ..load.skeleton import fill_from, stand_in
 from ..load.weights import named_tensors
 from ..memory.budget import parse_budget
@@ -618,7 +618,12 @@ class AutoSession:
                 return False
             device = model.device if model.device is not None else torch.device("cpu")
             with torch_function_off():
-                probes = _probes(fn, {t.dtype for _, t in named_tensors(module)}, device)
+                try:
+                    probes = conversion_probes(
+                        fn, {t.dtype for _, t in named_tensors(module)}, device
+                    )
+                except Exception:  # torch's own path says what is wrong
+                    return False
                 if probes is None:
                     return False
                 dtypes = {d: p.dtype for d, p in probes.items() if p.dtype != d}
@@ -1409,28 +1414,6 @@ def _converted_layout(layout: Layout, dtypes: dict[Any, Any], device: Any) -> La
         new = tuple(converted(chain, dtype)) if dtype is not None else chain
         to = device if device is not None else was
         out[name] = (new, to, grad, strides, attrs, moved or dtype is not None or to != was)
-    return out
-
-
-def _probes(fn: Callable[[Any], Any], dtypes: set[Any], device: Any) -> dict[Any, Any] | None:
-    """What ``fn`` (a conversion ``_apply`` was given) makes of a tensor of each of
-    ``dtypes`` on ``device``; None where it does more than change dtypes and devices (a
-    memory format, probed on 4- and 5-dimensional tensors, whose channels_last strides
-    differ from contiguous ones), or raises (torch's own path then says what is wrong)."""
-    import torch
-
-    out: dict[Any, Any] = {}
-    try:
-        for dtype in dtypes:
-            for shape in ((1, 2, 1, 2), (1, 2, 1, 1, 2)):
-                probe = torch.zeros(shape, dtype=dtype, device=device)
-                got = fn(probe)
-                same = isinstance(got, torch.Tensor) and got.shape == probe.shape
-                if not same or got.stride() != probe.stride():
-                    return None
-                out[dtype] = got
-    except Exception:
-        return None
     return out
 
 

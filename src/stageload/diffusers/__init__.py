@@ -109,7 +109,7 @@ class StagedPipeline:
         self._order = list(self.plan)
         # Where each component goes after every load; pipe.to(...) changes it.
         self._targets: dict[str, dict[str, Any]] = {
-            name: {"device": device, "dtypes": []} for name in self._skeletons
+            name: {"device": device, "dtypes": [], "other": []} for name in self._skeletons
         }
         self._lock = threading.RLock()
         # One call of the pipeline at a time (interim, until calls in flight are counted per
@@ -185,6 +185,8 @@ class StagedPipeline:
             )
             for dtype in target["dtypes"]:  # pipe.to(dtype) calls since, each as eager did
                 _placeholder.real_to(skeleton, dtype=dtype)
+            for fn in target["other"]:  # .to(memory_format=...) since
+                _placeholder.real_apply(skeleton, fn)
             tracked.filled(skeleton, fresh)
             _placeholder.check_added(name, skeleton, tracked)
             return
@@ -195,6 +197,8 @@ class StagedPipeline:
             loaded = _placeholder.real_to(loaded, device=target["device"])
         for dtype in target["dtypes"]:
             loaded = _placeholder.real_to(loaded, dtype=dtype)
+        for fn in target["other"]:
+            loaded = _placeholder.real_apply(loaded, fn)
         _placeholder.fill(skeleton, loaded, tracked)
         _placeholder.check_added(name, skeleton, tracked)
         self._learn(name, skeleton)
@@ -326,8 +330,15 @@ class StagedPipeline:
             if self._closed_at is None and models.stage != stage:
                 models.enter(stage)
 
-    def move(self, name: str, device: torch.device | None, dtype: torch.dtype | None) -> None:
-        """Take ``component.to(device, dtype)``: move it now if loaded, and after each load."""
+    def move(
+        self,
+        name: str,
+        device: torch.device | None,
+        dtype: torch.dtype | None,
+        other: Callable[[Any], Any] | None = None,
+    ) -> None:
+        """Take ``component.to(device, dtype)``, or ``other``, a conversion that is more
+        than a move (``.to(memory_format=...)``): made now if loaded, and after each load."""
         import torch
 
         with self._lock:
@@ -342,10 +353,15 @@ class StagedPipeline:
                 # Every conversion, in order: fp32 -> bf16 -> fp32 keeps bf16's rounding,
                 # as eager's weights do (the last dtype alone would reload unrounded).
                 target["dtypes"] = converted(target["dtypes"], dtype)
+            if other is not None:
+                target["other"].append(other)
             if self.models.is_loaded(name):
                 tracked = self._tracked[name]
                 unchanged = set(tracked.names(skeleton, unchanged=True))
-                _placeholder.real_to(skeleton, device=device, dtype=dtype)
+                if other is not None:
+                    _placeholder.real_apply(skeleton, other)
+                else:
+                    _placeholder.real_to(skeleton, device=device, dtype=dtype)
                 # Every later load gets the same conversion: not a change of the user's.
                 tracked.filled(skeleton, unchanged)
             elif dtype is not None:  # on meta only the dtype changes now; the device at load
@@ -898,8 +914,12 @@ def _user(state: StagedPipeline, name: str) -> Any:
 
 
 def _mover(state: StagedPipeline, name: str) -> Any:
-    def move(device: torch.device | None, dtype: torch.dtype | None) -> None:
-        state.move(name, device, dtype)
+    def move(
+        device: torch.device | None,
+        dtype: torch.dtype | None,
+        other: Callable[[Any], Any] | None = None,
+    ) -> None:
+        state.move(name, device, dtype, other)
 
     return move
 

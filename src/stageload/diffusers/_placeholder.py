@@ -59,6 +59,7 @@ from ..external import (
 from ..hooks.empty import mark_empty
 from ..hooks.registry import HookRegistry, ModuleHook, patch
 from ..hooks.release import unmark_released
+from ..load.refill import conversion_probes
 from ..load.skeleton import build_empty, fill_from
 from ..load.weights import like, named_tensors
 
@@ -107,7 +108,7 @@ class StageHook(ModuleHook):
         self,
         name: str,
         use: Callable[[], None],
-        move: Callable[[torch.device | None, torch.dtype | None], None],
+        move: Callable[..., None],
         device: torch.device,
         tracked: Tracked,
         load: Callable[[], None],
@@ -316,9 +317,11 @@ def intercept(skeleton: nn.Module, hook: StageHook) -> None:
             # pipe.to("cuda", torch.float16) reaches every component: learn where ``fn``
             # sends a tensor like the weights and record that for every later load (the
             # weights convert now if they are in; on meta only a dtype can change).
-            device, dtype = conversion(skeleton, fn, hook.execution_device)
-            if device is not None or dtype is not None:
-                hook.move(device, dtype)
+            where = conversion(skeleton, fn, hook.execution_device)
+            if where is None:  # more than a move (a memory format): ``fn`` at each load
+                hook.move(None, None, fn)
+            elif where[0] is not None or where[1] is not None:
+                hook.move(*where)
             return skeleton
 
         return _apply
@@ -341,21 +344,27 @@ def intercept(skeleton: nn.Module, hook: StageHook) -> None:
 
 def conversion(
     skeleton: nn.Module, fn: Callable[..., Any], device: torch.device
-) -> tuple[Any, Any]:
+) -> tuple[Any, Any] | None:
     """Where ``fn`` (a conversion ``_apply`` was given) sends the weights: (the device, or
-    None if it stays; the dtype, or None if none changes). Probed with each dtype the
-    weights have: a bfloat16 Wan transformer's first parameter is a table kept in float32,
-    which ``.to(float32)`` leaves as it is."""
+    None if it stays; the dtype, or None if none changes), or None where it does more (a
+    memory format). Probed with each dtype the weights have: a bfloat16 Wan transformer's
+    first parameter is a table kept in float32, which ``.to(float32)`` leaves as it is."""
     import torch
 
     dtypes = {p.dtype for p in skeleton.parameters() if p.is_floating_point()}
-    probes = {
-        was: fn(torch.zeros(1, dtype=was, device=device))
-        for was in dtypes or {torch.get_default_dtype()}
-    }
+    probes = conversion_probes(fn, dtypes or {torch.get_default_dtype()}, device)
+    if probes is None:
+        return None
     first = next(iter(probes.values()))
     moved = first.device if first.device != device else None
     return moved, next((p.dtype for was, p in probes.items() if p.dtype != was), None)
+
+
+def real_apply(module: nn.Module, fn: Callable[[Any], Any]) -> nn.Module:
+    """``fn`` (a conversion ``_apply`` was given) on the component's weights, past the
+    stager's conversion patch."""
+    with passthrough(module):
+        return module._apply(fn)
 
 
 def real_to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:

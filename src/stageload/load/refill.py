@@ -166,6 +166,31 @@ def converted(chain: Sequence[Any], dtype: Any) -> list[Any]:
     return [*chain, dtype]
 
 
+def conversion_probes(
+    fn: Callable[[Any], Any], dtypes: set[Any], device: Any
+) -> dict[Any, Any] | None:
+    """What ``fn`` (a conversion ``nn.Module._apply`` was given: ``.to``, ``.half``,
+    ``.cuda``) makes of a tensor of each of ``dtypes`` on ``device``, so that a released
+    model's conversion can be recorded and made at its loads. None where it does more than
+    change dtypes and devices: a memory format, probed on 4- and 5-dimensional tensors
+    (channels_last strides differ from contiguous ones; a 1-element probe missed it, and
+    the diffusers adapter dropped ``unet.to(memory_format=torch.channels_last)``). Raises
+    what ``fn`` raises."""
+    import torch
+
+    out: dict[Any, Any] = {}
+    for dtype in dtypes:
+        for shape in ((1, 2, 1, 2), (1, 2, 1, 1, 2)):
+            probe = torch.zeros(shape, dtype=dtype, device=device)
+            got = fn(probe)
+            if not isinstance(got, torch.Tensor) or got.shape != probe.shape:
+                return None
+            if got.stride() != probe.stride():
+                return None
+            out[dtype] = got
+    return out
+
+
 def _same_start(tensor: torch.Tensor, entry: Any, probe: int) -> bool:
     """The first ``probe`` bytes of ``tensor`` equal the file's, converted to its dtype as
     torch does. Read and compared ``_CHUNK`` bytes at a time: a whole-tensor compare
