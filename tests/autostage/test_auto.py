@@ -928,10 +928,13 @@ def test_room_for_a_diffusers_model_counts_it_at_float32_without_a_dtype(tmp_pat
 
 
 def test_control_counted_as_stored_the_unet_loads_beside_the_other(tmp_path, monkeypatch):
+    """Counted at float16, the UNet loads beside the gate, which goes only once the load
+    measured it larger than the room made for it: the peak held both."""
     monkeypatch.setattr(stageload.autostage, "from_pretrained_dtype", lambda cls, dtype: dtype)
     assert before_a_diffusers_model_without_a_dtype(tmp_path) == [
         "load make_gate",
         "load unet-fp16",
+        "release make_gate",
     ]
 
 

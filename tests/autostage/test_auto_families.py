@@ -146,3 +146,71 @@ def test_control_reloaded_where_the_first_load_put_them_the_weights_are_not_alig
     monkeypatch.setattr(autostage, "_layout", unmoved)
     _, got_aligned = round_trip(folder(FAMILIES["sd"], root), staged=True)
     assert set(got_aligned) != {0}
+
+
+def two_pipelines_from_two_threads(root: Path) -> tuple[list[str], bool]:
+    """SD and SDXL made under auto on this thread, each then called once on a thread of its
+    own, at once: their components' first loads (``from_pretrained``, deferred to the first
+    use) run on the two threads. Returns the errors, and whether both outputs are eager's."""
+    import threading
+
+    families = [FAMILIES["sd"], FAMILIES["sdxl"]]
+    paths = [folder(f, root) for f in families]
+    want = []
+    for family, path in zip(families, paths, strict=True):
+        pipe = family.load(path)
+        pipe.set_progress_bar_config(disable=True)
+        want.append(pipe(**family.call(0))[0])
+    got: dict[int, Any] = {}
+    errors: list[str] = []
+    with auto():
+        pipes = [f.load(p) for f, p in zip(families, paths, strict=True)]
+
+        def call(i: int) -> None:
+            try:
+                pipes[i].set_progress_bar_config(disable=True)
+                got[i] = pipes[i](**families[i].call(0))[0]
+            except Exception as exc:  # what the thread would have raised
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    return errors, len(got) == 2 and all(same(got[i], want[i]) for i in range(2))
+
+
+def test_two_pipelines_called_from_two_threads_load_one_at_a_time(root: Path):
+    """``from_pretrained`` of transformers and diffusers sets process-wide state while it
+    builds (accelerate's ``init_empty_weights`` patches ``nn.Module.register_parameter``);
+    auto runs the deferred first loads one at a time. Two at once failed ("Unsupported
+    device type 'meta'") in 4 of 4 runs of a new-user helper's script, and even a run that
+    passed left the patch in place: every module made afterwards had its parameters on
+    meta. Without auto, loading on one thread and calling on two works. Three runs here,
+    each equal to eager, and a module made after them is a normal one."""
+    for _ in range(3):
+        assert two_pipelines_from_two_threads(root) == ([], True)
+        assert not torch.nn.Linear(2, 2).weight.is_meta
+
+
+def test_control_factories_run_at_once_fail(root: Path, monkeypatch: pytest.MonkeyPatch):
+    """The check above can fail: without the lock, a run fails or leaves new modules on
+    meta (the first run, here; up to 10 tries). What the races leave patched is put back
+    after the test."""
+    import stageload.autostage as autostage
+
+    module = torch.nn.Module
+    for name in ("register_parameter", "register_buffer"):
+        monkeypatch.setattr(module, name, getattr(module, name))
+    for name in dir(torch.nn.init):
+        if not name.startswith("_") and callable(getattr(torch.nn.init, name)):
+            monkeypatch.setattr(torch.nn.init, name, getattr(torch.nn.init, name))
+    monkeypatch.setattr(autostage, "_FACTORY_LOCK", contextlib.nullcontext())
+    broken = []
+    for _ in range(10):
+        errors, _ = two_pipelines_from_two_threads(root)
+        broken = [*errors, *(["on meta"] if torch.nn.Linear(2, 2).weight.is_meta else [])]
+        if broken:
+            break
+    assert broken

@@ -635,6 +635,13 @@ class AutoSession:
                 model.pending.append(fn)
             else:
                 model.layout = _converted_layout(model.layout, dtypes, next(iter(moved), None))
+                # The values a reload must give, as the conversion left them: a round trip
+                # through bfloat16 rounds them (else the reload, rounded too, read as other
+                # weights, and the model was kept loaded for good).
+                model.samples = {
+                    n: v.to(dtypes[v.dtype]) if v.dtype in dtypes else v
+                    for n, v in model.samples.items()
+                }
             if moved:
                 model.device = next(iter(moved))
             return True
@@ -719,10 +726,38 @@ class AutoSession:
                     victim = None if self._closed else self._victim(model.size, model.name, model)
                     if victim is None:
                         model.state, model.owner = LOADING, me
+                        room = model.size
                         break
                     victim.model.state, victim.model.owner = RELEASING, me
                 self._release(victim)
-        return self._fill(model, module)
+        done = self._fill(model, module)
+        if done and model.size > room:  # larger than its files said (converted after them)
+            self._make_room(model.size, model.name, keep=model)
+        return done
+
+    def converted_loaded(self, model: _Model) -> None:
+        """After the script converted a loaded model (``.to``, ``.half``): each tensor's
+        dtypes extended by its new one, and the values its reload must give converted as
+        its were (a round trip through bfloat16 rounds them: it read as a change by the
+        script, and the model was kept loaded for good); its size now, and room made
+        beside it when it grew (``.to(torch.float32)`` of a bfloat16 model doubles it; the
+        budget was checked only at loads, and three models stayed loaded over it)."""
+        with self._mutex:
+            module = model.module()
+            if model.state != LOADED or module is None:
+                return
+            with torch_function_off():
+                for name, t in named_tensors(module):
+                    chain = model.chains.get(name, ())
+                    if chain and chain[-1] != t.dtype:
+                        model.chains[name] = tuple(converted(chain, t.dtype))
+                    sample = model.samples.get(name)
+                    if sample is not None and sample.dtype != t.dtype:
+                        model.samples[name] = sample.to(t.dtype)
+            size = _bytes(module)
+            grew, model.size = size > model.size, size
+        if grew:
+            self._make_room(size, model.name, keep=model)
 
     def _fill(self, model: _Model, module: nn.Module, ahead: str | None = None) -> bool:
         """Load ``model``, marked ``loading`` by this thread, into ``module``; False when
@@ -771,7 +806,7 @@ class AutoSession:
                 )
             else:
                 with torch.inference_mode(model.inference):  # the first load's mode
-                    with preserved_rng():
+                    with _FACTORY_LOCK, preserved_rng():
                         restore_rng(model.rng)  # the first load's draws: the same random parts
                         fresh = model.make()
                     _convert(fresh, model.layout)
@@ -1496,10 +1531,17 @@ def _settled_first(inner: Callable[..., Any]) -> Callable[..., Any]:
     def _apply(module: Any, *args: Any, **kwargs: Any) -> Any:
         hook = _auto_hook(module)
         if isinstance(hook, _Hook):
+            session, model = hook.session, hook.model
             whole = len(args) == 1 and not kwargs  # _apply(fn, recurse=False): a part only
-            if whole and hook.session.convert_released(hook.model, module, args[0], inner):
+            if whole and session.convert_released(model, module, args[0], inner):
                 return module
-            hook.session.settled(hook.model)
+            session.settled(model)  # then released, maybe: taken as such
+            if whole and session.convert_released(model, module, args[0], inner):
+                return module
+            out = inner(module, *args, **kwargs)
+            if whole and model.module() is module:
+                session.converted_loaded(model)
+            return out
         return inner(module, *args, **kwargs)
 
     return _apply
@@ -1676,13 +1718,23 @@ def _stand_in(cls: type, args: tuple, kwargs: dict, rng: RngState) -> nn.Module 
     return built if keep else None
 
 
+#: Held while auto runs a factory (a first load, a reload through the factory).
+#: transformers' and accelerate's ``from_pretrained`` set process-wide state while they build
+#: (accelerate's ``init_empty_weights`` patches ``nn.Module.register_parameter``): two on two
+#: threads at once fail, with or without auto ("Unsupported device type 'meta'"). A script
+#: loads on one thread and calls on several; auto runs its loads at the calls, so it runs
+#: them one at a time (a new-user helper: two pipelines called from two threads failed in 4
+#: of 4 runs).
+_FACTORY_LOCK = threading.RLock()
+
+
 def _first_load(module: nn.Module, model: _Model, renames: dict[str, str] | None) -> None:
     """A stand-in's first load: its factory, as the script called it (the global RNG as it
     was then, restored for the script after; the same grad and inference modes), its
     tensors moved into the stand-in's objects by name, tied ones as the factory tied them."""
     import torch
 
-    with preserved_rng(), torch.set_grad_enabled(model.grad):
+    with _FACTORY_LOCK, preserved_rng(), torch.set_grad_enabled(model.grad):
         restore_rng(model.rng)
         with torch.inference_mode(model.inference):
             fresh = model.make()
