@@ -131,6 +131,13 @@ def left_behind(module: nn.Module) -> list[str]:
     return problems
 
 
+def start_clean() -> None:
+    """Undo what a failed point left behind, so that the next point starts clean."""
+    LOCK.locked() and LOCK.release()
+    registry_module._held_back.clear()
+    getattr(registry_module._depth, "tokens", set()).clear()
+
+
 def hooked() -> nn.Module:
     module = nn.Linear(4, 4)
     HookRegistry.attach(module).add("noted", Noted())
@@ -169,9 +176,7 @@ def sweep(
             failures.append(f"point {at}: {', '.join(problems)}")
             if first:
                 return failures
-            LOCK.locked() and LOCK.release()
-            registry_module._held_back.clear()
-            getattr(registry_module._depth, "tokens", set()).clear()
+            start_clean()
     return failures
 
 
@@ -255,8 +260,7 @@ def waiting_sweep(wait: Callable[[nn.Module], Any], *, first: bool = False) -> l
             failures.append(f"point {at}: {', '.join(problems)}")
             if first:
                 return failures
-            LOCK.locked() and LOCK.release()
-            registry_module._held_back.clear()
+            start_clean()
     return failures
 
 
