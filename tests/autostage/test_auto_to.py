@@ -225,3 +225,21 @@ def test_control_loading_for_each_move_reloads_at_every_offload(
 
     (read,), _ = run(path, to, on=True)
     assert read, "pipe.to loaded nothing"
+
+
+def test_a_move_to_a_device_there_is_not_raises_without_loading(path: Path):
+    """``.to("cuda:999")`` of a released model raises torch's own error at once, as eager
+    does, and loads nothing for it; the pipeline goes on as before."""
+    sink = ListSink()
+
+    def script(pipe: Any, loads: Callable[[], list[str]]) -> list[Any]:
+        first = image(pipe)
+        before = loads()
+        with pytest.raises((RuntimeError, AssertionError)):  # no CUDA / no such device
+            pipe.text_encoder.to("cuda:999")
+        return [first, loads() == before, image(pipe, 1)]
+
+    want, _ = run(path, script, on=False)
+    got, _ = run(path, script, on=True, sink=sink, budget=1)  # the text encoder released
+    assert got[1] is True
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])

@@ -618,12 +618,9 @@ class AutoSession:
                 return False
             device = model.device if model.device is not None else torch.device("cpu")
             with torch_function_off():
-                try:
-                    probes = conversion_probes(
-                        fn, {t.dtype for _, t in named_tensors(module)}, device
-                    )
-                except Exception:  # torch's own path says what is wrong
-                    return False
+                # What fn raises on a probe it raises on the weights (no CUDA, a bad device
+                # index): raised now, with nothing loaded for it, as eager raises it.
+                probes = conversion_probes(fn, {t.dtype for _, t in named_tensors(module)}, device)
                 if probes is None:
                     return False
                 dtypes = {d: p.dtype for d, p in probes.items() if p.dtype != d}
