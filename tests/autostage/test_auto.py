@@ -371,11 +371,14 @@ def test_three_images_through_the_pixal3d_port_follow_its_stage_plan(stub, image
 def test_control_without_the_pixal3d_plan_it_is_not_said_and_the_reloads_are_as_many(
     stub, image, tmp_path
 ):
-    """Without the port's plan, auto learns it from the uses, and three images reload 16
-    times, 4 more than with the port's plan."""
+    """Without the port's plan, auto learns it from the uses, and three images reload 17
+    times, 5 more than with the port's plan (16 before the waits moved to stageload.bell:
+    the second image's MoGe was still alive when the third asked for its own, so it was
+    shared, and no other model went to make room for a new one; when a dropped model is
+    freed is the collector's business)."""
     pytest.importorskip("PIL.Image")
     reloads, said = pixal3d_images(stub, image, tmp_path / "auto.glb", 130_000, plan=False)
-    assert (reloads, said) == (16, 0)
+    assert (reloads, said) == (17, 0)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memory cgroups are Linux only")

@@ -400,7 +400,7 @@ def test_a_conversion_of_a_model_loading_ahead_waits_for_the_load(paths, monkeyp
         real(*args, **kwargs)  # read: the tensors hold the files' values, not yet converted
         if threading.current_thread().name.startswith(PREFETCH_THREAD) and not started.is_set():
             started.set()
-            waiters = box["session"]._lock._waiters  # threads waiting for a state change
+            waiters = box["session"]._bell._tickets  # threads waiting for a state change
             while not converted.is_set() and not (converting.is_set() and waiters):
                 time.sleep(0.001)  # polls a state: the script's .to() is done, or waits
 

@@ -30,7 +30,7 @@ model in a call, through any of its parts, is never released under it.
 Which thread does what: factory calls, loads and releases run on the script's threads,
 except loads ahead: one thread at a time (``_ahead``), which only fills models marked
 ``loading`` for it (its owner :data:`AHEAD` until it takes them) from their files, and
-which the next stage change and the end of the block wait for. ``_lock`` guards the
+which the next stage change and the end of the block wait for. ``_mutex`` guards the
 tables and each model's state, and is never held while a factory runs or a release waits
 for calls in flight: a release marks its model ``releasing``, a load marks it
 ``loading``, and other threads that need that model wait for the state to change. One
@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
+from .. import bell
 from ..core.events import (
     LOAD,
     NOTE,
@@ -328,10 +329,11 @@ class AutoSession:
         # The tables and every model's state; never held while a factory runs or a
         # release waits (see the module docstring). Reentrant: a hook inside a section
         # that holds it (an event sink's write) may ask again.
-        # Taken as `with self._mutex` (C code): a Ctrl-C inside a Condition's own __enter__
-        # (Python code) left it taken, and the next load ahead or call hung on it.
+        # Taken as `with self._mutex` (C code) only, and waited on with the bell outside
+        # it: a Ctrl-C inside a Condition's own __enter__ (Python code) left it taken, and
+        # the next load ahead or call hung on it (see stageload.bell for its wait).
         self._mutex = threading.RLock()
-        self._lock = threading.Condition(self._mutex)  # to wait on and notify
+        self._bell = bell.Bell()  # rung whenever a model's state or the thread ahead changes
         self._in_making: dict[Any, threading.Event] = {}  # factory calls running now
         #: Factory calls waiting for the same call, or for its model's load or release, on
         #: another thread.
@@ -384,6 +386,7 @@ class AutoSession:
             return factory(*args, **kwargs)
         key = _key(factory, args, kwargs)
         while True:
+            ticket = running = None
             with self._mutex:
                 self._prune()
                 known = self._shared.get(key) if key is not None else None
@@ -392,30 +395,30 @@ class AutoSession:
                     if _moving_elsewhere(known):
                         # Another thread is filling or emptying its tensors (a copy in
                         # flight reads as other values): compare them once it is done (it
-                        # notifies).
-                        self.waiting += 1
-                        try:
-                            self._lock.wait()
-                        finally:  # Ctrl-C in the wait: not counted as waiting after it
-                            self.waiting -= 1
-                        continue
-                    changed = _changed(known)
-                    if changed is None and _as_made(known) == known.made:
-                        return module
-                    if changed is not None:  # (an EMA copy, a student): a new one
-                        self._pin(
-                            known, f"changed by the script since its load ({changed})", changed=True
-                        )
-                    # Converted (.half(), requires_grad_(False), .train()): it stays staged,
-                    # and the call makes a new one as it does without auto.
-                running = self._in_making.get(key) if key is not None else None
-                if running is None:
-                    if key is not None:  # this thread makes it; the same call elsewhere waits
-                        self._in_making[key] = threading.Event()
-                    break
-                self.waiting += 1
+                        # rings).
+                        ticket = self._bell.ticket()
+                    else:
+                        changed = _changed(known)
+                        if changed is None and _as_made(known) == known.made:
+                            return module
+                        if changed is not None:  # (an EMA copy, a student): a new one
+                            why = f"changed by the script since its load ({changed})"
+                            self._pin(known, why, changed=True)
+                        # Converted (.half(), requires_grad_(False), .train()): it stays
+                        # staged, and the call makes a new one as it does without auto.
+                if ticket is None:
+                    running = self._in_making.get(key) if key is not None else None
+                    if running is None:
+                        if key is not None:  # this thread makes it; the same call elsewhere waits
+                            self._in_making[key] = threading.Event()
+                        break
             try:
-                running.wait()  # another thread makes the same model: take its result
+                with self._mutex:  # no point a Ctrl-C can land before the increment
+                    self.waiting += 1
+                if ticket is not None:
+                    ticket.acquire(timeout=bell.RECHECK)
+                else:  # another thread makes the same model: take its result
+                    running.wait()
             finally:
                 with self._mutex:
                     self.waiting -= 1
@@ -583,18 +586,29 @@ class AutoSession:
             record.add(model.name)
             # The plan's stage, not the model, bounds the spans and the loads ahead: a
             # source's stage may list several models (Pixal3D's).
-            if plan is None or record.plan is not plan or record.stage != stage:
+            span = plan is None or record.plan is not plan or record.stage != stage
+            # As StagedModels.enter: a load ahead ends before the next stage starts (it is
+            # for that stage), so the trace and the cost model's spans see it there.
+            me = threading.current_thread()
+            ahead_done = lambda: self._ahead is None or self._ahead is me  # noqa: E731
+            if span:
                 self._timings.stage_ends(stage if plan else None, now)
-                # As StagedModels.enter: a load ahead ends before the next stage starts (it
-                # is for that stage), so the trace and the cost model's spans see it there.
-                while self._ahead is not None and self._ahead is not threading.current_thread():
-                    self._lock.wait()
-                self._timings.start = time.perf_counter()
-            self._stage, self._driver = model.name, threading.get_ident()
-            self._emit(Event(STAGE, stage=model.name))
-            loaded = model.state == LOADED
+            loaded = None if span and not ahead_done() else self._begin(model, span)
+        if loaded is None:
+            self._bell.wait(self._mutex, ahead_done)
+            with self._mutex:
+                loaded = self._begin(model, span)
         if loaded:  # else once its load is done (load())
             self._look_ahead()
+
+    def _begin(self, model: _Model, span: bool) -> bool:
+        """Under the lock: ``model``'s use begins a stage (``span``: a new span of the
+        plan); whether the model is loaded."""
+        if span:
+            self._timings.start = time.perf_counter()
+        self._stage, self._driver = model.name, threading.get_ident()
+        self._emit(Event(STAGE, stage=model.name))
+        return model.state == LOADED
 
     def convert_released(
         self,
@@ -646,9 +660,7 @@ class AutoSession:
     def settled(self, model: _Model) -> None:
         """Wait while another thread loads or releases ``model`` (a load ahead): the script
         converts a model (``.to``) once that is done."""
-        with self._mutex:
-            while _moving_elsewhere(model):
-                self._lock.wait()
+        self._bell.wait(self._mutex, lambda: not _moving_elsewhere(model))
 
     def pin(self, model: _Model, why: str) -> None:
         """Keep ``model`` loaded from now on, and say why once."""
@@ -709,6 +721,7 @@ class AutoSession:
         # in place (bench/results/auto: the collection was half of a lap).
         with releasing(collect=False):
             while True:
+                ticket = victim = None
                 with self._mutex:
                     module = model.module()
                     if module is None:
@@ -718,15 +731,20 @@ class AutoSession:
                     if model.state in (LOADING, RELEASING):
                         if model.owner == me:  # used inside its own load or release
                             return False
-                        self._lock.wait()
-                        continue
-                    victim = None if self._closed else self._victim(model.size, model.name, model)
-                    if victim is None:
-                        model.state, model.owner = LOADING, me
-                        room = model.size
-                        break
-                    victim.model.state, victim.model.owner = RELEASING, me
-                self._release(victim)
+                        ticket = self._bell.ticket()  # another thread's: wait for its end
+                    else:
+                        victim = (
+                            None if self._closed else self._victim(model.size, model.name, model)
+                        )
+                        if victim is None:
+                            model.state, model.owner = LOADING, me
+                            room = model.size
+                            break
+                        victim.model.state, victim.model.owner = RELEASING, me
+                if ticket is not None:
+                    ticket.acquire(timeout=bell.RECHECK)
+                else:
+                    self._release(victim)
         done = self._fill(model, module)
         if done and model.size > room:  # larger than its files said (converted after them)
             self._make_room(model.size, model.name, keep=model)
@@ -861,7 +879,7 @@ class AutoSession:
                     if self._closed:
                         _unhook(module)
                         self._finish()
-                self._lock.notify_all()
+                self._bell.ring()
         return True
 
     # -- loads ahead ---------------------------------------------------------------------
@@ -930,7 +948,7 @@ class AutoSession:
                     self._ahead = None
                 if me == self._driver:
                     self._timings.blocked += time.perf_counter() - start
-                self._lock.notify_all()
+                self._bell.ring()
 
     def _held_for_release(self, model: _Model, *, say: bool) -> _Victim | None:
         """Under the lock: ``model``, held for its release, or None when it cannot go now:
@@ -990,7 +1008,7 @@ class AutoSession:
                 self._ahead = None
                 if self._closed:
                     self._finish()
-                self._lock.notify_all()
+                self._bell.ring()
 
     def _first_loaded(
         self,
@@ -1120,7 +1138,7 @@ class AutoSession:
                             note=note,
                         )
                     )
-                self._lock.notify_all()
+                self._bell.ring()
 
     def close(self, last: Iterable[Callable[[], None]] = ()) -> None:
         """The block ended: take auto's hooks off every loaded model; a released one keeps
@@ -1130,8 +1148,9 @@ class AutoSession:
         with self._mutex:
             self._closed = True
             self._last = list(last)
-            while self._ahead is not None and self._ahead.ident is None:
-                self._lock.wait()  # being started (or given up) on another thread
+        # The thread ahead, being started (or given up) on another thread, has an ident.
+        self._bell.wait(self._mutex, lambda: self._ahead is None or self._ahead.ident is not None)
+        with self._mutex:
             ahead = self._last_ahead
         try:
             if ahead is not None and ahead.ident is not None:  # no thread outlives the block

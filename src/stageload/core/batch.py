@@ -1,12 +1,12 @@
 """Stage-major batches: N calls of one pipeline, each stage entered once for all of them.
 
 ``StagedModels.map(fn, items)`` runs every ``fn(item)`` in its own thread, but only one
-of them at any moment: a baton (one ``Condition`` and a turn number) passes between the
-calls and the scheduler, the thread that called ``map``. A call that enters a stage other
-than the batch's current one parks there (inside ``enter``, before its lock). Once every
-call has parked or finished, the scheduler enters the earliest stage, in plan order, that
-a parked call waits for, once, and resumes the calls waiting for it one at a time, in
-item order. The others stay parked.
+of them at any moment: a baton (a turn number, waited for on a :class:`~stageload.bell.Bell`)
+passes between the calls and the scheduler, the thread that called ``map``. A call that
+enters a stage other than the batch's current one parks there (inside ``enter``, before
+its lock). Once every call has parked or finished, the scheduler enters the earliest
+stage, in plan order, that a parked call waits for, once, and resumes the calls waiting
+for it one at a time, in item order. The others stay parked.
 
 Re-entry: a call that needs an earlier stage again (a negative-prompt pass, img2img's
 VAE encode before the denoiser) parks like any other; "earliest in plan order" lets it
@@ -34,6 +34,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..bell import Bell
 from ..errors import StageloadError
 from ..units import format_size
 from .events import NOTE, Event
@@ -120,8 +121,11 @@ class Batch:
         self._fn = fn
         self._items = list(items)
         self._order = {stage: k for k, stage in enumerate(models.stages)}
-        self._mutex = threading.RLock()  # `with` it, not the Condition (Ctrl-C safe)
-        self._cond = threading.Condition(self._mutex)
+        # The turn: taken by `with` only, and waited for on the bell outside it (a Ctrl-C
+        # in a Condition's wait left an RLock released under the scheduler's `with`, which
+        # raised "cannot release un-acquired lock" in place of the KeyboardInterrupt).
+        self._mutex = threading.Lock()
+        self._bell = Bell()
         self._turn = _SCHEDULER
         self._abandoned = False
         self._calls: list[_Call] = []
@@ -164,20 +168,14 @@ class Batch:
         return call.served
 
     def _hand_back(self, call: _Call) -> None:
-        with self._mutex:
-            self._turn = _SCHEDULER
-            self._cond.notify_all()
-            while self._turn != call.index:
-                self._cond.wait()
+        self._pass(_SCHEDULER, call.index)
         if self._abandoned:
             raise _Abandoned
 
     def _body(self, call: _Call, context: contextvars.Context, modes: tuple[bool, bool]) -> None:
         import torch
 
-        with self._mutex:
-            while self._turn != call.index:
-                self._cond.wait()
+        self._bell.wait(self._mutex, lambda: self._may_start(call))
         try:
             if self._abandoned:
                 raise _Abandoned
@@ -189,10 +187,17 @@ class Batch:
         except BaseException as exc:  # noqa: BLE001 (the scheduler decides what to raise)
             call.error = exc
         finally:
-            call.done = True
             with self._mutex:
-                self._turn = _SCHEDULER
-                self._cond.notify_all()
+                call.done = True
+                if self._turn == call.index:  # not when it ends without the turn
+                    self._turn = _SCHEDULER
+                self._bell.ring()
+
+    def _may_start(self, call: _Call) -> bool:
+        """Under the lock: whether ``call`` may start: its turn came, or the batch was
+        abandoned before it (a Ctrl-C while the calls' threads started, some before the
+        scheduler counted them): then it ends at once, running nothing."""
+        return self._turn == call.index or self._abandoned
 
     # -- the scheduler (the thread that called map) --------------------------------------
     def run(self, *, return_exceptions: bool = False) -> list[Any]:
@@ -203,19 +208,19 @@ class Batch:
         entry = capture_rng()
         modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         self._calls = [_Call(i, item, entry) for i, item in enumerate(self._items)]
-        for call in self._calls:
-            thread = threading.Thread(
-                target=self._body,
-                args=(call, contextvars.copy_context(), modes),
-                name=f"stageload-map-{call.index}",
-                daemon=True,  # a call stuck in native code must not keep the process alive
-            )
-            call.thread = thread
-            thread.start()
-            assert thread.ident is not None
-            self._by_thread[thread.ident] = call
-        self._before = _live_storages()  # what the batch's own tensors are counted beside
         try:
+            for call in self._calls:
+                thread = threading.Thread(
+                    target=self._body,
+                    args=(call, contextvars.copy_context(), modes),
+                    name=f"stageload-map-{call.index}",
+                    daemon=True,  # a call stuck in native code must not keep the process alive
+                )
+                thread.start()
+                call.thread = thread  # started: the abandon below waits for it
+                assert thread.ident is not None
+                self._by_thread[thread.ident] = call
+            self._before = _live_storages()  # what the batch's own tensors are counted beside
             for call in self._calls:  # setup: each call runs until its first stage change
                 self._resume(call)
             while live := [c for c in self._calls if not c.done]:
@@ -249,12 +254,17 @@ class Batch:
     def _resume(self, call: _Call) -> None:
         """Give ``call`` the turn with its own RNG state; return when it parks or ends."""
         restore_rng(call.rng)
-        with self._mutex:
-            self._turn = call.index
-            self._cond.notify_all()
-            while self._turn != _SCHEDULER:
-                self._cond.wait()
+        self._pass(call.index, _SCHEDULER)
         call.rng = capture_rng()
+
+    def _pass(self, turn: int, back: int | None = None) -> None:
+        """Give the turn to ``turn`` (a call's index, or the scheduler); with ``back``,
+        wait until it comes back to ``back``."""
+        with self._mutex:
+            self._turn = turn
+            self._bell.ring()
+        if back is not None:
+            self._bell.wait(self._mutex, lambda: self._turn == back)
 
     def _enter(self, stage: str, live: list[_Call]) -> None:
         waiting = [c.index for c in live if c.want == stage]
@@ -277,17 +287,18 @@ class Batch:
 
     def _abandon(self) -> None:
         """Unwind every unfinished call, one at a time, after the scheduler was interrupted."""
-        self._abandoned = True
         with self._mutex:
-            while self._turn != _SCHEDULER:  # the running call parks or ends first
-                self._cond.wait()
+            self._abandoned = True
+            self._bell.ring()  # the calls that never had the turn end now, on their own
+        # the running call parks or ends first
+        self._bell.wait(self._mutex, lambda: self._turn == _SCHEDULER)
         for call in self._calls:
-            if not call.done:
+            if call.thread is not None and not call.done:
+                # One at a time, each with the turn: its finally blocks may enter stages.
                 with self._mutex:
                     self._turn = call.index
-                    self._cond.notify_all()
-                    while self._turn != _SCHEDULER:
-                        self._cond.wait()
+                    self._bell.ring()
+                self._bell.wait(self._mutex, lambda c=call: self._turn == _SCHEDULER or c.done)
         for call in self._calls:
             if call.thread is not None and call.done:
                 call.thread.join()

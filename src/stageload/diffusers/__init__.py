@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..bell import Bell
 from ..core.events import NOTE, Event, EventSink
 from ..core.staged import StagedModels
 from ..external import progress_bars_disabled
@@ -798,8 +799,8 @@ class _Gather:
 
     def __init__(self, state: StagedPipeline) -> None:
         self._state = weakref.ref(state)
-        self._mutex = threading.RLock()  # `with` it, not the Condition (Ctrl-C safe)
-        self._cond = threading.Condition(self._mutex)
+        self._mutex = threading.Lock()  # taken by `with` only; waits on the bell (Ctrl-C safe)
+        self._bell = Bell()
         self._queue: list[_Pending] = []
         self._running = False
         self.batches: list[int] = []  # the size of each batch run, for tests and benches
@@ -813,8 +814,8 @@ class _Gather:
             self._queue.append(mine)
             if not self._running:
                 self._running = mine.leads = True
-            self._cond.notify_all()  # for wait_for_waiting
-            self._cond.wait_for(lambda: mine.leads or mine.done)
+            self._bell.ring()  # for wait_for_waiting
+        self._bell.wait(self._mutex, lambda: mine.leads or mine.done)
         if not mine.done:
             self._run_next()
         if mine.error is not None:
@@ -824,8 +825,7 @@ class _Gather:
     def wait_for_waiting(self, n: int, timeout: float | None = None) -> bool:
         """Wait until ``n`` calls wait for the next batch (tests and benches wait for this
         state instead of sleeping); False on timeout."""
-        with self._mutex:
-            return self._cond.wait_for(lambda: len(self._queue) >= n, timeout)
+        return self._bell.wait(self._mutex, lambda: len(self._queue) >= n, timeout)
 
     def _run_next(self) -> None:
         """Run every queued call as one batch, then hand the turn to the next arrival."""
@@ -851,7 +851,7 @@ class _Gather:
                     self._queue[0].leads = True  # its thread runs the next batch
                 else:
                     self._running = False
-                self._cond.notify_all()
+                self._bell.ring()
 
     def _one(self, p: _Pending) -> None:
         self._local.inside = True

@@ -44,6 +44,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from .. import bell
 from ..external import module_call_code
 
 if TYPE_CHECKING:
@@ -113,51 +114,13 @@ class ModuleHook:
 
 
 # One lock for the calls of every hooked module: a call counts itself in and out under it,
-# and a hold waits for them (see Bell). Uncontended, it costs two lock round trips per
+# and a hold waits for them (see stageload.bell). Uncontended, it costs two lock round trips per
 # call. Taken as `with _calls_lock` (C code): a Ctrl-C inside a Condition's own __enter__
 # (Python code) left the lock taken, and every later call hung.
 _calls_lock = threading.Lock()  # never taken twice by one thread
 
 
-class Bell:
-    """Wakes the threads waiting for a state that a lock guards to change.
-
-    ``threading.Condition.wait`` lets go of the lock in Python code: a Ctrl-C just after
-    leaves it released under the caller's ``with``, which releases it again on the way
-    out (a plain Lock, taken meanwhile by another thread). Here a waiter sleeps outside
-    the lock, on a ticket of its own, so the lock is only ever taken and given back by
-    ``with``::
-
-        while True:
-            with lock:
-                if ready():
-                    break
-                ticket = bell.ticket()
-            ticket.acquire(timeout=RECHECK)
-
-    ``ticket`` and ``ring`` are called holding the lock. A wake-up lost to a Ctrl-C inside
-    ``ring`` costs the waiter its timeout, not a hang."""
-
-    def __init__(self) -> None:
-        self._tickets: dict[Any, bool] = {}
-
-    def ticket(self) -> Any:
-        """A lock that :meth:`ring` releases: acquiring it waits for the next ring."""
-        ticket = threading.Lock()
-        ticket.acquire()
-        self._tickets[ticket] = True  # after the acquire: a ring never finds it unheld
-        return ticket
-
-    def ring(self) -> None:
-        """Wake every thread waiting on a ticket."""
-        while self._tickets:
-            ticket, _ = self._tickets.popitem()
-            ticket.release()
-
-
-_changed = Bell()  # rung whenever a call ends or a hold ends
-#: How long a wait sleeps before it looks again (a ring lost to a Ctrl-C costs this).
-RECHECK = 0.1
+_changed = bell.Bell()  # rung whenever a call ends or a hold ends
 # This thread's calls in flight, of all hooked modules, one token each (see in_call()).
 _depth = threading.local()
 # Threads whose call waits for a hold to end: they compute nothing until it does. A dict,
@@ -336,7 +299,7 @@ class _HookedForward:
                             break
                         _held_back[me] = True
                         ticket = _changed.ticket()
-                    ticket.acquire(timeout=RECHECK)  # a release is emptying the module: its end
+                    ticket.acquire(timeout=bell.RECHECK)  # a release empties the module: its end
                 if token in mine:
                     break
                 # Released (or held) while the hooks ran: ask them again (revive or raise).
@@ -446,7 +409,7 @@ def hold_calls(
                             hold.made.append((m, made))
                 break
             ticket = _changed.ticket()
-        ticket.acquire(timeout=RECHECK)
+        ticket.acquire(timeout=bell.RECHECK)
     if hold.made:
         ids = {id(m) for m, _ in hold.made}
         uncounted = _uncounted(ids, me)

@@ -152,7 +152,11 @@ def releasing(*, collect: bool = True) -> Iterator[None]:
     finally:
         _batch.depth = depth
         if depth == 0:
-            released, collect = getattr(_batch, "released", False), _batch.collect
+            # (collect may be unset: a Ctrl-C just after the depth was set)
+            released, collect = (
+                getattr(_batch, "released", False),
+                getattr(_batch, "collect", False),
+            )
             _batch.released = _batch.collect = False
             if released and collect:
                 collect_garbage()
