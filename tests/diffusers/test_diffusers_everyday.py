@@ -10,6 +10,7 @@ stageload, in this process. torch on one thread on both sides (conftest's ``one_
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import gc
 import threading
@@ -25,7 +26,7 @@ pytest.importorskip("transformers")
 
 import stageload.hooks.empty  # noqa: E402
 import stageload.hooks.registry  # noqa: E402
-from stageload import ModelLoadError  # noqa: E402
+from stageload import ModelLoadError, StageloadError  # noqa: E402
 from stageload.diffusers import _placeholder, staged_pipeline  # noqa: E402
 from stageload.external import tensor_version  # noqa: E402
 from stageload.testing.families import FAMILIES, folder  # noqa: E402
@@ -675,3 +676,124 @@ def test_control_unserialized_a_running_call_sees_its_model_released(
     go.set()
     thread.join()
     assert seen == [True]  # the running forward's model was released under it
+
+
+# -- a Ctrl-C on a thread that serves calls ----------------------------------------------------
+def holding_call(pipe: Any) -> tuple[threading.Thread, threading.Event]:
+    """A call on another thread, held inside its denoising loop until the event is set."""
+    holding, go = threading.Event(), threading.Event()
+
+    def hold(p: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        holding.set()
+        go.wait()
+        return {}
+
+    first = threading.Thread(target=image, args=(pipe,), kwargs={"callback_on_step_end": hold})
+    first.start()
+    assert holding.wait(120)
+    return first, go
+
+
+def interrupted_while_waiting(path: Path) -> Any:
+    """The main thread's call waits for another thread's running call and is interrupted
+    there (``_thread.interrupt_main``, as a Ctrl-C); then the other call ends. Returns the
+    pipeline."""
+    pipe = staged(path)
+    first, go = holding_call(pipe)
+
+    def ctrl_c() -> None:
+        assert pipe.stageload.gather.wait_for_waiting(1, timeout=120)
+        _thread.interrupt_main()
+
+    interrupter = threading.Thread(target=ctrl_c)
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt):
+        image(pipe, generator=torch.Generator().manual_seed(1))
+    interrupter.join()
+    go.set()
+    first.join()
+    return pipe
+
+
+def next_call(pipe: Any, timeout: float) -> torch.Tensor | None:
+    """The next call, on a thread of its own: its image, or None if it did not end."""
+    out: list[torch.Tensor] = []
+    thread = threading.Thread(target=lambda: out.append(image(pipe)), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return out[0] if out else None
+
+
+def test_a_call_interrupted_while_it_waits_its_turn_leaves_the_next_calls_served(path: Path):
+    """Found by a new-user helper: a Ctrl-C on the main thread while its call waited for
+    another thread's left it in the queue, the next batch was handed to it, no thread ran
+    it, and every later call waited for good. Reference: eager's image."""
+    want = image(eager(path))
+    got = next_call(interrupted_while_waiting(path), timeout=120)
+    assert got is not None and torch.equal(got, want)
+
+
+def test_control_an_interrupted_call_left_queued_hangs_every_later_call(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr("stageload.diffusers._Gather._withdraw", lambda self, mine: None)
+    assert next_call(interrupted_while_waiting(path), timeout=10) is None  # else < 1 s
+
+
+def interrupted_batch(path: Path) -> dict[int, Any]:
+    """The main thread runs the batch of its call and two others' (its call waited first)
+    and is interrupted while it runs them. Returns what the two other calls got."""
+    pipe = staged(path)
+    first, go = holding_call(pipe)
+    got: dict[int, Any] = {}
+
+    def client(seed: int) -> None:
+        try:
+            got[seed] = image(pipe, generator=torch.Generator().manual_seed(seed))
+        except Exception as exc:  # noqa: BLE001 - what the call raised is its result
+            got[seed] = exc
+
+    others = [threading.Thread(target=client, args=(seed,)) for seed in (1, 2)]
+
+    def start_others() -> None:  # once the main thread's call waits first
+        assert pipe.stageload.gather.wait_for_waiting(1, timeout=120)
+        for thread in others:
+            thread.start()
+        assert pipe.stageload.gather.wait_for_waiting(3, timeout=120)
+        go.set()
+
+    once = threading.Event()
+
+    def ctrl_c(p: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if not once.is_set():  # the main thread runs the batch: its scheduler
+            once.set()
+            _thread.interrupt_main()
+        return {}
+
+    starter = threading.Thread(target=start_others)
+    starter.start()
+    with pytest.raises(KeyboardInterrupt):
+        image(pipe, generator=torch.Generator().manual_seed(0), callback_on_step_end=ctrl_c)
+    for thread in [starter, first, *others]:
+        thread.join()
+    assert pipe.stageload.gather.batches == [1, 3]
+    return got
+
+
+def test_the_other_calls_of_an_interrupted_batch_raise_and_say_why(path: Path):
+    """Found by a new-user helper: they returned None (a server handed ``None.images`` on)."""
+    got = interrupted_batch(path)
+    assert sorted(got) == [1, 2]
+    for result in got.values():
+        assert isinstance(result, StageloadError)
+        assert "interrupted (KeyboardInterrupt)" in str(result)
+        assert "call the pipeline again" in str(result)
+
+
+def test_control_undelivered_the_other_calls_return_none(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Each got None for its output (``pipe(...)[0]`` of it raises)."""
+    monkeypatch.setattr("stageload.diffusers._Gather._undelivered", staticmethod(lambda *a: None))
+    got = interrupted_batch(path)
+    assert [str(got[seed]) for seed in (1, 2)] == ["'NoneType' object is not subscriptable"] * 2

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ..bell import Bell
 from ..core.events import NOTE, Event, EventSink
 from ..core.staged import StagedModels
+from ..errors import StageloadError
 from ..external import progress_bars_disabled
 from ..hooks.empty import mark_empty
 from ..hooks.registry import patch
@@ -786,6 +787,7 @@ class _Pending:
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
+        self.delivered = False  # result or error set by the batch that ran it
 
 
 class _Gather:
@@ -810,14 +812,18 @@ class _Gather:
         if getattr(self._local, "inside", False):  # a pipeline calling another of this
             return inner(pipe, **kwargs)  # stager's (Kandinsky's combined pipelines): direct
         mine = _Pending(inner, pipe, kwargs)
-        with self._mutex:
-            self._queue.append(mine)
-            if not self._running:
-                self._running = mine.leads = True
-            self._bell.ring()  # for wait_for_waiting
-        self._bell.wait(self._mutex, lambda: mine.leads or mine.done)
-        if not mine.done:
-            self._run_next()
+        try:
+            with self._mutex:
+                self._queue.append(mine)
+                if not self._running:
+                    self._running = mine.leads = True
+                self._bell.ring()  # for wait_for_waiting
+            self._bell.wait(self._mutex, lambda: mine.leads or mine.done)
+            if not mine.done:
+                self._run_next()
+        except BaseException:
+            self._withdraw(mine)
+            raise
         if mine.error is not None:
             raise mine.error
         return mine.result
@@ -827,12 +833,28 @@ class _Gather:
         state instead of sleeping); False on timeout."""
         return self._bell.wait(self._mutex, lambda: len(self._queue) >= n, timeout)
 
+    def _withdraw(self, mine: _Pending) -> None:
+        """``mine``'s thread was interrupted (Ctrl-C) before a batch took it: out of the
+        queue, and if it was to run the next batch, the next in line runs it. (Left there,
+        the next batch fell to no thread, and every later call waited for good.)"""
+        with self._mutex:
+            if mine in self._queue:
+                self._queue.remove(mine)
+                if mine.leads:
+                    if self._queue:
+                        self._queue[0].leads = True
+                    else:
+                        self._running = False
+                self._bell.ring()
+
     def _run_next(self) -> None:
         """Run every queued call as one batch, then hand the turn to the next arrival."""
-        with self._mutex:
-            batch, self._queue = self._queue, []
-        state = self._state()
+        batch: list[_Pending] = []
+        stopped: BaseException | None = None
         try:
+            with self._mutex:  # inside the try: the finally hands the turn on whatever comes
+                batch, self._queue = self._queue, []
+            state = self._state()
             self.batches.append(len(batch))
             if state is None:
                 # The stager is gone (its pipeline was dropped): each call runs alone.
@@ -843,15 +865,31 @@ class _Gather:
                     self._one(batch[0])
             else:
                 self._many(state, batch)
+        except BaseException as exc:
+            stopped = exc
+            raise
         finally:
             with self._mutex:
                 for p in batch:
+                    if not p.delivered:
+                        self._undelivered(p, len(batch), stopped)
                     p.done = True
                 if self._queue:
                     self._queue[0].leads = True  # its thread runs the next batch
                 else:
                     self._running = False
                 self._bell.ring()
+
+    @staticmethod
+    def _undelivered(p: _Pending, size: int, stopped: BaseException | None) -> None:
+        """``p`` was in a batch that the thread running it left before ``p`` ended (a
+        Ctrl-C there): its own thread raises this, never returns None as a result."""
+        why = type(stopped).__name__ if stopped is not None else "it stopped"
+        p.error = StageloadError(
+            f"this call was in a batch of {size} calls run on another thread, which was "
+            f"interrupted ({why}) before the call ended: nothing of it was returned; call "
+            f"the pipeline again"
+        )
 
     def _one(self, p: _Pending) -> None:
         self._local.inside = True
@@ -860,6 +898,7 @@ class _Gather:
         except BaseException as exc:  # delivered to the call's own thread
             p.error = exc
         finally:
+            p.delivered = True
             self._local.inside = False
 
     def _many(self, state: StagedPipeline, batch: list[_Pending]) -> None:
@@ -877,6 +916,7 @@ class _Gather:
                 p.error = result
             else:
                 p.result = result
+            p.delivered = True
 
 
 def _stagers(pipe: Any) -> list[StagedPipeline]:
