@@ -29,13 +29,15 @@ class StageloadError(Exception):
 
 class CheckpointError(StageloadError, ValueError):
     """A checkpoint file that cannot be read as safetensors: truncated, corrupt, missing, or
-    with a header that safetensors itself rejects. ``path`` names the file and ``tensor``
+    with a header that safetensors itself rejects; or changed since a model was read from
+    it, so a reload would give other weights. ``path`` names the file and ``tensor``
     the tensor the problem is with (None when it is the file's: its length, its header)."""
 
-    def __init__(self, path: object, problem: str, tensor: str | None = None) -> None:
+    def __init__(
+        self, path: object, problem: str, tensor: str | None = None, fix: str | None = None
+    ) -> None:
         self.path = str(path)
         self.problem = problem
         self.tensor = tensor
-        super().__init__(
-            f"{self.path}: {problem}; the file is damaged or incomplete, download or save it again"
-        )
+        fix = fix or "the file is damaged or incomplete, download or save it again"
+        super().__init__(f"{self.path}: {problem}; {fix}")

@@ -518,8 +518,8 @@ def test_budget_parsing():
     assert abs(auto - (system.available - reserve)) < 256 << 20  # available moves a little
     for bad, match in [
         ("lots", "invalid budget 'lots'"),
-        (0, "positive"),
-        ("150%", "between 0% and 100%"),
+        (0, "invalid budget 0: it must be more than 0 bytes"),
+        ("150%", "more than 0% and at most 100%"),
         (True, "budget must be bytes"),
         (-1, "invalid budget -1"),
     ]:

@@ -85,8 +85,10 @@ from ..hooks.release import is_released, release, releasing, storage_sizes, unma
 from ..hooks.share import call_key
 from ..load.checkpoint import (
     INDEX_SUFFIX,
+    changed_file,
     checkpoint_bytes,
     checkpoint_files,
+    file_stamps,
     float_itemsize,
     pretrained_checkpoint,
 )
@@ -186,6 +188,9 @@ class _Model:
     #: Conversions the script made (``.to``, ``.half``: the function ``_apply`` was given)
     #: before the first load: replayed on it, in order.
     pending: list[Callable[[Any], Any]] = field(default_factory=list)
+    #: Its files as they were at the factory call, before a deferred first load: the
+    #: script gets what the call would have read then, or an error, never other weights.
+    stamps: dict[Path, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -520,13 +525,22 @@ class AutoSession:
             self._shared[key] = model
 
     def _maker(self, factory: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[[], Any]:
-        """The factory call, made again at each reload: a factory it calls in turn is not
-        staged (``call`` sees this thread's depth)."""
+        """The factory call, made again at each reload (and, deferred, at the first use) as
+        the script made it: a relative path anchored to the folder it meant then (the
+        script may ``chdir`` since), under torch's default dtype then (a diffusers model
+        built after ``torch.set_default_dtype(torch.float64)`` came out float64). A factory
+        it calls in turn is not staged (``call`` sees this thread's depth)."""
+        import torch
+
+        args = _anchored(args)
+        kwargs = dict(zip(kwargs, _anchored(tuple(kwargs.values())), strict=True))
+        default = torch.get_default_dtype()
 
         def make() -> Any:
             self._making.depth = getattr(self._making, "depth", 0) + 1
             try:
-                return factory(*args, **kwargs)
+                with _default_dtype(default):
+                    return factory(*args, **kwargs)
             finally:
                 self._making.depth -= 1
 
@@ -552,6 +566,7 @@ class AutoSession:
         kwargs = copy.deepcopy(kwargs)
         make = self._maker(factory, args, kwargs)
         size = _file_bytes(factory, args, kwargs)
+        stamps = file_stamps(_checkpoint(args, kwargs))
         with self._mutex:
             model = self._new(
                 obj,
@@ -566,6 +581,7 @@ class AutoSession:
                 inference=torch.is_inference_mode_enabled(),
                 grad=torch.is_grad_enabled(),
             )
+            model.stamps = stamps
             self._add(obj, model, key)
         with releasing(collect=False):  # its computed buffers: the load makes them again
             release(obj, name=model.name, wait=False)  # the hook's released() marks them
@@ -830,11 +846,28 @@ class AutoSession:
                 del fresh
                 how = "factory"
             _settle(module, layout)
+            # What the bookkeeping below needs, read here: a Ctrl-C inside it left a loaded
+            # model with the last load's addresses, and later reloads placed its tensors
+            # otherwise (outputs off by 3e-7, call after call).
+            seen, samples = _seen(module), _samples(module)
+            other = (
+                how != "first use"
+                and renames is None
+                and replaced is None
+                and _same(samples, _converted(model.samples, module)) is not None
+            )
             ok = True
+        except BaseException:  # Ctrl-C, a failed read: released whole, as it was before
+            if not is_released(module):
+                with releasing(collect=False):
+                    release(module, name=model.name, wait=False)
+            raise
         finally:
             with self._mutex:
                 model.state, model.owner = (LOADED if ok else RELEASED), None
-                if ok:
+                if ok:  # stores first, calls after
+                    model.seen, model.samples = seen, samples
+                    model.placed = {n: address for n, (_, _, address) in seen.items()}
                     model.loads += 1
                     model.chains = {n: want[0] for n, want in layout.items()}
                     seconds = time.perf_counter() - start
@@ -865,10 +898,8 @@ class AutoSession:
                             f"changed by the script while released ({replaced})",
                             changed=True,
                         )
-                    elif _same(_samples(module), _converted(model.samples, module)) is not None:
+                    elif other:
                         self._pin(model, "its factory gave other weights at reload", changed=True)
-                    model.seen, model.samples = _seen(module), _samples(module)
-                    model.placed = {n: address for n, (_, _, address) in model.seen.items()}
                     written = _written(model, model.seen) if ahead is not None else []
                     if written:  # the script's own: kept, as a change made while loaded is
                         self._pin(
@@ -1025,7 +1056,6 @@ class AutoSession:
             self._through_factory(model, recipe)
         else:
             model.recipe = recipe
-        model.samples = _samples(module)  # no other weights to compare with: the first
         with torch_function_off():
             model.chains = chains or {n: (t.dtype,) for n, t in named_tensors(module)}
 
@@ -1667,6 +1697,44 @@ def _floating(dtype: Any) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: Any) -> Iterator[None]:
+    """torch's default dtype set to ``dtype`` for the block, if it is not: a factory call
+    made again as the script made it. The setting is the process's: a load ahead (on its
+    own thread, beside the script's) fails instead, and the use loads the model."""
+    import torch
+
+    now = torch.get_default_dtype()
+    if now == dtype:
+        yield
+        return
+    if threading.current_thread().name.startswith(PREFETCH_THREAD):
+        raise AutoError(f"torch's default dtype is {now} now, {dtype} at the factory call")
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(now)
+
+
+def _anchored(values: tuple) -> tuple:
+    """``values`` with each relative path to a file or folder that exists now made
+    absolute, of the same type (str or Path)."""
+
+    def anchored(value: Any) -> Any:
+        if not isinstance(value, (str, PurePath)) or not str(value):
+            return value
+        path = Path(value)
+        try:
+            if path.is_absolute() or not path.exists():
+                return value
+        except (OSError, ValueError):  # a name too long for a path: a hub id, say
+            return value
+        return type(value)(path.absolute()) if isinstance(value, PurePath) else str(path.absolute())
+
+    return tuple(anchored(v) for v in values)
+
+
 def _checkpoint(args: tuple, kwargs: dict) -> list[Path]:
     """The safetensors files a factory's arguments name: each path to a ``.safetensors``
     file or a sharded index, and each folder where ``from_pretrained`` finds one."""
@@ -1750,6 +1818,16 @@ def _first_load(module: nn.Module, model: _Model, renames: dict[str, str] | None
     tensors moved into the stand-in's objects by name, tied ones as the factory tied them."""
     import torch
 
+    changed = changed_file(model.stamps)
+    if changed is not None:  # read now, it would be other weights than the call's
+        path, how = changed
+        raise AutoError(
+            f"{model.name}: {path} was {how} after the factory call that made the model "
+            f"and before its first use. auto reads a model at its first use, so it would "
+            f"get what is there now, not what the call would have read. Use the model "
+            f"once before changing its files, or keep them (a TemporaryDirectory: keep it "
+            f"open while the model is in use), or run the script without auto"
+        )
     with _FACTORY_LOCK, preserved_rng(), torch.set_grad_enabled(model.grad):
         restore_rng(model.rng)
         with torch.inference_mode(model.inference):
@@ -1915,8 +1993,15 @@ def _resolve(spec: str) -> tuple[Any, str]:
             owner = getattr(owner, part)
         except AttributeError:
             raise AutoError(f"factory {spec!r}: {module_name} has no {part!r}") from None
-    if not callable(getattr(owner, attr, None)):
+    target = getattr(owner, attr, None)
+    if not callable(target):
         raise AutoError(f"factory {spec!r}: {attr!r} is not a callable of {owner!r}")
+    if isinstance(target, type):  # wrapped, the name would be a function: isinstance breaks
+        raise AutoError(
+            f"factory {spec!r}: {attr} is a class; name a function or a classmethod that "
+            f"returns the model ({module_name}:{path}.from_pretrained, or a function of "
+            f"yours that builds it and loads its weights)"
+        )
     return owner, attr
 
 

@@ -309,3 +309,41 @@ def float_itemsize(dtype: Any) -> int:
             return size
     known = sorted(n for n, _, f in DTYPES.values() if f)
     raise ValueError(f"dtype must be a floating point dtype such as {known!r}, got {dtype!r}")
+
+
+#: A file as it is on disk now: (inode, size, mtime in ns). Another after the file was
+#: replaced (a hub download, ``save_pretrained`` to the same folder) or written in place.
+Stamp = tuple[int, int, int]
+
+
+def file_stamps(files: Iterable[Path]) -> dict[Path, Stamp | None]:
+    """Each file's :data:`Stamp` now (None: missing), by absolute path (the process may
+    change its directory before they are compared)."""
+    stamps: dict[Path, Stamp | None] = {}
+    for path in map(Path.absolute, map(Path, files)):
+        try:
+            st = os.stat(path)
+        except OSError:
+            stamps[path] = None
+        else:
+            stamps[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return stamps
+
+
+def changed_file(stamps: Mapping[Path, Stamp | None]) -> tuple[Path, str] | None:
+    """The first file that is not as ``stamps`` found it, and how; None if none."""
+    for path, now in file_stamps(stamps).items():
+        then = stamps[path]
+        if now == then:
+            continue
+        if now is None:
+            return path, "deleted"
+        if then is None:
+            return path, "created"
+        how = [
+            what
+            for what, a, b in zip(("replaced", "resized", "rewritten"), then, now, strict=True)
+            if a != b
+        ]
+        return path, " and ".join(how[:1] if how[:1] == ["replaced"] else how)
+    return None

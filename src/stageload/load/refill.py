@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import DTYPES, read_entries
+from ..errors import CheckpointError
+from .checkpoint import DTYPES, Stamp, changed_file, file_stamps, read_entries
 from .placement import Placement
 from .weights import fill, plan, put, targets
 
@@ -43,6 +44,9 @@ class Recipe:
     # for differently aligned inputs; a Flux transformer staged here differed from eager in
     # the last bit without it (stageload.load.placement).
     placement: Placement
+    # The files as they were when the reference load read them: a reload from files
+    # replaced or rewritten since would give other weights, silently.
+    stamps: dict[Path, Stamp | None]
 
 
 def learn(
@@ -63,6 +67,7 @@ def learn(
     user's factory may change a weight anywhere after reading it), at the cost of reading
     the checkpoint once more.
     """
+    stamps = file_stamps(files)  # before the checks: a change during them shows later
     try:
         entries = read_entries(files)
         found = targets(module)
@@ -88,7 +93,7 @@ def learn(
         _key(t, names): t.tensor.detach().to("cpu", copy=True) for t in found if not t.persistent
     }
     placement = Placement.recorded({entry: target.tensor for target, entry in planned.reads})
-    return Recipe(list(files), dtypes, computed, placement)
+    return Recipe(list(files), dtypes, computed, placement, stamps)
 
 
 def _key(target: Any, names: Mapping[str, str]) -> str:
@@ -113,6 +118,15 @@ def reload(
     the progress bar's, as for :func:`~stageload.load_weights`."""
     import torch
 
+    changed = changed_file(recipe.stamps)
+    if changed is not None:
+        path, how = changed
+        raise CheckpointError(
+            path,
+            f"{how} since {name or 'the model'} was first read from it: a reload would give "
+            f"other weights than the ones released",
+            fix="restore the file, or load the model again (from_pretrained) to use the new one",
+        )
     with torch.no_grad():
         for target in targets(module):
             key = _key(target, names or {})  # not `name`: that is the model's, for the bar

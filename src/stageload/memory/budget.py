@@ -54,7 +54,7 @@ def parse_budget(value: int | str) -> int:
             share = -1.0
         if not 0 < share <= 100:
             raise ValueError(
-                f"invalid budget {value!r}: a share is between 0% and 100%, e.g. '80%'"
+                f"invalid budget {value!r}: a share is more than 0% and at most 100%, e.g. '80%'"
             )
         if system.total is None:
             raise ValueError(
@@ -69,5 +69,5 @@ def parse_budget(value: int | str) -> int:
             f"invalid budget {value!r}: use bytes, a size like '12G', a share like '80%', or 'auto'"
         ) from None
     if budget <= 0:
-        raise ValueError(f"budget must be positive, got {value!r}; e.g. budget='12G'")
+        raise ValueError(f"invalid budget {value!r}: it must be more than 0 bytes, e.g. '12G'")
     return budget
