@@ -213,7 +213,30 @@ def test_bad_use_fails_clearly(checkpoints):
 
     with pytest.raises(BatchError) as info:
         models.map(nested, [0])
-    assert "already running a batch" in str(info.value.errors[0])
+    assert "a call of a batch cannot start another" in str(info.value.errors[0])
+
+
+def test_a_second_thread_s_map_is_told_one_batch_at_a_time(checkpoints):
+    """Found by a new-user helper: it was told it was a call of the batch, which it is not."""
+    import threading
+
+    models = staged(checkpoints)
+    inside, go = threading.Event(), threading.Event()
+
+    def held(_: int) -> None:
+        inside.set()
+        go.wait(60)
+
+    first = threading.Thread(target=models.map, args=(held, [0]))
+    first.start()
+    assert inside.wait(60)
+    try:
+        with pytest.raises(RuntimeError, match="already running a batch on these models; one "):
+            models.map(len, [[1]])
+    finally:
+        go.set()
+        first.join()
+    assert models.map(len, [[1]]) == [1]
 
 
 @pytest.mark.parametrize("fit", [2, 3])

@@ -177,6 +177,18 @@ def start_clean() -> None:
     getattr(registry_module._depth, "tokens", set()).clear()
 
 
+def noted(failures: list[str], at: int, problems: list[str], *, first: bool) -> bool:
+    """Note what went wrong at point ``at``; True when the sweep stops there (``first``),
+    else the next point starts clean."""
+    if not problems:
+        return False
+    failures.append(f"point {at}: {', '.join(problems)}")
+    if first:
+        return True
+    start_clean()
+    return False
+
+
 def hooked() -> nn.Module:
     module = nn.Linear(4, 4)
     HookRegistry.attach(module).add("noted", Noted())
@@ -211,11 +223,8 @@ def sweep(
             problems.append("half released")
         if not ends(lambda module=module: after(module)):
             problems.append("hung")
-        if problems:
-            failures.append(f"point {at}: {', '.join(problems)}")
-            if first:
-                return failures
-            start_clean()
+        if noted(failures, at, problems, first=first):
+            return failures
     return failures
 
 
@@ -295,11 +304,8 @@ def waiting_sweep(wait: Callable[[nn.Module], Any], *, first: bool = False) -> l
         problems += left_behind(module)
         if not ends(lambda module=module: call(module)):
             problems.append("the next call hung")
-        if problems:
-            failures.append(f"point {at}: {', '.join(problems)}")
-            if first:
-                return failures
-            start_clean()
+        if noted(failures, at, problems, first=first):
+            return failures
     return failures
 
 
@@ -441,11 +447,8 @@ def batch_sweep(*, first: bool = False) -> list[str]:
             problems.append("the next batch raised")
         elif not all(torch.equal(a, b) for a, b in zip(out, expected, strict=True)):
             problems.append("the next batch gave other results")
-        if problems:
-            failures.append(f"point {at}: {', '.join(problems)}")
-            if first:
-                return failures
-            start_clean()
+        if noted(failures, at, problems, first=first):
+            return failures
     return failures
 
 
@@ -462,7 +465,7 @@ def quick_batches(monkeypatch):
 @pytest.mark.usefixtures("quick_batches")
 def test_a_ctrl_c_anywhere_in_a_batch_scheduler_raises_it_and_ends_every_call():
     """The thread that runs a batch (``map``) passes the turn to each call and waits for it
-    back; a Ctrl-C anywhere there (about 900 points) unwinds every call and raises, and
+    back; a Ctrl-C anywhere there (about 860 points) unwinds every call and raises, and
     the models serve the next batch. Found by this sweep: a Ctrl-C while the calls'
     threads started left them waiting for a turn for good."""
     assert batch_sweep() == []

@@ -420,17 +420,22 @@ class StagedModels(Mapping[str, "nn.Module"]):
         is raised (``.results`` has every slot, ``.errors`` the failures), or with
         ``return_exceptions=True`` each exception is returned in its item's slot.
         """
-        if self._batch is not None:
-            raise RuntimeError(
-                "map() is already running a batch on these models; a call of a batch "
-                "cannot start another one on the same StagedModels"
-            )
         batch = Batch(self, fn, items)
-        self._batch = batch  # enter() parks the batch's calls from now on
-        try:
+        try:  # set inside: a Ctrl-C just after left the models counting a batch for good
+            with self._lock:  # checked and set in one step: two threads' maps never both run
+                if self._batch is not None:
+                    where = (
+                        "a call of a batch cannot start another one on the same StagedModels"
+                        if current_batch() is self._batch
+                        else "one batch at a time: call map() again once it returns (the "
+                        "diffusers adapter's pipe.stageload.map waits its turn)"
+                    )
+                    raise RuntimeError(f"map() is already running a batch on these models; {where}")
+                self._batch = batch  # enter() parks the batch's calls from now on
             return batch.run(return_exceptions=return_exceptions)
         finally:
-            self._batch = None
+            if self._batch is batch:
+                self._batch = None
 
     def evict(self, name: str) -> int:
         """Release one model now; returns the bytes freed (0 if it was not loaded)."""
