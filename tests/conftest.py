@@ -98,6 +98,33 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+#: torch's own ``nn.Module.register_parameter`` and ``register_buffer``, once seen.
+_REGISTER: dict[str, Any] = {}
+
+
+@pytest.fixture(autouse=True)
+def _registration_left_as_torch_has_it() -> Iterator[None]:
+    """A test leaves ``nn.Module.register_parameter`` and ``register_buffer`` as torch has
+    them. accelerate's ``init_empty_weights`` patches both for every thread, and two at once
+    on two threads leave them patched for good: every parameter any later test registers
+    goes to meta (a tied T5 embedding built three modules later came out untied, in one run
+    of the suite in three). Caught here, the test that did it fails, and no other."""
+    yield
+    if "torch" not in sys.modules:
+        return
+    from torch import nn
+
+    changed = []
+    for name in ("register_parameter", "register_buffer"):
+        now = getattr(nn.Module, name)
+        if now.__module__ == "torch.nn.modules.module" and now.__qualname__ == f"Module.{name}":
+            _REGISTER.setdefault(name, now)
+        elif name in _REGISTER:
+            setattr(nn.Module, name, _REGISTER[name])  # the next tests run on torch's own
+            changed.append(f"{name} is {now.__qualname__} ({now.__module__})")
+    assert not changed, f"the test left nn.Module patched: {'; '.join(changed)}"
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """torch on one thread for a module's tests (``pytest.mark.usefixtures("one_thread")``):

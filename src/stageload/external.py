@@ -7,6 +7,7 @@ Nothing here is imported at ``import stageload``: each function imports its libr
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,17 @@ def version_at_least(distribution: str, version: str) -> bool:
         return Version(installed(distribution)) >= Version(version)
     except PackageNotFoundError:
         return False
+
+
+#: Held while stageload runs a library's ``from_pretrained`` or builds a model with
+#: accelerate's ``init_empty_weights``, which patches ``nn.Module.register_parameter`` for
+#: every thread and puts back what it found when it ends: two at once on two threads leave
+#: it patched for good (the first to end puts back the second's patch), and every parameter
+#: registered after, in any module, goes to meta (a tied T5 embedding came out untied). A
+#: script loads on one thread; stageload loads at the calls, on the callers' threads (a
+#: server's), so it runs these one at a time: auto's loads, the diffusers adapter's first
+#: loads and its skeletons. Reentrant: a pipeline's factory loads its components inside.
+BUILD_LOCK = threading.RLock()
 
 
 def non_persistent_buffers(module: nn.Module) -> set[str]:

@@ -198,7 +198,7 @@ def test_control_factories_run_at_once_fail(root: Path, monkeypatch: pytest.Monk
     """The check above can fail: without the lock, a run fails or leaves new modules on
     meta (the first run, here; up to 10 tries). What the races leave patched is put back
     after the test."""
-    import stageload.autostage as autostage
+    from stageload import external
 
     module = torch.nn.Module
     for name in ("register_parameter", "register_buffer"):
@@ -206,7 +206,7 @@ def test_control_factories_run_at_once_fail(root: Path, monkeypatch: pytest.Monk
     for name in dir(torch.nn.init):
         if not name.startswith("_") and callable(getattr(torch.nn.init, name)):
             monkeypatch.setattr(torch.nn.init, name, getattr(torch.nn.init, name))
-    monkeypatch.setattr(autostage, "_FACTORY_LOCK", contextlib.nullcontext())
+    monkeypatch.setattr(external, "BUILD_LOCK", contextlib.nullcontext())
     broken = []
     for _ in range(10):
         errors, _ = two_pipelines_from_two_threads(root)

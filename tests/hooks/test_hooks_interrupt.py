@@ -155,7 +155,11 @@ def settles(state: Callable[[], bool]) -> bool:
 def left_behind(module: nn.Module) -> list[str]:
     registry = HookRegistry.of(module)
     problems = []
-    if LOCK.locked():
+    # Held for good, not for a moment: another thread (one a control left waiting, which
+    # looks again every bell.RECHECK) may hold it as this looks.
+    if LOCK.acquire(timeout=2):
+        LOCK.release()
+    else:
         problems.append("the calls lock is held")
     if registry is not None and registry._running:
         problems.append(f"calls counted in flight: {len(registry._running)}")
@@ -172,7 +176,10 @@ def left_behind(module: nn.Module) -> list[str]:
 
 def start_clean() -> None:
     """Undo what a failed point left behind, so that the next point starts clean."""
-    LOCK.locked() and LOCK.release()
+    if LOCK.acquire(timeout=2):  # free, or held for a moment by another thread
+        LOCK.release()
+    else:  # left held by the point
+        LOCK.release()
     registry_module._held_back.clear()
     getattr(registry_module._depth, "tokens", set()).clear()
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
-from .. import bell
+from .. import bell, external
 from ..core.events import (
     LOAD,
     NOTE,
@@ -837,7 +837,7 @@ class AutoSession:
                 )
             else:
                 with torch.inference_mode(model.inference):  # the first load's mode
-                    with _FACTORY_LOCK, preserved_rng():
+                    with external.BUILD_LOCK, preserved_rng():
                         restore_rng(model.rng)  # the first load's draws: the same random parts
                         fresh = model.make()
                     _convert(fresh, model.layout)
@@ -1802,16 +1802,6 @@ def _stand_in(cls: type, args: tuple, kwargs: dict, rng: RngState) -> nn.Module 
     return built if keep else None
 
 
-#: Held while auto runs a factory (a first load, a reload through the factory).
-#: transformers' and accelerate's ``from_pretrained`` set process-wide state while they build
-#: (accelerate's ``init_empty_weights`` patches ``nn.Module.register_parameter``): two on two
-#: threads at once fail, with or without auto ("Unsupported device type 'meta'"). A script
-#: loads on one thread and calls on several; auto runs its loads at the calls, so it runs
-#: them one at a time (a new-user helper: two pipelines called from two threads failed in 4
-#: of 4 runs).
-_FACTORY_LOCK = threading.RLock()
-
-
 def _first_load(module: nn.Module, model: _Model, renames: dict[str, str] | None) -> None:
     """A stand-in's first load: its factory, as the script called it (the global RNG as it
     was then, restored for the script after; the same grad and inference modes), its
@@ -1828,7 +1818,7 @@ def _first_load(module: nn.Module, model: _Model, renames: dict[str, str] | None
             f"once before changing its files, or keep them (a TemporaryDirectory: keep it "
             f"open while the model is in use), or run the script without auto"
         )
-    with _FACTORY_LOCK, preserved_rng(), torch.set_grad_enabled(model.grad):
+    with external.BUILD_LOCK, preserved_rng(), torch.set_grad_enabled(model.grad):
         restore_rng(model.rng)
         with torch.inference_mode(model.inference):
             fresh = model.make()

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import external
 from ..external import version_at_least
 from ..load.skeleton import is_transformers_model
 
@@ -136,7 +137,8 @@ def _load_component(
         kwargs[key] = torch_dtype
     else:
         kwargs["torch_dtype"] = torch_dtype
-    return cls.from_pretrained(str(folder), **kwargs)
+    with external.BUILD_LOCK:  # a call's first load, on the caller's thread
+        return cls.from_pretrained(str(folder), **kwargs)
 
 
 def _dtype_kwarg(torch_dtype: torch.dtype | None) -> dict[str, Any]:

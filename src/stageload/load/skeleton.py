@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..external import (
+    BUILD_LOCK,
     from_pretrained_dtype,
     keep_in_fp32_modules,
     kept_in_float32,
@@ -128,11 +129,11 @@ def build_empty(
             config = copy.deepcopy(config)  # from_pretrained does not change the caller's
         if name_or_path is not None:  # named and typed as from_pretrained sets them
             config.name_or_path, config.dtype = name_or_path, dtype
-        with torch.device("meta") if meta else init_empty_weights():
+        with BUILD_LOCK, torch.device("meta") if meta else init_empty_weights():
             model = transformers_from_config(cls, config)
     elif hasattr(cls, "load_config") and hasattr(cls, "from_config"):
         config = cls.load_config(str(folder))
-        with init_empty_weights():
+        with BUILD_LOCK, init_empty_weights():
             model = cls.from_config(config)
         # As from_pretrained records it.
         given = str(folder) if name_or_path is None else name_or_path

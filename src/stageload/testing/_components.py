@@ -116,7 +116,9 @@ def _cpu_buffers(factory: Callable[[], nn.Module]) -> dict[str, torch.Tensor]:
     """Buffers of a freshly built model, built with parameters on meta (cheap)."""
     from accelerate import init_empty_weights
 
-    with init_empty_weights(include_buffers=False):
+    from ..external import BUILD_LOCK
+
+    with BUILD_LOCK, init_empty_weights(include_buffers=False):
         model = factory()
     return dict(model.named_buffers())
 
