@@ -1093,3 +1093,19 @@ def test_status_updates_in_place_on_a_terminal() -> None:
         os.close(master)
         os.close(slave)
     assert text.count("\r\x1b[K") == 2 and text.endswith("done\r\n")
+
+
+@pytest.mark.parametrize("how", ["meter", "guard", "run"])
+def test_the_end_record_names_the_signal_the_command_died_from(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trace-format.md: ``signal`` in the end record when the command died from one.
+    ``meter`` wrote it; ``guard --trace`` and ``run --trace`` left it out."""
+    monkeypatch.setenv("STAGELOAD_HOME", str(tmp_path / "state"))
+    trace = tmp_path / "t.jsonl"
+    flag = {"meter": ["-o"], "guard": ["--wait-free", "0", "--trace"]}
+    flags = flag.get(how, ["--wait-free", "0", "--quiet-for", "0", "--trace"])
+    kill = ["--", "sh", "-c", "kill -KILL $$"]
+    assert main([how, *flags, str(trace), *kill]) == 128 + signal.SIGKILL
+    end = read_records(trace)[-1]
+    assert (end["type"], end["exit_code"], end.get("signal")) == ("end", 137, "SIGKILL")

@@ -807,6 +807,37 @@ def test_the_deadlock_of_a_busy_run_and_a_waiting_engine_is_gone(
         assert log_lines(log) == [f"b-{mark}"]
 
 
+@pytest.mark.parametrize("where", ["missing folder", "written by the running command"])
+def test_an_unusable_trace_is_refused_before_queueing(
+    where: str, home: Path, tmp_path: Path, spawn: Spawn
+) -> None:
+    """--trace that cannot be written was found only when the turn came (after hours of
+    waiting, and counted as a start of its owner): now at once, with the guard's message,
+    while the lane is still held by another command."""
+    log, go, busy = tmp_path / "log", tmp_path / "go", tmp_path / "busy.jsonl"
+    held = spawn("--who", "alice", "--trace", str(busy), *gate(log, "gate", go))
+    wait_until(lambda: log_lines(log) == ["gate"], "the gate to start")
+    trace = str(tmp_path / "no/such/t.jsonl") if where == "missing folder" else str(busy)
+    late = spawn("--who", "carol", "--trace", trace, "--", "touch", str(tmp_path / "ran"))
+    code, err = finish(late)  # the gate still runs: on the previous code this timed out
+    assert code == 2
+    message = err.strip().removeprefix("stageload run: error: ")
+    assert err.count("\n") == 1 and message != err.strip(), err
+    guard = subprocess.run(
+        [PY, "-m", "stageload", "guard", "--trace", trace, "--", "true"],
+        capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", "")),
+    )  # fmt: skip
+    assert (guard.returncode, guard.stderr) == (2, f"stageload guard: error: {message}\n")
+    assert lane(home)["waiting"] == []
+    assert "carol" not in json.loads((home / "lanes/ram/owners.json").read_text())
+    go.touch()
+    assert finish(held)[0] == 0
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "no").exists()
+    last = json.loads(busy.read_text().splitlines()[-1])
+    assert last["type"] == "end"  # the running command's trace is whole
+
+
 def test_no_trace_writes_no_trace(home: Path, spawn: Spawn) -> None:
     """Control: the same run without --no-trace leaves its trace under traces/."""
     assert finish(spawn("--no-trace", "--", "true"))[0] == 0

@@ -26,13 +26,16 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _meter(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _meter(
+    *argv: str, timeout: float = 120, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "stageload", "meter", *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
         env=_env(),
+        cwd=cwd,
     )
 
 
@@ -59,6 +62,33 @@ def test_a_run_that_starts_replaces_the_older_trace(tmp_path: Path) -> None:
     records = read_records(path)
     assert [r["type"] for r in records].count("start") == 1
     assert records[0]["meta"] == {"label": "new"} and records[-1]["type"] == "end"
+
+
+def test_without_o_a_taken_default_name_gets_a_number_and_is_not_replaced(
+    tmp_path: Path,
+) -> None:
+    """The default name is by the second: a run in the same second as another replaced its
+    trace (or was refused while the other ran). Every name the next minute could give is
+    taken here, so the run must find its own, whatever second it starts in."""
+    now = time.time()
+    taken = {
+        time.strftime("meter-%Y%m%d-%H%M%S.jsonl", time.localtime(now + i)) for i in range(-1, 60)
+    }
+    for name in taken:
+        (tmp_path / name).write_text(OLD)
+    result = _meter("--label", "new", "--", "true", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert all((tmp_path / name).read_text() == OLD for name in taken)
+    [new] = sorted({p.name for p in tmp_path.iterdir()} - taken)
+    assert new.startswith("meter-") and new.endswith("-2.jsonl"), new
+    assert read_records(tmp_path / new)[0]["meta"] == {"label": "new"}
+    assert f"samples in {new}" in result.stderr
+
+
+def test_without_o_a_command_that_cannot_start_leaves_no_file(tmp_path: Path) -> None:
+    result = _meter("--", str(tmp_path / "nonexistent"), cwd=tmp_path)
+    assert result.returncode == 127, result.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_second_meter_on_the_same_trace_is_refused(tmp_path: Path) -> None:
@@ -233,3 +263,18 @@ def test_a_guarded_command_that_cannot_start_leaves_an_existing_trace_whole(
     assert result.returncode == 127, result.stderr
     assert "Traceback" not in result.stderr
     assert path.read_text() == OLD
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_a_trace_on_a_device_is_written_not_truncated() -> None:
+    """The writer emptied the file with ftruncate, which a device refuses: 'Invalid
+    argument' at the first record, for /dev/full (meter.md promises 'No space left on
+    device') and for /dev/null (which takes anything)."""
+    full = _meter("-o", "/dev/full", "--", "true")
+    assert full.returncode == 0, full.stderr
+    assert "not written any more: No space left on device (after 0 records)" in full.stderr
+    assert "Invalid argument" not in full.stderr
+    null = _meter("-o", "/dev/null", "--", "true")
+    assert null.returncode == 0, null.stderr
+    assert "warning" not in null.stderr and "Invalid argument" not in null.stderr
+    assert "stageload meter: exit 0 after" in null.stderr

@@ -72,6 +72,35 @@ def test_cli_plot_dpi_out_of_range_is_a_usage_error(pair, tmp_path: Path, dpi: s
     assert "Traceback" not in result.stderr and not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("name", "starts"),
+    [
+        ("out.pdf", b"%PDF-"),
+        ("out.svg", b"<?xml"),
+        ("out.jpg", b"\xff\xd8\xff"),
+        ("out", PNG_SIGNATURE),
+    ],
+)
+def test_cli_plot_writes_the_format_the_suffix_names(
+    pair, tmp_path: Path, capsys, name: str, starts: bytes
+) -> None:
+    """-o out.pdf wrote PNG bytes under that name (and said 'wrote out.pdf')."""
+    out = tmp_path / name
+    assert main(["plot", *map(str, pair), "-o", str(out)]) == 0
+    assert out.read_bytes().startswith(starts)
+    if name == "out.svg":
+        assert b"<svg" in out.read_bytes()[:1000]
+
+
+def test_cli_plot_refuses_a_suffix_of_no_image_format(pair, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out.xyz"
+    assert main(["plot", *map(str, pair), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"stageload plot: error: -o {str(out)!r}: cannot write a '.xyz' image")
+    assert ".png" in err and ".pdf" in err and ".svg" in err and err.count("\n") == 1
+    assert not out.exists()
+
+
 def test_plot_traces_refuses_a_dpi_out_of_range(pair, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="dpi must be a whole number from 10 to 1200"):
         plot_traces(pair, tmp_path / "x.png", dpi=100_000)
@@ -126,3 +155,20 @@ def test_swap_growth_beyond_the_footprint_stays_on_the_panel(tmp_path: Path) -> 
     (swap_line,) = [line for line in panel.get_lines() if line.get_label() == "swap growth"]
     assert max(swap_line.get_ydata()) <= panel.get_ylim()[1]
     assert min(swap_line.get_ydata()) >= panel.get_ylim()[0]
+
+
+def test_a_line_of_one_sample_is_drawn_as_a_marker(tmp_path: Path) -> None:
+    """A run shorter than the interval has one sample: its line of one point drew nothing,
+    under a title that said 'peak 150 MiB'."""
+    records = [
+        {"type": "start", "meta": {"label": "one"}},
+        {"type": "event", "t": 0.0, "kind": "stage", "stage": "a"},
+        {"type": "sample", "t": 0.1, "footprint": 150 << 20, "available": 10 << 30,
+         "available_pct": 60.0, "swap_used": 0},
+        {"type": "end", "t": 0.3, "samples": 1},
+    ]  # fmt: skip
+    fig = draw_traces([write_trace(tmp_path / "one.jsonl", records)])
+    lines = {line.get_label(): line for ax in fig.axes for line in ax.get_lines()}
+    for name in ("footprint", "swap growth", "available (right, GiB)"):
+        assert len(lines[name].get_xdata()) == 1
+        assert lines[name].get_marker() == "o", name

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,6 +69,21 @@ def test_duplicate_labels_get_numbered_columns(tmp_path: Path) -> None:
     assert _row(text, "stage") == ["stage", "staged #1", "staged #2"]
 
 
+def test_a_pipe_in_a_label_or_stage_name_is_escaped_in_the_table(tmp_path: Path) -> None:
+    """A bare '|' started another cell: the header had more cells than the table."""
+    records = [
+        {"type": "start", "meta": {"label": "bf16|eager"}},
+        {"type": "event", "t": 1.0, "kind": "stage", "stage": "enc|dec"},
+        {"type": "sample", "t": 1.5, "footprint": MIB},
+    ]
+    text = format_report([load_summary(write_trace(tmp_path / "t.jsonl", records))])
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in table]
+    assert {len(row) for row in cells} == {2}, table
+    assert cells[0] == ["stage", "bf16\\|eager"]
+    assert ["enc\\|dec", "1.0 MiB, 500 ms"] in cells
+
+
 def test_cli_prints_the_table(pair, capsys) -> None:
     assert main(["report", *map(str, pair)]) == 0
     out = capsys.readouterr().out
@@ -115,3 +134,55 @@ def test_report_on_real_meter_traces(tmp_path: Path, capsys) -> None:
     assert all(st["samples"] > 0 for st in s.values() if st["stage"] != "setup")
     assert main(["report", str(eager), str(staged)]) == 0
     assert _row(capsys.readouterr().out, "c")[1:] != ["-", "-"]
+
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def _stageload(*args: str, home: Path, **kwargs) -> subprocess.Popen[bytes]:  # type: ignore[no-untyped-def]
+    env = dict(os.environ, STAGELOAD_HOME=str(home))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, env.get("PYTHONPATH")]))
+    return subprocess.Popen(
+        [sys.executable, "-m", "stageload", *args], env=env, stderr=subprocess.PIPE, **kwargs
+    )
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+@pytest.mark.parametrize(
+    ("args", "what"),
+    [
+        (["report", "TRACE"], "the report"),
+        (["report", "--json", "TRACE"], "the report"),
+        (["queue"], "the queue's state"),
+        (["queue", "--json"], "the queue's state"),
+    ],
+)
+def test_output_that_cannot_be_written_is_one_line(
+    pair, tmp_path: Path, args: list[str], what: str
+) -> None:
+    """`> /dev/full` printed a Python traceback (exit 1 by accident)."""
+    args = [str(pair[0]) if a == "TRACE" else a for a in args]
+    with open("/dev/full", "w") as full:
+        proc = _stageload(*args, home=tmp_path / "state", stdout=full)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert (
+        err.decode()
+        == f"stageload {args[0]}: error: cannot write {what}: No space left on device\n"
+    )
+
+
+def test_a_reader_that_goes_away_is_no_error(tmp_path: Path) -> None:
+    """`stageload report --json t.jsonl | head -1`: the rest of the output is not wanted."""
+    records: list[dict] = [{"type": "start", "meta": {}}]
+    for i in range(300):  # a column each: far more output than a pipe holds
+        records += [
+            {"type": "event", "t": i, "kind": "stage", "stage": "a", "pid": 1000 + i},
+            {"type": "sample", "t": i + 0.5, "footprint": MIB},
+        ]
+    path = write_trace(tmp_path / "wide.jsonl", records)
+    proc = _stageload("report", "--json", str(path), home=tmp_path, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"{\n"
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (0, b"")

@@ -157,6 +157,38 @@ def test_control_a_sample_on_a_window_start_counted_in_the_window_before(
     assert differ > 0
 
 
+def _pool_records(processes: int) -> list[dict[str, Any]]:
+    """A pool: each process starts, enters a stage and runs to the end of the trace; a
+    sample after each."""
+    records: list[dict[str, Any]] = [{"type": "start", "monotonic": 10.0, "meta": {}}]
+    for i in range(processes):
+        t, pid = i * 0.01, 1000 + i
+        records += [
+            {"type": "event", "t": t, "kind": "process", "note": "start", "pid": pid},
+            {"type": "event", "t": t, "kind": "stage", "stage": "a", "pid": pid},
+            {"type": "sample", "t": t + 0.005, "footprint": (i + 1) * MIB},
+        ]
+    return records
+
+
+def test_report_of_thousands_of_processes_takes_seconds(tmp_path: Path) -> None:
+    """2,000 processes, 6,000 events: the report took minutes (each view tested every
+    event against a list of the processes, and merged every later segment of samples);
+    the timeout fails it on that code."""
+    path = write_trace(tmp_path / "pool.jsonl", _pool_records(2000))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "stageload", "report", "--json", str(path)],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    traces = json.loads(result.stdout)["traces"]
+    # One view per process, from its start to the end: process i saw the samples of i on.
+    assert [t["pid"] for t in traces] == [1000 + i for i in range(2000)]
+    assert [t["samples"] for t in traces] == list(range(2000, 0, -1))
+    assert {t["peak_footprint"] for t in traces} == {2000 * MIB}
+
+
 # Runs ``python -m MODULE ARGS`` (or ``-c CODE``) under tracemalloc and prints its peak of
 # Python memory: objects are what would grow with the samples, and unlike the resident
 # set this figure does not shrink when a busy machine swaps the child's pages out.

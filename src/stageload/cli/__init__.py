@@ -29,9 +29,12 @@ COMMANDS: dict[str, str] = {
 #: Exit code for bad command-line usage, as argparse uses.
 EXIT_USAGE = 2
 
-# Commands whose output is the point: a reader that went away (`stageload report | head`)
-# took what it wanted, so a broken pipe is a success for them and for them only.
-_OUTPUT_COMMANDS = frozenset({"report", "queue"})
+# Commands whose output is the point, with what it is called in an error: a reader that
+# went away (`stageload report | head`) took what it wanted, so a broken pipe is a success
+# for them and for them only; any other failure to write it is an error (exit 1).
+_OUTPUT_COMMANDS = {"report": "the report", "queue": "the queue's state"}
+#: Exit code when the output of ``report`` or ``queue`` cannot be written.
+EXIT_OUTPUT = 1
 # Commands that run a command and exit with its code: their stderr never fails them
 # (`stageload guard -- CMD 2>&1 | true` exits with CMD's code, not 0 or 1).
 _COMMAND_RUNNERS = frozenset({"guard", "meter", "run", "auto"})
@@ -81,24 +84,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    stderr = sys.stderr
+    stderr, stdout = sys.stderr, sys.stdout
     if args._name in _COMMAND_RUNNERS:
         from ._stderr import QuietStream
 
         sys.stderr = QuietStream(stderr)  # type: ignore[assignment]
+    from ._stdout import CheckedStream, OutputError
+
+    if args._name in _OUTPUT_COMMANDS:
+        sys.stdout = CheckedStream(stdout)  # type: ignore[assignment]
     try:
-        return int(args._run(args))
+        code = int(args._run(args))
+        if args._name in _OUTPUT_COMMANDS:
+            sys.stdout.flush()  # a full disk fails here, not in the interpreter's last flush
+        return code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        # The reader went away (`stageload report --json | head`). Point stdout at devnull
-        # so the interpreter's final flush does not fail again.
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # The reader went away (`stageload report --json | head`).
+        _stdout_to_devnull()
         return 0 if args._name in _OUTPUT_COMMANDS else 1
+    except OutputError as exc:  # `stageload report t.jsonl > /dev/full`
+        _stdout_to_devnull()
+        what = _OUTPUT_COMMANDS[args._name]
+        print(f"stageload {args._name}: error: cannot write {what}: {exc}", file=stderr)
+        return EXIT_OUTPUT
     finally:
-        sys.stderr = stderr
+        sys.stderr, sys.stdout = stderr, stdout
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at devnull, so the interpreter's final flush of what is still buffered
+    does not fail again."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -61,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--output",
         metavar="TRACE",
         default=None,
-        help="trace file to write (default: meter-YYYYmmdd-HHMMSS.jsonl here)",
+        help="trace file to write (default: meter-YYYYmmdd-HHMMSS.jsonl here, with -2, -3, "
+        "... added when that name is taken: never an existing file)",
     )
     parser.add_argument(
         "--interval",
@@ -160,6 +162,22 @@ class _Forwarder:
             signal.signal(sig, handler)
 
 
+def new_default_trace() -> Path:
+    """Create, empty, the trace of a run given no ``-o``: ``meter-YYYYmmdd-HHMMSS.jsonl``
+    here, or ``...-2.jsonl``, ``-3`` ... when that name is taken (runs started within one
+    second). Made with ``O_EXCL``, so two runs never get one name and no file is replaced.
+    Raises ``OSError`` when the folder cannot take a file."""
+    stem = time.strftime("meter-%Y%m%d-%H%M%S")
+    for n in itertools.count(1):
+        path = Path(f"{stem}.jsonl" if n == 1 else f"{stem}-{n}.jsonl")
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")
+
+
 def summary_line(summary: Summary) -> str:
     """Peak footprint, swap growth and lowest available memory of a trace's summary."""
     parts = [f"peak footprint {format_size(summary.peak_footprint)}"]
@@ -172,7 +190,7 @@ def summary_line(summary: Summary) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..guard.process import exit_status
+    from ..guard.process import end_fields, exit_status
     from ..meter import MemoryMeter
     from ..meter.tracefile import TraceBusyError
     from ..report.trace import load_summary
@@ -183,11 +201,23 @@ def run(args: argparse.Namespace) -> int:
     )
     if command is None:
         return EXIT_USAGE
-    output = Path(args.output or time.strftime("meter-%Y%m%d-%H%M%S.jsonl"))
-    problem = unwritable_file(output)  # find out now, not after the command has run
-    if problem is not None:
-        print(f"stageload meter: error: -o {str(output)!r}: {problem}", file=sys.stderr)
-        return EXIT_USAGE
+    made = args.output is None  # a name of our own, created here: removed if CMD can't start
+    if made:
+        try:
+            output = new_default_trace()
+        except OSError as exc:
+            print(
+                f"stageload meter: error: cannot create a trace file in {os.getcwd()!r}: "
+                f"{exc.strerror or exc}; give -o TRACE in a writable folder",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+    else:
+        output = Path(args.output)
+        problem = unwritable_file(output)  # find out now, not after the command has run
+        if problem is not None:
+            print(f"stageload meter: error: -o {str(output)!r}: {problem}", file=sys.stderr)
+            return EXIT_USAGE
 
     meta = {} if args.label is None else {"label": args.label}
     meter = MemoryMeter(output, args.interval, sampler=args.sampler, meta=meta)
@@ -198,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     # the command has started (meter.start), and kept whole if it cannot start.
     try:
         meter.prepare()
-    except TraceBusyError as exc:
+    except TraceBusyError as exc:  # not for a name of our own: O_EXCL made it ours
         print(f"stageload meter: error: -o {str(output)!r}: {exc.strerror}", file=sys.stderr)
         return EXIT_USAGE
     started = time.monotonic()
@@ -208,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
             proc = subprocess.Popen(command, env=command_env(output, events=args.events))
         except OSError as exc:
             meter.cancel()  # nothing ran: no trace, and an older one at the path stays whole
+            if made:
+                output.unlink(missing_ok=True)
             print(f"stageload meter: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
             return EXIT_CANNOT_START
         forwarder.proc = proc
@@ -224,13 +256,7 @@ def run(args: argparse.Namespace) -> int:
             if proc.returncode is None:  # interrupted in here: don't leave it behind
                 proc.kill()
                 proc.wait()
-            end: dict[str, Any] = {"exit_code": exit_status(proc.returncode)}
-            if proc.returncode < 0:
-                try:
-                    end["signal"] = signal.Signals(-proc.returncode).name
-                except ValueError:  # a real-time signal has no name
-                    end["signal"] = f"SIG{-proc.returncode}"
-            meter.stop(**end)
+            meter.stop(**end_fields(proc.returncode))
     elapsed = time.monotonic() - started
     if meter.failure is not None:  # said on stderr when it happened
         figures = f"trace incomplete ({meter.failure})"

@@ -1,29 +1,36 @@
-"""``stageload plot``: draw traces as a PNG (memory over time per trace, peak per stage)."""
+"""``stageload plot``: draw traces as an image (memory over time per trace, peak per stage)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-HELP = "plot traces: memory over time with stage bands, and peak per stage (PNG)"
+HELP = "plot traces: memory over time with stage bands, and peak per stage (PNG, PDF, SVG)"
 DESCRIPTION = """\
-Draw one or more traces into one PNG: a panel per trace with the process footprint and
+Draw one or more traces into one image: a panel per trace with the process footprint and
 swap growth (left axis) and available memory (right axis) over time, the stage windows
 as shaded bands with their names, and at the bottom a bar chart of the peak footprint
-per stage, one bar per trace. Needs matplotlib: pip install matplotlib.
+per stage, one bar per trace. The image is a PNG, or the format the -o name's suffix
+names (.pdf, .svg, .jpg, ...). Needs matplotlib: pip install matplotlib.
 
 examples:
   stageload plot eager.jsonl staged.jsonl -o compare.png
   stageload plot run.jsonl -o run.png --dpi 150
+  stageload plot run.jsonl -o run.pdf
 
-exit codes: 0 ok, 1 matplotlib missing, 2 a file is missing or is not a trace.
+exit codes: 0 ok, 1 matplotlib missing, 2 a file is missing or is not a trace, or the
+-o suffix names no image format matplotlib writes.
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("traces", nargs="+", metavar="TRACE", help="JSONL trace files")
     parser.add_argument(
-        "-o", "--output", required=True, metavar="PNG", help="where to write the PNG"
+        "-o",
+        "--output",
+        required=True,
+        metavar="IMAGE",
+        help="where to write the image: a PNG, or the format its suffix names (.pdf, .svg, ...)",
     )
     parser.add_argument(
         "--dpi", type=int, default=110, help="resolution, from 10 to 1200 (default: 110)"
@@ -31,7 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..report.plot import MAX_DPI, MIN_DPI, PlotUnavailableError, plot_traces
+    from ..report.plot import (
+        MAX_DPI,
+        MIN_DPI,
+        ImageFormatError,
+        PlotUnavailableError,
+        plot_traces,
+    )
     from ..report.records import TraceError
 
     if not MIN_DPI <= args.dpi <= MAX_DPI:
@@ -43,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         out = plot_traces(args.traces, args.output, dpi=args.dpi)
+    except ImageFormatError as exc:  # said before the traces are read
+        print(f"stageload plot: error: -o {args.output!r}: {exc}", file=sys.stderr)
+        return 2
     except TraceError as exc:
         print(f"stageload plot: error: {exc}", file=sys.stderr)
         return 2

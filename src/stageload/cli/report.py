@@ -26,7 +26,8 @@ examples:
   stageload report eager.jsonl staged.jsonl
   stageload report run.jsonl --json | jq '.traces[0].stages'
 
-exit codes: 0 ok, 2 a file is missing or is not a trace.
+exit codes: 0 ok, 1 the report cannot be written (e.g. a full disk), 2 a file is
+missing or is not a trace.
 """
 
 

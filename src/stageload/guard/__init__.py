@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ..core.events import Event
 from ..core.outer import command_env
@@ -38,6 +38,7 @@ from .process import (
     EXIT_CANNOT_START,
     CannotStartError,
     CommandGroup,
+    end_fields,
     exit_reason,
     exit_status,
     subreaper,
@@ -51,6 +52,9 @@ from .watch import (
     guard_and_ancestors,
     room_note,
 )
+
+if TYPE_CHECKING:
+    from ..meter.tracefile import TraceWriter
 
 #: The guard stopped the command (swap budget or memory floor).
 EXIT_STOPPED = 3
@@ -275,6 +279,7 @@ class Guard:
                     leftovers = self._leftovers(group)
                     returncode = group.reap()
                     code, outcome = exit_status(returncode), "exited"
+                    end = end_fields(returncode)  # with the signal it died from, as meter's
                     reason = exit_reason(returncode)
                     self._emit(f"exit: {reason}")
                     break
@@ -310,7 +315,7 @@ class Guard:
                 max(escaped, len(group.escapers)),
             )
             if self._trace is not None:
-                self._trace.end(exit_code=code)
+                self._trace.end(**(end if outcome == "exited" else {"exit_code": code}))
             return result
         except BaseException:
             # A guard that fails must not leave a heavy command running unwatched.
@@ -375,15 +380,9 @@ class Guard:
     def run(self) -> GuardResult:
         """Admit, run, watch and stop; returns how it ended. Status lines go to ``stderr``."""
         if self.config.trace is not None:
-            from ..meter.tracefile import TraceWriter
-
             # Opened before waiting: an unwritable path fails now, not after the command
-            # started.
-            try:
-                # A write that fails later (a full disk) stops the trace, never the guard.
-                self._trace = TraceWriter(self.config.trace, on_fail=self._trace_failed)
-            except OSError as exc:
-                raise GuardSetupError(exc.strerror or str(exc)) from exc
+            # started. A write that fails later (a full disk) stops the trace, never the guard.
+            self._trace = open_trace(self.config.trace, on_fail=self._trace_failed)
         started = False
         try:
             with self._signals:
@@ -404,6 +403,21 @@ class Guard:
                     self._trace.discard()
         self.status.line(result.summary())
         return result
+
+
+def open_trace(
+    path: str | os.PathLike[str], on_fail: Callable[[str], None] | None = None
+) -> TraceWriter:
+    """The ``TraceWriter`` of a ``--trace`` file, holding its lock; ``GuardSetupError``
+    saying why when it cannot be written (no folder, not writable, another run's).
+    ``stageload run`` opens it and ``discard()`` s it before it queues, for the same
+    message at once instead of after its wait."""
+    from ..meter.tracefile import TraceWriter
+
+    try:
+        return TraceWriter(path, on_fail=on_fail)
+    except OSError as exc:
+        raise GuardSetupError(exc.strerror or str(exc)) from exc
 
 
 def run_guard(

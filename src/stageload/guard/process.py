@@ -36,6 +36,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import psutil
 
@@ -574,6 +575,19 @@ def _state(pid: int) -> str:
 def exit_status(returncode: int) -> int:
     """A Popen return code as a shell reports it: 128+N for death by signal N."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def end_fields(returncode: int) -> dict[str, Any]:
+    """The keys of a trace's ``end`` record for a command that ended with ``returncode``
+    (a Popen return code): ``exit_code`` as ``exit_status`` has it, and ``signal``
+    (``"SIGKILL"``; ``"SIG34"`` for a signal with no name) when it died from one."""
+    fields: dict[str, Any] = {"exit_code": exit_status(returncode)}
+    if returncode < 0:
+        try:
+            fields["signal"] = signal.Signals(-returncode).name
+        except ValueError:  # a real-time signal has no name
+            fields["signal"] = f"SIG{-returncode}"
+    return fields
 
 
 def exit_reason(returncode: int) -> str:

@@ -15,7 +15,7 @@ import time
 from typing import TextIO
 
 from ..units import format_duration, format_size, parse_size
-from . import EXIT_NO_ROOM, Guard
+from . import EXIT_NO_ROOM, Guard, open_trace
 from .config import GuardConfig, GuardResult, GuardSetupError
 from .history import append_record, learned_need, read_history
 from .process import CommandGroup
@@ -160,6 +160,10 @@ class QueuedRun:
 
     def run(self) -> GuardResult:
         cfg = self.config
+        if cfg.trace is not None:
+            # The guard opens it once the turn comes; an unusable path (or one another run
+            # writes) is refused now, with the guard's message, not after the wait.
+            open_trace(cfg.trace).discard()
         with self.lane.locked():
             self.held = self.lane.enqueue(self.owner, cfg.command, self.need, self.need_source)
         held = self.held

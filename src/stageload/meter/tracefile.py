@@ -31,6 +31,7 @@ import errno
 import json
 import os
 import platform
+import stat
 import sys
 import threading
 import time
@@ -174,7 +175,10 @@ class TraceWriter:
         if self._fd is None:
             raise ValueError(f"trace file {str(self.path)!r} is closed")
         if self._unclaimed:
-            os.ftruncate(self._fd, 0)
+            # A regular file only: a device (-o /dev/null, /dev/full) has nothing to empty,
+            # and ftruncate on it fails with EINVAL before the write says what is wrong.
+            if stat.S_ISREG(os.fstat(self._fd).st_mode):
+                os.ftruncate(self._fd, 0)
             self._unclaimed = False
 
     def write(self, record: Mapping[str, Any]) -> bool:

@@ -35,6 +35,10 @@ class PlotUnavailableError(StageloadError, RuntimeError):
         super().__init__("plots need matplotlib, which is not installed: pip install matplotlib")
 
 
+class ImageFormatError(StageloadError, ValueError):
+    """The suffix of a plot's file names no format matplotlib writes."""
+
+
 def _unit(summaries: Sequence[Summary]) -> tuple[float, str]:
     # GiB for real pipelines, MiB when everything stays under 1 GiB (the small demo).
     peak = max((s.peak_footprint or 0 for s in summaries), default=0)
@@ -110,18 +114,22 @@ def _draw_trace(
 
     handles: list[Any] = []
     if fp:
-        handles += ax.plot(*zip(*fp, strict=True), color="C0", lw=1.6, label="footprint", zorder=4)
+        handles += ax.plot(
+            *zip(*fp, strict=True), color="C0", lw=1.6, label="footprint", zorder=4, **_dot(fp)
+        )
     if swap:
         handles += ax.plot(
-            *zip(*swap, strict=True), color="C3", lw=1.2, label="swap growth", zorder=4
-        )
+            *zip(*swap, strict=True), color="C3", lw=1.2, label="swap growth", zorder=4,
+            **_dot(swap),
+        )  # fmt: skip
     ax.set_ylabel(unit)
     ax.margins(x=0)
     if avail:
         right = ax.twinx()
         handles += right.plot(
-            *zip(*avail, strict=True), color="C2", lw=1.0, ls="--", label="available (right, GiB)"
-        )
+            *zip(*avail, strict=True), color="C2", lw=1.0, ls="--", label="available (right, GiB)",
+            **_dot(avail),
+        )  # fmt: skip
         # One scale for every panel, so the traces compare at a glance.
         right.set_ylim(0, avail_max * 1.05)
         right.set_ylabel("available, GiB", color="C2")
@@ -140,6 +148,11 @@ def _draw_trace(
     if legend and handles:
         # Above the panels, where it cannot hide a stage label or a line.
         ax.figure.legend(handles=handles, loc="outside upper right", ncols=3, fontsize=8)
+
+
+def _dot(points: Sequence[tuple[float, float]]) -> dict[str, Any]:
+    """A marker for a line of one point, which a line alone draws as nothing."""
+    return {"marker": "o", "markersize": 5} if len(points) == 1 else {}
 
 
 def _fmt(value: int | None, scale: float, unit: str) -> str:
@@ -171,8 +184,30 @@ def _draw_peaks(ax: Axes, summaries: Sequence[Summary], scale: float, unit: str)
 MIN_DPI, MAX_DPI = 10, 1200
 
 
+def image_format(out: str | Path) -> str:
+    """The format ``plot_traces`` writes to ``out``: the one its suffix names (``.pdf``,
+    ``.svg``, ``.jpg``, ...), PNG when it has none. ``ValueError`` for a suffix matplotlib
+    cannot write (``ImageFormatError``, naming those it can); ``PlotUnavailableError``
+    without matplotlib."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        raise PlotUnavailableError() from None
+    suffix = Path(out).suffix
+    if not suffix:
+        return "png"
+    supported = FigureCanvasAgg.get_supported_filetypes()
+    if suffix[1:].lower() not in supported:
+        raise ImageFormatError(
+            f"cannot write a {suffix!r} image; give a name ending in one of "
+            f"{', '.join('.' + name for name in sorted(supported))} (PNG without a suffix)"
+        )
+    return suffix[1:].lower()
+
+
 def plot_traces(traces: Sequence[str | Path | Trace], out: str | Path, *, dpi: int = 110) -> Path:
-    """Draw ``traces`` into one PNG at ``out`` and return its path.
+    """Draw ``traces`` into one image at ``out`` and return its path: a PNG, or the format
+    the suffix of ``out`` names (``image_format``).
 
     ``dpi`` must be from ``MIN_DPI`` to ``MAX_DPI`` (``ValueError`` otherwise).
 
@@ -183,10 +218,11 @@ def plot_traces(traces: Sequence[str | Path | Trace], out: str | Path, *, dpi: i
     """
     if isinstance(dpi, bool) or not isinstance(dpi, int) or not MIN_DPI <= dpi <= MAX_DPI:
         raise ValueError(f"dpi must be a whole number from {MIN_DPI} to {MAX_DPI}, got {dpi!r}")
+    kind = image_format(out)
     fig = draw_traces(traces)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=dpi, format="png")
+    fig.savefig(out, dpi=dpi, format=kind)
     return out
 
 

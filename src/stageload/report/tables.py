@@ -33,8 +33,15 @@ def stage_order(summaries: Sequence[Summary]) -> list[str]:
     return order
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A Markdown table padded so it also reads well in a terminal."""
+    """A Markdown table padded so it also reads well in a terminal. A ``|`` in a cell (a
+    label, a stage name) is escaped as ``\\|``: bare, it would start another cell."""
+    header = [_cell(h) for h in header]
+    rows = [[_cell(c) for c in row] for row in rows]
     widths = [len(h) for h in header]
     for row in rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
