@@ -487,3 +487,76 @@ def test_control_a_call_abandoned_before_its_first_turn_waits_for_good(monkeypat
     )
     failures = batch_sweep(first=True)
     assert failures and "call threads left running" in failures[0]
+
+
+# -- a streamed model's forward ---------------------------------------------------------------
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def stream_sweep(tmp_path: Path) -> list[str]:
+    """Interrupt a streamed model's forward at each of its points in stageload's hooks,
+    core and load files; after each, the next call equals eager (the whole model loaded),
+    and the stream holds no block but the ones it says it holds."""
+    from safetensors.torch import save_file
+
+    import stageload.load.stream as stream_module
+    from stageload import streamed
+
+    torch.manual_seed(0)
+    eager = Stack().eval()
+    path = tmp_path / "stack.safetensors"
+    save_file(eager.state_dict(), path)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = eager(x)
+    watched = (*OWN, str(Path(stream_module.__file__).parent))
+
+    def model() -> nn.Module:
+        return streamed(Stack, path, prefetch=False, threads=1)
+
+    first = model()
+    with torch.no_grad():
+        total = points(lambda: first(x), watched=watched)
+    assert total > 100
+    failures: list[str] = []
+    for at in range(1, total + 1):
+        m = model()
+        with torch.no_grad():
+            points(lambda m=m: m(x), at=at, watched=watched)
+            start_clean()
+            try:
+                again = m(x)
+            except Exception as exc:
+                failures.append(f"point {at}: the next call raised {type(exc).__name__}: {exc}")
+                continue
+        if not torch.equal(again, expected):
+            failures.append(f"point {at}: the next call differs from eager")
+    return failures
+
+
+def test_a_ctrl_c_anywhere_in_a_streamed_forward_leaves_the_next_call_equal_to_eager(tmp_path):
+    """A new-user helper: a Ctrl-C after a block's release and before the stream noted it
+    left the block counted as loaded, and every later call raised ReleasedModuleError."""
+    assert stream_sweep(tmp_path) == []
+
+
+def test_control_a_stream_trusting_its_flag_fails_after_some_points(tmp_path, monkeypatch):
+    import stageload.load.stream as stream_module
+
+    monkeypatch.setattr(stream_module, "is_released", lambda module: False)
+
+    def flag_last(self, block):  # the previous order: release, then the flag
+        release(block.module, name=block.path)
+        block.resident = False
+
+    monkeypatch.setattr(stream_module.Stream, "_release", flag_last)
+    failures = stream_sweep(tmp_path)
+    assert any("ReleasedModuleError" in f for f in failures), failures[:3]

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..errors import StageloadError
 from ..external import non_persistent_buffers
 from ..hooks.registry import HookRegistry, ModuleHook
-from ..hooks.release import release
+from ..hooks.release import is_released, release
 from .checkpoint import Entry, checkpoint_files, read_entries
 from .meta import build_on_meta
 from .placement import COPIED, Placement
@@ -261,7 +261,9 @@ class Stream:
         for other in self.blocks:  # left loaded by a call that raised inside it
             if other.resident and other is not block:
                 self._release(other)
-        if not block.resident:
+        # The flag says what this stream did last; a Ctrl-C between a release and its flag
+        # left it saying loaded: every later call then met a released block.
+        if not block.resident or is_released(block.module):
             self._load(block)
         rank, count = served
         block.release_after = rank == count - 1
@@ -350,8 +352,8 @@ class Stream:
         # calls in flight would wait for calls that cannot move. Outside a batch, a call
         # on another thread may be computing in the block: wait for it.
         in_batch = self.meeting() is not None
+        block.resident = False  # first: a Ctrl-C in the release leaves it to be read again
         release(block.module, name=f"{self.name}.{block.path}", wait=not in_batch)
-        block.resident = False
         if self._on_block is not None:
             self._on_block(
                 BlockDone(
