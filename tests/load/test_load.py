@@ -265,6 +265,40 @@ def test_from_safetensors_draws_no_random_numbers(files):
     assert not is_rng_free(plain)
 
 
+def test_from_safetensors_reads_the_files_of_the_call(tmp_path, monkeypatch):
+    """A relative path is the call's: a chdir before the first load reads the same file
+    (it raised FileNotFoundError, or read another file of that name: a new-user helper)."""
+    save_file(_random_state(torch.float32), str(tmp_path / "w.safetensors"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    save_file(_random_state(torch.float32, seed=1), str(elsewhere / "w.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    loader = from_safetensors(Net, "w.safetensors")
+    listed = from_safetensors(Net, ["w.safetensors"])
+    monkeypatch.chdir(elsewhere)
+    want = load_file(str(tmp_path / "w.safetensors"))
+    for load in (loader, listed):
+        got = load().state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_reload_from_a_file_changed_since_the_first_load_raises(tmp_path):
+    """A trainer saving over the checkpoint between two loads: the reload gave other
+    weights than the first load, silently (max diff 1.9: a new-user helper)."""
+    path = tmp_path / "w.safetensors"
+    save_file(_random_state(torch.float32), str(path))
+    loader = from_safetensors(Net, path)
+    loader()
+    loader()  # unchanged: reloads as often as asked
+    save_file(_random_state(torch.float32, seed=1), str(path))
+    with pytest.raises(CheckpointError, match=r"w.safetensors: .* since this loader first read"):
+        loader()
+    assert from_safetensors(Net, path)()  # a new loader reads the new file
+    path.unlink()
+    with pytest.raises(CheckpointError, match="deleted"):
+        loader()
+
+
 def test_meta_buffers_that_build_computes_are_named(tmp_path):
     class WithTable(nn.Module):
         def __init__(self) -> None:
@@ -290,6 +324,10 @@ def test_bad_arguments():
         load_weights(Net(), "x.safetensors", threads=0)
     with pytest.raises(TypeError, match="unexpected keyword"):
         from_safetensors(Net, "x.safetensors", torch_dtype=torch.float16)
+    with pytest.raises(TypeError, match="files must be a .safetensors file.*; got None"):
+        load_weights(Net(), None)  # was: 'NoneType' object is not iterable
+    with pytest.raises(TypeError, match=r"keep=\.\.\.\) takes the modules .*got a Tensor"):
+        release(Net(), keep=[torch.ones(1)])  # was: 'Tensor' object has no attribute 'modules'
 
 
 _RSS_SCRIPT = """

@@ -29,8 +29,10 @@ from .checkpoint import (
     DTYPES,
     CheckpointError,
     Entry,
+    changed_file,
     checkpoint_bytes,
     checkpoint_files,
+    file_stamps,
     read_entries,
 )
 from .loaders import rng_free
@@ -234,16 +236,35 @@ def from_safetensors(
     }
     if unknown:
         raise TypeError(f"from_safetensors() got unexpected keyword(s) {sorted(unknown)!r}")
+    # The paths of the call: a script that changes its directory before the first load
+    # must not read other files (a list is read once: an iterator could not be read twice).
+    if isinstance(files, (str, os.PathLike)):
+        files = Path(files).absolute()
+    else:
+        files = [Path(f).absolute() for f in files]
+    first: dict[Path, Any] = {}  # the files' stamps when the first load read them
 
     def load() -> nn.Module:
         import torch
         from torch import nn
 
+        changed = changed_file(first) if first else None
+        if changed is not None:  # a reload would give other weights than the first load
+            path, how = changed
+            raise CheckpointError(
+                path,
+                f"{how} since this loader first read it: a reload would give other weights "
+                f"than the ones released",
+                fix="restore the file, or make a new loader (from_safetensors) to read it",
+            )
+        stamps = file_stamps(checkpoint_files(files))  # before the read: a change during it shows
         with torch.device("meta"):
             module = build()
         if not isinstance(module, nn.Module):
             raise TypeError(f"build() returned {type(module).__name__}, not an nn.Module")
         load_weights(module, files, **kwargs)
+        if not first:
+            first.update(stamps)
         return module
 
     name = getattr(build, "__qualname__", type(build).__name__)
