@@ -53,6 +53,13 @@ def test_check_plan_validates_once_for_every_user_of_the_plan():
         check_plan(loaders, {"encode": "text"}, ())
     with pytest.raises(ValueError, match="pinned model 'lora' has no loader"):
         check_plan(loaders, STAGES, ["lora"])
+    # A new-user helper's slips: "pinned model 'v' has no loader" for pinned="vae", and a
+    # model given as its own loader, which failed at its first use with a forward's error.
+    with pytest.raises(TypeError, match=r"got the string 'vae': use \['vae'\]"):
+        check_plan(loaders, STAGES, "vae")
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"loader for 'vae' is a model \(Linear\).*from_safet"):
+        check_plan({**loaders, "vae": torch.nn.Linear(2, 2)}, STAGES, ())
 
 
 def test_staged_models_and_the_policies_ask_the_same_plan():

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
 
 from fixtures.tiny import Block, load_block, save_block
 from stageload import ListSink, ModelLoadError, ReleasedModuleError, StagedModels
+from stageload.hooks.release import is_released, unmark_released
 
 STAGES = {"encode": ["encoder"], "denoise": ["denoiser"], "decode": ["decoder"]}
 
@@ -180,6 +183,9 @@ def test_plan_errors_are_caught_at_construction_and_entry():
         StagedModels(load, stages={"s": ["a"]}, pinned=["c"])
     with pytest.raises(TypeError, match="use a list"):
         StagedModels(load, stages={"s": "a"})
+    # events=print was taken, and failed at the first event ('no attribute emit').
+    with pytest.raises(TypeError, match="events must be an EventSink .*got <built-in function"):
+        StagedModels(load, stages={"s": ["a"]}, events=print)
     models = StagedModels(load, stages={"s": ["a"], "t": []})
     with pytest.raises(KeyError, match="unknown stage 'x'; known stages: s, t"):
         models.enter("x")
@@ -313,3 +319,75 @@ def test_a_policy_without_the_required_steps_fails_at_construction(checkpoints):
 
     with pytest.raises(TypeError, match="lacks to_prefetch"):
         StagedModels(loaders_for(checkpoints), stages=STAGES, policy=Half())
+
+
+# -- a change made to a loaded model, dropped by its release ----------------------------------
+def changing_models(sink: ListSink) -> StagedModels:
+    return StagedModels(
+        {"a": lambda: nn.Linear(4, 4), "b": lambda: nn.Linear(4, 4)},
+        stages={"x": ["a"], "y": ["b"]},
+        events=sink,
+    )
+
+
+def dropped_notes(sink: ListSink) -> list[str]:
+    return [e.note for e in sink.kinds("note") if e.note and "its release dropped" in e.note]
+
+
+CHANGES = {
+    "a part added (a LoRA)": (lambda m: setattr(m, "lora", nn.Linear(4, 4)), "parts added"),
+    ".half()": (lambda m: m.half(), "weight converted from torch.float32 [4, 4] to"),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_change_the_release_drops_is_said_at_the_reload(change):
+    """A new-user helper: a LoRA injected into models["a"], or .half(), was gone after the
+    next stage change, silently (0.61 off eager). The loader makes a new model: said in a
+    note each time, and a warning once."""
+    do, said = CHANGES[change]
+    sink = ListSink()
+    models = changing_models(sink)
+    models.enter("x")
+    with torch.no_grad():
+        do(models["a"])
+    models.enter("y")
+    assert dropped_notes(sink) == []  # said when the loader makes a new one, not before
+    models.enter("x")
+    with pytest.warns(
+        UserWarning, match="model 'a' was changed after its load.*" + re.escape(said)
+    ):
+        models["a"]
+    with torch.no_grad():
+        do(models["a"])
+    models.enter("y")
+    models.enter("x")
+    models["a"]
+    assert len(dropped_notes(sink)) == 2  # the warning was once (pytest fails a second)
+
+
+def test_an_unchanged_model_or_one_its_loader_refills_says_nothing(recwarn):
+    sink = ListSink()
+    models = changing_models(sink)
+    for _ in range(2):
+        models.enter("x")
+        models["a"](torch.ones(1, 4))  # calls change nothing
+        models.enter("y")
+    kept = nn.Linear(4, 4)  # an adapter's loader: it refills the object it made, changes too
+
+    def refill() -> nn.Module:
+        if is_released(kept):  # the refill puts the change back (the adapters replay theirs)
+            kept.weight = nn.Parameter(torch.zeros(4, 4))
+            kept.bias = nn.Parameter(torch.zeros(4))
+            unmark_released(kept)
+        return kept
+
+    models = StagedModels(
+        {"a": refill, "b": nn.Identity}, stages={"x": ["a"], "y": ["b"]}, events=sink
+    )
+    models.enter("x")
+    models["a"].lora = nn.Linear(4, 4)
+    models.enter("y")
+    models.enter("x")
+    models["a"]
+    assert dropped_notes(sink) == [] and not recwarn.list

@@ -67,6 +67,8 @@ def test_clear_errors_for_missing_method_and_missing_callbacks():
         on_call(Pipeline(), "decode", before=print)
     with pytest.raises(ValueError, match="before=, after="):
         on_call(Pipeline(), "encode_prompt")
+    with pytest.raises(TypeError, match="before= must be callable, got 3"):
+        on_call(Pipeline(), "encode_prompt", before=3)  # was taken, and failed at the call
 
 
 def test_a_class_instead_of_an_instance_is_a_clear_error():

@@ -102,6 +102,14 @@ def check_plan(
                 f"loader for {name!r} must be a zero-argument callable that returns an "
                 f"nn.Module, got {loader!r}"
             )
+        model = hasattr(loader, "forward") and hasattr(loader, "parameters")
+        if model and not isinstance(loader, type):  # an nn.Module (its class is a loader)
+            raise TypeError(
+                f"loader for {name!r} is a model ({type(loader).__name__}), not a function "
+                f"that makes one: a released model cannot be loaded again from itself. Give "
+                f"a function that builds and loads it, such as "
+                f"from_safetensors({type(loader).__name__}, 'weights.safetensors')"
+            )
     if isinstance(stages, (str, bytes)) or not isinstance(stages, Mapping):
         raise TypeError(
             f"stages must map each stage name to the models it uses, e.g. "
@@ -119,6 +127,8 @@ def check_plan(
                     f"stage {stage!r} lists model {name!r}, which has no loader; "
                     f"models with loaders: {known}"
                 )
+    if isinstance(pinned, (str, bytes)):
+        raise TypeError(f"pinned lists model names; got the string {pinned!r}: use [{pinned!r}]")
     for name in pinned:
         if name not in loaders:
             raise ValueError(f"pinned model {name!r} has no loader; models with loaders: {known}")

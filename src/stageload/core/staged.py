@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from contextlib import nullcontext, suppress
@@ -115,6 +117,26 @@ def _check_module(name: str, module: object) -> Exception | None:
     return None
 
 
+def _fingerprint(module: nn.Module) -> dict[str, Any]:
+    """What a release drops unsaid: each tensor's name, dtype and shape. (Not values or
+    in-place changes: a streamed model's blocks are written in place by every load.)"""
+    from ..load.weights import named_tensors
+
+    return {name: (t.dtype, tuple(t.shape)) for name, t in named_tensors(module)}
+
+
+def _changed(then: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """How ``now`` differs from ``then`` (both :func:`_fingerprint`), or None."""
+    if then.keys() != now.keys():
+        extra = sorted(then.keys() ^ now.keys())
+        return f"parts added or removed: {extra[0]}" + (", ..." if len(extra) > 1 else "")
+    for name, (dtype, shape) in now.items():
+        was_dtype, was_shape = then[name]
+        if (dtype, shape) != (was_dtype, was_shape):
+            return f"{name} converted from {was_dtype} {list(was_shape)} to {dtype} {list(shape)}"
+    return None
+
+
 class _Doomed:
     """A model taken out of the registry (no longer handed out), to be released by the
     thread that took it out, once no lock is held."""
@@ -181,6 +203,11 @@ class StagedModels(Mapping[str, "nn.Module"]):
         self._loaders = dict(loaders)
         self._plan = check_plan(self._loaders, stages, pinned)
         self._pinned = frozenset(pinned)
+        if events is not None and not callable(getattr(events, "emit", None)):
+            raise TypeError(
+                f"events must be an EventSink (an object with emit(event)), such as "
+                f"ListSink() or JsonlSink('trace.jsonl'); got {events!r}"
+            )
         self._sink = events
         # Under `stageload meter` or `guard --trace`, events also go to that tool's trace
         # (STAGELOAD_TRACE; see stageload.outer), alongside the sink given here.
@@ -208,6 +235,10 @@ class StagedModels(Mapping[str, "nn.Module"]):
         self._used: set[str] = set()  # handed out in this stage: never released by a trim
         self._trim_due = False  # a background load revealed a size: trim on the driving thread
         self._timings = Timings()  # what the cost model of prefetch weighs
+        self._as_loaded: dict[str, dict[str, Any]] = {}  # each loaded model's _fingerprint
+        # Released models changed since their load: the model (weakly), and what changed.
+        self._dropped: dict[str, tuple[Callable[[], nn.Module | None], str]] = {}
+        self._warned: set[str] = set()  # models whose dropped change a warning told of
         if self.prefetch:
             note = unprefetchable(self._plan, self._prefetchable)
             if note is not None:
@@ -555,6 +586,12 @@ class StagedModels(Mapping[str, "nn.Module"]):
 
     def _release_now(self, doomed: _Doomed, keep: list[Any], note: str | None, wait: bool) -> int:
         name, module, stage = doomed.name, doomed.module, doomed.stage
+        with self._lock:
+            then = self._as_loaded.get(name)
+        changed = _changed(then, _fingerprint(module)) if then is not None else None
+        if changed is not None:  # said at the reload, unless the loader fills this object
+            with self._lock:
+                self._dropped[name] = (weakref.ref(module), changed)
 
         def waiting(calls: int) -> None:
             self.emit(
@@ -592,6 +629,19 @@ class StagedModels(Mapping[str, "nn.Module"]):
             raise
         said(nbytes, note)
         return nbytes
+
+    def _say_dropped(self, name: str, stage: str | None, changed: str) -> None:
+        """A reload made a new model where the released one had been changed since its
+        load (a LoRA injected, ``.half()``, a training step): the change is gone."""
+        note = (
+            f"model {name!r} was changed after its load ({changed}); its release dropped "
+            f"that, and this load ran its loader again: the calls now use the loader's "
+            f"model. Make the change in the loader, or pin the model"
+        )
+        self.emit(Event(NOTE, model=name, stage=stage, note=note))
+        if name not in self._warned:  # the note each time, the warning once
+            self._warned.add(name)
+            warnings.warn(note, stacklevel=5)  # the caller of models[name], mostly
 
     def _check_budget(self, stage: str | None, after: str | None = None) -> None:
         """A ``note`` when what must stay exceeds the budget: the stage runs anyway."""
@@ -727,7 +777,12 @@ class StagedModels(Mapping[str, "nn.Module"]):
         if COUNTED not in registry:
             registry.add(COUNTED, ModuleHook())
         seconds = time.perf_counter() - start
+        loaded = _fingerprint(module)
         with self._lock:
+            self._as_loaded[name] = loaded
+            dropped = self._dropped.pop(name, None)
+            if dropped is not None and dropped[0]() is not module:
+                self._say_dropped(name, stage, dropped[1])
             # Count only what this load added: a backbone that another loaded model already
             # holds (see share()) is not counted twice.
             nbytes = module_bytes(module, exclude=self._models.values())

@@ -26,6 +26,9 @@ def on_call(
     """
     if before is None and after is None:
         raise ValueError("on_call() needs before=, after= or both")
+    for key, fn in (("before", before), ("after", after)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"on_call() {key}= must be callable, got {fn!r}")
     if isinstance(obj, type):
         raise TypeError(
             f"on_call() wraps a method of one instance, got the class {obj.__qualname__}; "

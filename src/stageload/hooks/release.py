@@ -212,6 +212,12 @@ def release(
     if not isinstance(module, nn.Module):
         raise TypeError(f"release() expects an nn.Module, got {type(module).__name__}")
     keep = list(keep)
+    wrong = next((k for k in keep if not isinstance(k, nn.Module)), None)
+    if wrong is not None:
+        raise TypeError(
+            f"release(keep=...) takes the modules whose storage must stay, got a "
+            f"{type(wrong).__name__}"
+        )
     done = _Progress()  # over every pass
     # A Ctrl-C while waiting for calls in flight leaves the module as it was; once the
     # tensors start to go, they all go (inside the hold, so no call sees half of them).

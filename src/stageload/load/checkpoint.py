@@ -213,8 +213,13 @@ def checkpoint_files(
     """
     if isinstance(files, (str, os.PathLike)):
         items: list[Path] = [Path(files)]
-    else:
+    elif isinstance(files, Iterable) and not isinstance(files, bytes):
         items = [Path(f) for f in files]
+    else:
+        raise TypeError(
+            f"files must be a .safetensors file, a sharded index, a folder or a list of "
+            f"files; got {files!r}"
+        )
         if not items:
             raise ValueError("no checkpoint files given; pass a .safetensors file or a list")
     out: list[Path] = []
