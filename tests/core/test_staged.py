@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -336,7 +337,7 @@ def dropped_notes(sink: ListSink) -> list[str]:
 
 CHANGES = {
     "a part added (a LoRA)": (lambda m: setattr(m, "lora", nn.Linear(4, 4)), "parts added"),
-    ".half()": (lambda m: m.half(), "weight converted from torch.float32 [4, 4] to"),
+    ".half()": (lambda m: m.half(), "weight changed from torch.float32 [4, 4] to"),
 }
 
 
@@ -391,3 +392,21 @@ def test_an_unchanged_model_or_one_its_loader_refills_says_nothing(recwarn):
     models.enter("x")
     models["a"]
     assert dropped_notes(sink) == [] and not recwarn.list
+
+
+def test_the_warning_raised_as_an_error_leaves_the_model_loaded():
+    """Under ``-W error`` the warning raises at ``models[name]``: the model it tells of is
+    registered first, so the next access returns it, with no second load."""
+    sink = ListSink()
+    models = changing_models(sink)
+    models.enter("x")
+    models["a"].lora = nn.Linear(4, 4)
+    models.enter("y")
+    models.enter("x")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="changed after its load"):
+            models["a"]
+    assert models.loaded() == ["a"]
+    models["a"]
+    assert [e.kind for e in sink.events if e.model == "a"].count("reload") == 1

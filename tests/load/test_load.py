@@ -326,6 +326,10 @@ def test_bad_arguments():
         from_safetensors(Net, "x.safetensors", torch_dtype=torch.float16)
     with pytest.raises(TypeError, match="files must be a .safetensors file.*; got None"):
         load_weights(Net(), None)  # was: 'NoneType' object is not iterable
+    with pytest.raises(TypeError, match="files must be a .safetensors file.*; got None"):
+        from_safetensors(Net, None)  # at the call, not at the first load
+    with pytest.raises(ValueError, match="no checkpoint files given"):
+        from_safetensors(Net, [])
     with pytest.raises(TypeError, match=r"keep=\.\.\.\) takes the modules .*got a Tensor"):
         release(Net(), keep=[torch.ones(1)])  # was: 'Tensor' object has no attribute 'modules'
 

@@ -118,11 +118,21 @@ def _check_module(name: str, module: object) -> Exception | None:
 
 
 def _fingerprint(module: nn.Module) -> dict[str, Any]:
-    """What a release drops unsaid: each tensor's name, dtype and shape. (Not values or
-    in-place changes: a streamed model's blocks are written in place by every load.)"""
-    from ..load.weights import named_tensors
+    """What a release drops unsaid: each parameter's and stored buffer's name, dtype and
+    shape. Not computed buffers (a rotary cache grown with the sequence: the loader's model
+    grows it again), nor values or in-place changes (a streamed model's blocks are written
+    in place by every load)."""
+    from ..external import non_persistent_buffers, own_tensor_tables
 
-    return {name: (t.dtype, tuple(t.shape)) for name, t in named_tensors(module)}
+    out: dict[str, Any] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        params, buffers = own_tensor_tables(sub)
+        computed = non_persistent_buffers(sub)
+        for key, t in [*params.items(), *((k, b) for k, b in buffers.items() if k not in computed)]:
+            if t is not None:
+                out[dot + key] = (t.dtype, tuple(t.shape))
+    return out
 
 
 def _changed(then: dict[str, Any], now: dict[str, Any]) -> str | None:
@@ -133,7 +143,7 @@ def _changed(then: dict[str, Any], now: dict[str, Any]) -> str | None:
     for name, (dtype, shape) in now.items():
         was_dtype, was_shape = then[name]
         if (dtype, shape) != (was_dtype, was_shape):
-            return f"{name} converted from {was_dtype} {list(was_shape)} to {dtype} {list(shape)}"
+            return f"{name} changed from {was_dtype} {list(was_shape)} to {dtype} {list(shape)}"
     return None
 
 
@@ -235,7 +245,8 @@ class StagedModels(Mapping[str, "nn.Module"]):
         self._used: set[str] = set()  # handed out in this stage: never released by a trim
         self._trim_due = False  # a background load revealed a size: trim on the driving thread
         self._timings = Timings()  # what the cost model of prefetch weighs
-        self._as_loaded: dict[str, dict[str, Any]] = {}  # each loaded model's _fingerprint
+        # Each loaded model (weakly) and its _fingerprint as loaded.
+        self._as_loaded: dict[str, tuple[Callable[[], nn.Module | None], dict[str, Any]]] = {}
         # Released models changed since their load: the model (weakly), and what changed.
         self._dropped: dict[str, tuple[Callable[[], nn.Module | None], str]] = {}
         self._warned: set[str] = set()  # models whose dropped change a warning told of
@@ -587,11 +598,15 @@ class StagedModels(Mapping[str, "nn.Module"]):
     def _release_now(self, doomed: _Doomed, keep: list[Any], note: str | None, wait: bool) -> int:
         name, module, stage = doomed.name, doomed.module, doomed.stage
         with self._lock:
-            then = self._as_loaded.get(name)
-        changed = _changed(then, _fingerprint(module)) if then is not None else None
-        if changed is not None:  # said at the reload, unless the loader fills this object
-            with self._lock:
+            loaded = self._as_loaded.get(name)
+        changed = None
+        if loaded is not None and loaded[0]() is module:  # not a later load's
+            changed = _changed(loaded[1], _fingerprint(module))
+        with self._lock:  # said at the reload, unless the loader fills this object again
+            if changed is not None:
                 self._dropped[name] = (weakref.ref(module), changed)
+            else:  # one left by a release that did not happen (interrupted) is over too
+                self._dropped.pop(name, None)
 
         def waiting(calls: int) -> None:
             self.emit(
@@ -630,18 +645,20 @@ class StagedModels(Mapping[str, "nn.Module"]):
         said(nbytes, note)
         return nbytes
 
-    def _say_dropped(self, name: str, stage: str | None, changed: str) -> None:
-        """A reload made a new model where the released one had been changed since its
-        load (a LoRA injected, ``.half()``, a training step): the change is gone."""
+    def _say_dropped(self, name: str, stage: str | None, changed: str) -> str | None:
+        """Under the lock: a reload made a new model where the released one had been
+        changed since its load (a LoRA injected, ``.half()``): the change is gone. The note
+        goes out now; returns the warning to give (once a model) after the lock."""
         note = (
             f"model {name!r} was changed after its load ({changed}); its release dropped "
             f"that, and this load ran its loader again: the calls now use the loader's "
             f"model. Make the change in the loader, or pin the model"
         )
         self.emit(Event(NOTE, model=name, stage=stage, note=note))
-        if name not in self._warned:  # the note each time, the warning once
-            self._warned.add(name)
-            warnings.warn(note, stacklevel=5)  # the caller of models[name], mostly
+        if name in self._warned:  # the note each time, the warning once
+            return None
+        self._warned.add(name)
+        return note
 
     def _check_budget(self, stage: str | None, after: str | None = None) -> None:
         """A ``note`` when what must stay exceeds the budget: the stage runs anyway."""
@@ -778,11 +795,12 @@ class StagedModels(Mapping[str, "nn.Module"]):
             registry.add(COUNTED, ModuleHook())
         seconds = time.perf_counter() - start
         loaded = _fingerprint(module)
+        warning = None
         with self._lock:
-            self._as_loaded[name] = loaded
+            self._as_loaded[name] = (weakref.ref(module), loaded)
             dropped = self._dropped.pop(name, None)
             if dropped is not None and dropped[0]() is not module:
-                self._say_dropped(name, stage, dropped[1])
+                warning = self._say_dropped(name, stage, dropped[1])
             # Count only what this load added: a backbone that another loaded model already
             # holds (see share()) is not counted twice.
             nbytes = module_bytes(module, exclude=self._models.values())
@@ -804,6 +822,8 @@ class StagedModels(Mapping[str, "nn.Module"]):
             else:
                 self._trim_due = True  # releasing is the driving thread's (see the top)
         job.future.set_result(module)
+        if warning is not None:  # registered first: under -W error it raises, the model stays
+            warnings.warn(warning, stacklevel=4)  # the caller of models[name], mostly
 
     def _failed(self, job: _Job, stage: str | None, exc: Exception) -> None:
         with self._lock:

@@ -27,7 +27,7 @@ from ..bell import Bell
 from ..core.events import NOTE, Event, EventSink
 from ..core.staged import StagedModels
 from ..errors import StageloadError
-from ..external import progress_bars_disabled
+from ..external import BUILD_LOCK, progress_bars_disabled
 from ..hooks.empty import mark_empty
 from ..hooks.registry import patch
 from ..hooks.release import ReleasedModuleError, release, releasing
@@ -600,13 +600,14 @@ def staged_pipeline(
         )
         for name in streaming
     }
-    pipe = pipeline_cls.from_pretrained(
-        os.fspath(folder),
-        **_dtype_kwarg(torch_dtype),
-        **skeletons,
-        **streams,
-        **from_pretrained_kwargs,
-    )
+    with BUILD_LOCK:  # the components left to it build as from_pretrained builds them
+        pipe = pipeline_cls.from_pretrained(
+            os.fspath(folder),
+            **_dtype_kwarg(torch_dtype),
+            **skeletons,
+            **streams,
+            **from_pretrained_kwargs,
+        )
     if device.type != "cpu":
         for name, component in pipe.components.items():
             if (

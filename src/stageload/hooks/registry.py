@@ -34,7 +34,6 @@ that enters stages and releases); a running call sees either the old list or the
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import inspect
@@ -476,51 +475,39 @@ def _uncounted(ids: set[int], me: int) -> int:
     n = 0
     with _calls_lock:
         waiting = set(_held_back)
-    with _others_paused():
-        for thread, frame in sys._current_frames().items():
-            if thread == me or thread in waiting:
-                continue
-            inner = None
-            f = frame
-            while f is not None:
-                running = f.f_code is call and (inner is None or inner.f_code is not hooked)
-                if running and id(f.f_locals.get("self")) in ids:
-                    n += 1
-                    break
-                inner, f = f, f.f_back
-        frame = f = inner = None  # no frame of another thread outlives the pause
+    frames: dict[int, Any] = {}
+    frame = f = inner = None
+    # Collections off while the stacks are read: sys._current_frames() deadlocked with one
+    # while a thread started (CPython 3.11, releases in a releasing() block: a new-user
+    # helper). Inline, not a context manager: a Ctrl-C anywhere here still runs the finally.
+    with _reading:  # one read at a time: each puts back what it found
+        collecting = gc.isenabled()
+        try:
+            gc.disable()
+            frames = sys._current_frames()
+            for thread, frame in frames.items():
+                if thread == me or thread in waiting:
+                    continue
+                inner = None
+                f = frame
+                while f is not None:
+                    running = f.f_code is call and (inner is None or inner.f_code is not hooked)
+                    if running and id(f.f_locals.get("self")) in ids:
+                        n += 1
+                        break
+                    inner, f = f, f.f_back
+        finally:
+            # No frame of another thread outlives the read, even in a traceback: kept by a
+            # cycle through this frame, a later collection cleared frames still running (a
+            # segfault, or other objects in place of frames: a streamed model's own reader
+            # threads were enough).
+            frames = frame = f = inner = None  # noqa: F841
+            if collecting:
+                gc.enable()
     return n
 
 
-#: How long the other threads wait for the interpreter while :func:`_others_paused`:
-#: far more than a read of their stacks takes (microseconds to a millisecond), little
-#: enough that a thread asking for it after is not kept waiting long.
-_PAUSE = 0.05
-_pausing = threading.Lock()
-
-
-@contextlib.contextmanager
-def _others_paused() -> Any:
-    """While reading other threads' stacks: no other thread runs Python code, and no
-    garbage collection runs. CPython 3.11 reads a frame of a thread that runs on unsafely
-    (``f_back`` gave other objects in place of frames, or a segfault: a new-user helper,
-    with a streamed model's own reader threads), and ``sys._current_frames()`` can
-    deadlock with a collection while a thread starts. The interpreter passes between
-    threads only when asked after the switch interval: lengthened, and asked now
-    (``sleep(0)``), the other threads wait until this read is done."""
-    with _pausing:  # one pause at a time: each restores what it found
-        interval, collecting = sys.getswitchinterval(), gc.isenabled()
-        try:
-            sys.setswitchinterval(max(interval, _PAUSE))
-            gc.disable()
-            time.sleep(0)  # a switch asked for before happens now, not during the read
-            yield
-        finally:
-            try:
-                sys.setswitchinterval(interval)
-            finally:
-                if collecting:
-                    gc.enable()
+_reading = threading.Lock()
 
 
 def _wait_uncounted(ids: set[int], me: int) -> None:

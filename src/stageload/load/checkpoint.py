@@ -203,14 +203,9 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def checkpoint_files(
-    files: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
-) -> list[Path]:
-    """The safetensors files behind ``files``: a file, a sharded index, a folder, or a list.
-
-    A folder means its ``*.safetensors.index.json`` if it has one, else every
-    ``*.safetensors`` in it. An index means the files its ``weight_map`` names.
-    """
+def given_paths(files: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """The paths ``files`` names, as given (a file, an index or a folder each), checked
+    for its form, not read."""
     if isinstance(files, (str, os.PathLike)):
         items: list[Path] = [Path(files)]
     elif isinstance(files, Iterable) and not isinstance(files, bytes):
@@ -220,10 +215,21 @@ def checkpoint_files(
             f"files must be a .safetensors file, a sharded index, a folder or a list of "
             f"files; got {files!r}"
         )
-        if not items:
-            raise ValueError("no checkpoint files given; pass a .safetensors file or a list")
+    if not items:
+        raise ValueError("no checkpoint files given; pass a .safetensors file or a list")
+    return items
+
+
+def checkpoint_files(
+    files: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+) -> list[Path]:
+    """The safetensors files behind ``files``: a file, a sharded index, a folder, or a list.
+
+    A folder means its ``*.safetensors.index.json`` if it has one, else every
+    ``*.safetensors`` in it. An index means the files its ``weight_map`` names.
+    """
     out: list[Path] = []
-    for item in items:
+    for item in given_paths(files):
         if item.is_dir():
             indexes = sorted(item.glob(f"*{INDEX_SUFFIX}"))
             if len(indexes) == 1:

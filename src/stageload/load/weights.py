@@ -33,6 +33,7 @@ from .checkpoint import (
     checkpoint_bytes,
     checkpoint_files,
     file_stamps,
+    given_paths,
     read_entries,
 )
 from .loaders import rng_free
@@ -238,10 +239,7 @@ def from_safetensors(
         raise TypeError(f"from_safetensors() got unexpected keyword(s) {sorted(unknown)!r}")
     # The paths of the call: a script that changes its directory before the first load
     # must not read other files (a list is read once: an iterator could not be read twice).
-    if isinstance(files, (str, os.PathLike)):
-        files = Path(files).absolute()
-    else:
-        files = [Path(f).absolute() for f in files]
+    files = [path.absolute() for path in given_paths(files)]
     first: dict[Path, Any] = {}  # the files' stamps when the first load read them
 
     def load() -> nn.Module:

@@ -38,6 +38,7 @@ from ..core.outer import emit_outer
 from ..core.policy import PolicyView, ReleaseUnlisted
 from ..core.staged import StagedModels
 from ..core.streamed import Stream, StreamError, find_blocks, stream_of, streamed
+from ..external import BUILD_LOCK
 from ..hooks.on_call import on_call
 from ..hooks.registry import patch
 from ..hooks.share import share
@@ -322,9 +323,10 @@ class Pixal3DRun:
             return reloaded
 
         def build() -> Any:
-            return from_pretrained(
-                placeholder.path, *placeholder.call_args, **placeholder.call_kwargs
-            )
+            with BUILD_LOCK:  # at a call, on the caller's thread
+                return from_pretrained(
+                    placeholder.path, *placeholder.call_args, **placeholder.call_kwargs
+                )
 
         model, why = build_on_device(build, self.device, on_device=self.on_device)
         self._note_fallback(name, why)
