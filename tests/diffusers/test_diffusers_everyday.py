@@ -587,6 +587,44 @@ def test_a_compiled_unet_equals_eager_and_is_still_released(
         assert empty(pipe.unet)  # released between stages, compiled or not
 
 
+def counting_backend(graphs: list[int]) -> Any:
+    """A dynamo backend that runs each graph as traced and notes its size (nodes)."""
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    return backend
+
+
+def fullgraph(pipe: Any, how: str, graphs: list[int]) -> None:
+    if how == "method":
+        pipe.unet.compile(backend=counting_backend(graphs), fullgraph=True)
+    else:
+        pipe.unet = torch.compile(pipe.unet, backend=counting_backend(graphs), fullgraph=True)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("how", ["method", "assign"])
+def test_a_unet_compiled_with_fullgraph_is_one_graph_as_eager_and_still_released(
+    path: Path, how: str
+) -> None:
+    """diffusers' own advice, ``torch.compile(pipe.unet, fullgraph=True)``: the staging runs
+    around the compiled forward (hooks.registry._keep_out_of_compiled_graphs), so the UNet
+    compiles to the one graph eager's does, no recompile after a release and reload. Its
+    control: tests/hooks/test_compile.py."""
+    ref, pipe = eager(path), staged(path)
+    want_graphs: list[int] = []
+    fullgraph(ref, how, want_graphs)
+    want = image(ref)
+    graphs: list[int] = []
+    fullgraph(pipe, how, graphs)
+    for _ in range(2):
+        assert torch.equal(image(pipe), want)
+        assert empty(pipe.unet)
+    assert graphs == want_graphs and len(graphs) == 1
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_control_a_compiled_unet_taken_for_a_replacement_stays_loaded(
     path: Path, monkeypatch: pytest.MonkeyPatch

@@ -186,6 +186,7 @@ class HookRegistry:
         """The module's registry, made (and its forward wrapped) if it has none."""
         registry = HookRegistry.of(module)
         if registry is None:
+            _keep_out_of_compiled_graphs()
             registry = HookRegistry(module)
             registry._forward = _HookedForward(module, registry)
             # Instance attributes, past nn.Module.__setattr__ (neither is a Module, tensor
@@ -281,14 +282,7 @@ class _HookedForward:
         try:
             while True:
                 epoch = registry._epoch
-                # A hook may take itself or others off while running (a revived placeholder
-                # loses its release hooks): each step asks the registry as it is now.
-                call_args, call_kwargs = args, kwargs
-                for hook in registry.hooks():
-                    if hook in registry._hooks.values():
-                        changed = hook.pre_call(module, call_args, call_kwargs)
-                        if changed is not None:
-                            call_args, call_kwargs = changed
+                call_args, call_kwargs, forward = _before(module, registry, args, kwargs)
                 while True:
                     with _calls_lock:
                         if _holder(registry) in (None, me):
@@ -304,7 +298,9 @@ class _HookedForward:
                 if token in mine:
                     break
                 # Released (or held) while the hooks ran: ask them again (revive or raise).
-            output = registry.original_forward(module)(*call_args, **call_kwargs)
+            # The one step a compiled module compiles: dynamo skips this frame and traces
+            # the forward's own (see _keep_out_of_compiled_graphs).
+            output = forward(*call_args, **call_kwargs)
         finally:  # each step undoes only what was done: safe wherever a Ctrl-C landed
             with _calls_lock:
                 if token in registry._running:
@@ -314,9 +310,76 @@ class _HookedForward:
                 if me in _held_back:
                     del _held_back[me]
                 _changed.ring()
-        for hook in reversed(registry.hooks()):
-            output = hook.post_call(module, output)
-        return output
+        return _after(module, registry, output)
+
+
+def _before(
+    module: nn.Module, registry: HookRegistry, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], Callable[..., Any]]:
+    """A call's ``pre_call`` hooks: its arguments as they leave them, and the forward to run.
+    A hook may take itself or others off while running (a revived placeholder loses its
+    release hooks): each step asks the registry as it is now."""
+    for hook in registry.hooks():
+        if hook in registry._hooks.values():
+            changed = hook.pre_call(module, args, kwargs)
+            if changed is not None:
+                args, kwargs = changed
+    return args, kwargs, registry.original_forward(module)
+
+
+def _after(module: nn.Module, registry: HookRegistry, output: Any) -> Any:
+    """A call's ``post_call`` hooks, last added first."""
+    for hook in reversed(registry.hooks()):
+        output = hook.post_call(module, output)
+    return output
+
+
+_OUTSIDE_GRAPHS = (
+    "stageload loads, counts and releases this module around its forward, outside compiled "
+    "graphs, so a graph that calls it breaks there. Compile the staged module itself "
+    "(torch.compile(module) or module.compile(), fullgraph=True included): its forward is "
+    "compiled whole and the staging runs around it. Under stageload auto a model's direct "
+    "children are hooked too: compile it without fullgraph=True"
+)
+_marks_lock = threading.Lock()
+_marked = False
+
+
+def _keep_out_of_compiled_graphs() -> None:
+    """Tell dynamo (torch.compile) to run the hooks and the counting as Python and to
+    compile only the module's own forward; once, at a module hooked once dynamo is
+    imported. Without it dynamo traced into them and broke the graph at
+    ``threading.get_ident``: with fullgraph=True it raised.
+
+    The code of ``_HookedForward.__call__`` is one dynamo skips as a frame while it still
+    compiles the frames it calls: the forward (dynamo's ``skip``; torch's public
+    ``disable(recursive=False)`` puts a wrapper in place that raises under
+    ``torch.export``, and whose code, shared by all such wrappers, ``_uncounted`` would take
+    for a counted call). The hooks run in frames dynamo skips with all they call (a load, a
+    release); each costs about 0.4 µs when nothing is compiled. Not before dynamo is
+    imported (diffusers and transformers import it; ``torch.compile`` does): importing it
+    here took 1.5 s and 69 MiB, which a script that compiles nothing would pay at its first
+    release. A torch without these leaves the hooks to dynamo, as before: graph breaks."""
+    global _before, _after, _marked
+    if _marked or "torch._dynamo" not in sys.modules:
+        return
+    with _marks_lock:
+        if _marked:
+            return
+        _marked = True  # first: a torch this fails on is not asked again at every hook
+        try:
+            import torch
+            from torch._dynamo import decorators
+
+            skip = decorators.skip
+            takes_reason = "reason" in inspect.signature(torch.compiler.disable).parameters
+            reason = {"reason": _OUTSIDE_GRAPHS} if takes_reason else {}
+            before = torch.compiler.disable(_before, **reason)
+            after = torch.compiler.disable(_after, **reason)
+        except Exception:  # noqa: BLE001 - an older or newer torch: graph breaks, as before
+            return
+        skip(_HookedForward.__call__)
+        _before, _after = before, after
 
 
 def in_call() -> bool:
