@@ -544,3 +544,33 @@ def test_staged_models_release_and_reload_a_streamed_model(stack: Path) -> None:
 
     with pytest.raises(ReleasedModuleError), torch.no_grad():
         first(x_of(0))
+
+
+# -- threads ---------------------------------------------------------------------------------
+THREADS_SCRIPT = Path(__file__).parents[1] / "fixtures" / "streamed_threads.py"
+CLEAN = "equal=120 other=0 errors=0"  # 4 threads x 30 calls, each equal to eager's
+
+
+def threads_run(tmp_path: Path, *flags: str) -> str:
+    """Four threads calling one streamed model at once, in a child process (the control
+    corrupts the heap): its exit code and first lines."""
+    done = subprocess.run(
+        [sys.executable, str(THREADS_SCRIPT), str(tmp_path / "stack.safetensors"), "30", *flags],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    return f"exit {done.returncode}: " + " | ".join(lines[:2])
+
+
+def test_threads_calling_one_streamed_model_take_turns_each_equal_to_eager(tmp_path: Path):
+    """A server's threads sharing a streamed model: calls run one at a time, in the order
+    they began. Reference: eager (``from_safetensors``) in the child, torch on one thread."""
+    assert threads_run(tmp_path) == f"exit 0: {CLEAN}"
+
+
+def test_control_calls_that_do_not_take_turns_break(tmp_path: Path):
+    """Without the wait for their turn, calls read blocks into memory another call freed:
+    errors (EFAULT, a released block), heap corruption or a segfault (4 of 4 runs)."""
+    assert not threads_run(tmp_path, "--no-turn").startswith(f"exit 0: {CLEAN}")

@@ -169,6 +169,21 @@ class HookRegistry:
         with _calls_lock:
             return any(thread != me for thread in self._running.values())
 
+    def wait_for_turn(self) -> None:
+        """Wait until this thread's call of the module is the earliest of its calls in
+        flight, for a module whose calls must run one at a time (a streamed model: its
+        calls share each block's memory). Called inside the call (by a hook of a part of
+        the module); each call waits for those that began before it, whichever way they
+        end: their tokens go in ``_HookedForward``'s ``finally``."""
+        me = threading.get_ident()
+        while True:
+            with _calls_lock:
+                first = next(iter(self._running.values()), me)
+                if first == me:
+                    return
+                ticket = _changed.ticket()
+            ticket.acquire(timeout=bell.RECHECK)
+
     def calls_in_flight(self) -> int:
         """How many calls of the module are running now, on every thread."""
         with _calls_lock:

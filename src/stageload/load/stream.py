@@ -23,7 +23,9 @@ step, not N times.
 Threads, and who frees what:
 
 - The calling thread (in a batch: whichever call holds the turn; calls never run at once)
-  installs a block into the module, runs it and releases it. A block is released only by
+  installs a block into the module, runs it and releases it. Calls from several threads
+  outside a batch run one at a time, in the order they began (each waits at its first
+  block: :meth:`HookRegistry.wait_for_turn`). A block is released only by
   its own ``post_call`` (in a batch: the last call served for it), or, left loaded by a
   call that raised, by the next block's ``pre_call``; never while a call runs it.
 - The prefetch thread (one per stream, one block ahead) only reads into fresh tensors
@@ -375,11 +377,20 @@ class _BlockHook(ModuleHook):
         self.index = index
 
     def pre_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        _check_no_grad(self.stream, args, kwargs)
-        batch = self.stream.meeting()
-        # In a batch, wait here until every call has reached this block: it is read once.
-        served = batch.gather((self.stream._key, self.index)) if batch is not None else (0, 1)
-        self.stream._enter(self.index, served)
+        stream = self.stream
+        _check_no_grad(stream, args, kwargs)
+        batch = stream.meeting()
+        if batch is None:
+            # Calls from several threads (a server's): one at a time, in the order they
+            # began. Blocks are read into, run and freed in place: two calls at once read a
+            # block into memory the other freed (EFAULT, heap corruption, a segfault).
+            registry = HookRegistry.of(stream.model)
+            if registry is not None:
+                registry.wait_for_turn()
+            served = (0, 1)
+        else:  # wait here until every call of the batch has reached this block: read once
+            served = batch.gather((stream._key, self.index))
+        stream._enter(self.index, served)
         return None
 
     def post_call(self, module: nn.Module, output: Any) -> Any:
