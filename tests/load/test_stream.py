@@ -13,23 +13,27 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from stageload import (
+    CheckpointError,
     ListSink,
     StagedModels,
     StreamError,
     from_safetensors,
     load_weights,
+    release,
     stream_of,
     streamed,
 )
 from stageload.core.events import BLOCK
 from stageload.hooks.registry import HOOKS_ATTR
-from stageload.load.checkpoint import read_header
+from stageload.load.stream import Stream
 from stageload.testing.blocks import BlockStack, block_bytes, save_block_stack
 from stageload.testing.cgroup import cgroup_or_skip
 
@@ -152,20 +156,97 @@ def test_a_checkpoint_that_does_not_fit_fails_at_build(stack: Path, tmp_path: Pa
     assert streamed(build, stack) is not None
 
 
-def test_a_failed_read_ahead_surfaces_at_that_blocks_call(stack: Path, tmp_path: Path) -> None:
-    """The prefetch thread's error is raised by the call that needs the block, naming it;
-    the block before it ran from intact bytes."""
-    path = tmp_path / "cut.safetensors"
-    path.write_bytes(stack.read_bytes())
-    model = streamed(build, path)
-    entries = read_header(path)
-    later = min(e.offset for k, e in entries.items() if k.startswith(("blocks.1.", "blocks.2.")))
-    first = max(e.offset + e.nbytes for k, e in entries.items() if k.startswith("blocks.0."))
-    assert first <= later  # block 0 lies before blocks 1 and 2 in the file
-    os.truncate(path, later)
-    with pytest.raises(StreamError, match=r"reading block 'blocks.1'.*truncated"), torch.no_grad():
+def test_a_failed_read_ahead_surfaces_at_that_blocks_call(
+    stack: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefetch thread's error (here a disk's I/O error on its read of block 1) is raised
+    by the call that needs the block, naming it; the block before it ran."""
+    model = streamed(build, stack)
+    read, reads = Stream._read, []
+
+    def failing(self: Stream, planned: Any) -> Any:
+        reads.append(planned)
+        if len(reads) == 2:  # block 0 read at its call, block 1 read ahead
+            raise OSError(5, "Input/output error")
+        return read(self, planned)
+
+    monkeypatch.setattr(Stream, "_read", failing)
+    with torch.no_grad(), pytest.raises(StreamError, match=r"reading block 'blocks.1'.*I/O|Input"):
         model(x_of(0))
     assert stream_of(model).stats.blocks_loaded == 1  # block 0 was read and ran
+
+
+@pytest.mark.parametrize("change", ["truncated", "saved over"])
+def test_a_file_changed_after_build_is_said_not_read_at_old_offsets(
+    stack: Path, tmp_path: Path, change: str
+) -> None:
+    """The offsets read at build would read other bytes: the next block's read raises,
+    naming the file, before it reads (a new-user helper got a mix of old and new weights,
+    or NaN, with no word). Control: the same model, file untouched, runs."""
+    path = tmp_path / "changing.safetensors"
+    path.write_bytes(stack.read_bytes())
+    model = streamed(build, path)
+    with torch.no_grad():
+        want = model(x_of(0))
+        assert torch.equal(model(x_of(0)), want)
+    if change == "truncated":
+        os.truncate(path, path.stat().st_size // 2)
+    else:
+        save_block_stack(path, width=WIDTH, depth=DEPTH, features=FEATURES, seed=1)
+    with torch.no_grad(), pytest.raises(CheckpointError, match=r"changing.safetensors: .* since"):
+        model(x_of(0))
+
+
+def test_a_relative_path_streams_from_the_file_it_named_after_a_chdir(
+    stack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reference: ``from_safetensors`` of the same file, this process. Another file of the
+    same name, with other weights, in the folder the script moves to."""
+    for folder, seed in (("a", 0), ("b", 1)):
+        (tmp_path / folder).mkdir()
+        save_block_stack(
+            tmp_path / folder / "m.safetensors",
+            width=WIDTH,
+            depth=DEPTH,
+            features=FEATURES,
+            seed=seed,
+        )
+    monkeypatch.chdir(tmp_path / "a")
+    model = streamed(build, "m.safetensors")
+    want = from_safetensors(build, "m.safetensors")()
+    monkeypatch.chdir(tmp_path / "b")
+    with torch.no_grad():
+        assert torch.equal(model(x_of(0)), want(x_of(0)))
+
+
+def test_a_block_the_checkpoint_does_not_fit_fails_at_build(stack: Path, tmp_path: Path) -> None:
+    """Not at the call that reaches it, and with no offer of a strict=False streamed lacks."""
+    path = tmp_path / "short.safetensors"
+    tensors = load_file(stack)
+    del tensors["blocks.2.down.bias"]
+    save_file(tensors, path)
+    with pytest.raises(StreamError, match="(?s)blocks.2.*missing.*: down.bias") as err:
+        streamed(build, path)
+    assert "strict" not in str(err.value)
+
+
+def test_a_copy_streams_on_its_own_and_a_release_stops_the_read_ahead(stack: Path) -> None:
+    """``copy.deepcopy`` after a call (the read-ahead thread existed: 'cannot pickle
+    SimpleQueue'); the copy equals the original. Released as a whole, the model's read-ahead
+    thread is joined: left to the garbage collector, its finalizer ran in the release's
+    gc.collect(), where a Ctrl-C was lost."""
+    import copy
+
+    model = streamed(build, stack)
+    with torch.no_grad():
+        want = model(x_of(0))
+        twin = copy.deepcopy(model)
+        assert torch.equal(twin(x_of(0)), want)
+    assert stream_of(twin) is not stream_of(model)
+    stream = stream_of(model)
+    assert stream._executor is not None  # a read ahead ran
+    release(model)
+    assert stream._executor is None
 
 
 def test_grad_mode_with_an_input_that_requires_grad_is_refused(stack: Path) -> None:

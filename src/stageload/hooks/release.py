@@ -45,6 +45,13 @@ class ReleasedModuleError(StageloadError, RuntimeError):
                 "again with staged_pipeline(...)"
             )
             return
+        if name is None and stage is None:  # release(module), or a load_weights that failed
+            super().__init__(
+                "this module was released (by stageload.release, or by a load into it that "
+                "failed or was interrupted): its weights are on the 'meta' device. Load them "
+                "again (load_weights), or call the model your loader makes"
+            )
+            return
         when = f" when the pipeline entered stage {stage!r}" if stage else ""
         super().__init__(
             f"{what} was released{when}: its weights are on the 'meta' device. "

@@ -48,11 +48,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import StageloadError
+from ..errors import CheckpointError, StageloadError
 from ..external import non_persistent_buffers
 from ..hooks.registry import HookRegistry, ModuleHook
 from ..hooks.release import is_released, release
-from .checkpoint import Entry, checkpoint_files, read_entries
+from .checkpoint import Entry, changed_file, checkpoint_files, file_stamps, read_entries
 from .meta import build_on_meta
 from .placement import COPIED, Placement
 from .reader import background_thread
@@ -189,6 +189,8 @@ class Stream:
         self._key = next(_keys)
         self._pending: _Pending | None = None
         self._executor: ThreadPoolExecutor | None = None
+        # Before the headers are read: a change during the read shows at the first block.
+        self._stamps = file_stamps(paths)
         entries = read_entries(paths)
         prefixes = [f"{path}." for path, _ in blocks]
         split: list[dict[str, Entry]] = [{} for _ in blocks]
@@ -201,6 +203,15 @@ class Stream:
                 split[at][key[len(prefixes[at]) :]] = entry
         self.blocks = [_Block(i, path, module, split[i]) for i, (path, module) in enumerate(blocks)]
         self._check_ties(prefixes)
+        for block in self.blocks:  # a block the checkpoint does not fit fails now, not mid-call
+            self._plan(block)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy of the model (copy.deepcopy) streams on its own: no read of the original's
+        # in flight, and a prefetch thread of its own when it needs one.
+        state = dict(self.__dict__)
+        state.update(_pending=None, _executor=None)
+        return state
 
     # -- public ---------------------------------------------------------------------------
     @property
@@ -319,8 +330,17 @@ class Stream:
         self.stats.read_seconds += seconds
 
     def _plan(self, block: _Block) -> LoadPlan:
+        changed = changed_file(self._stamps)
+        if changed is not None:  # the offsets read at build would read other bytes
+            path, how = changed
+            raise CheckpointError(
+                path,
+                f"{how} since {self.name!r} was built to stream from it: its blocks would be "
+                "read at the offsets of the file as it was",
+                fix="restore the file, or build the streamed model again",
+            )
         try:
-            return plan(targets(block.module), block.entries, self.paths)
+            return plan(targets(block.module), block.entries, self.paths, strict_hint=False)
         except ValueError as exc:
             raise StreamError(f"block {block.path!r} of {self.name!r}: {exc}") from None
 
@@ -413,6 +433,17 @@ class _ModelHook(ModuleHook):
 
     def __init__(self, stream: Stream) -> None:
         self.stream = stream
+
+    def released(self, module: nn.Module) -> None:
+        # Released as a whole (a stage change): its blocks went with it. The prefetch thread
+        # is stopped now: left to the garbage collector, its executor's finalizer ran in the
+        # release's gc.collect(), where a Ctrl-C is lost ("Exception ignored in weakref_cb":
+        # 8 of 16 interrupts of StagedModels.enter, a new-user helper).
+        stream = self.stream
+        if module is stream.model:
+            for block in stream.blocks:
+                block.resident = False
+            stream.close()
 
 
 def _check_no_grad(stream: Stream, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -541,7 +572,8 @@ def stream_blocks(
         raise TypeError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive int, got {threads!r}")
-    paths = checkpoint_files(files)
+    # Absolute: a script that changes its directory must not stream from other files.
+    paths = [path.absolute() for path in checkpoint_files(files)]
     # Not torch.device("meta"): buffers computed in __init__ would be meta tensors that no
     # checkpoint can fill. Computed buffers go to `device` with the rest (load_rest) or
     # with their block.

@@ -326,10 +326,12 @@ def plan(
     names: Mapping[str, str] | None = None,
     only_empty: bool = False,
     unused_ok: bool = False,
+    strict_hint: bool = True,
 ) -> LoadPlan:
     """Each of ``targets`` (from :func:`targets`) with the checkpoint entry it loads from;
     missing, unexpected and mismatched keys raise one ``ValueError`` naming ``paths`` (see
-    :func:`fill` for ``names``, ``only_empty`` and ``unused_ok``)."""
+    :func:`fill` for ``names``, ``only_empty`` and ``unused_ok``). ``strict_hint``: the
+    caller takes ``strict=False``, so the error may offer it."""
     reads: list[tuple[Target, Entry]] = []
     used: set[str] = set()
     missing: list[str] = []
@@ -357,18 +359,18 @@ def plan(
     problems = []
     if mismatched:
         problems.append(_listing("shape mismatch", mismatched))
+    skippable = len(problems)
     if strict and missing:
         problems.append(_listing("missing from the checkpoint", missing))
     if strict and unexpected and not unused_ok:
         problems.append(_listing("unexpected (not in the module)", unexpected))
     if problems:
         where = ", ".join(str(p) for p in paths)
-        raise ValueError(
-            f"the checkpoint does not fit the module ({where}):\n"
-            + "\n".join(problems)
-            + "\nbuild the module with the checkpoint's config, or pass strict=False to skip "
-            "missing and unexpected keys"
-        )
+        fix = "build the module with the checkpoint's config"
+        if strict_hint and len(problems) > skippable and not mismatched:
+            fix += ", or pass strict=False to skip missing and unexpected keys"
+        listed = "\n".join(problems)
+        raise ValueError(f"the checkpoint does not fit the module ({where}):\n{listed}\n{fix}")
     return LoadPlan(targets, reads)
 
 
