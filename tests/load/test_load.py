@@ -140,6 +140,28 @@ def test_tied_weights_stay_tied(tmp_path):
         from_safetensors(Net, path)()
 
 
+def test_a_tied_weight_stored_under_both_names_loads_as_load_state_dict_leaves_it(tmp_path):
+    """Both names stored, with different values (a checkpoint saved before the tie):
+    ``load_state_dict`` copies each name in turn, so the last one's values stay. Reference:
+    the module built for real and filled by ``load_state_dict``, this process."""
+
+    def build() -> Net:
+        net = Net()
+        net.head.weight = net.emb.weight = nn.Parameter(torch.empty(97, 33))
+        return net
+
+    state = _random_state(torch.float32)
+    state["emb.weight"], state["head.weight"] = torch.zeros(97, 33), torch.ones(97, 33)
+    path = tmp_path / "both.safetensors"
+    save_file(state, str(path))
+    want = build()
+    want.load_state_dict(load_file(str(path)))
+    module = from_safetensors(build, path)()
+    assert module.head.weight is module.emb.weight
+    assert torch.equal(module.emb.weight, want.emb.weight)  # the ones: the first name gave 0
+    assert torch.equal(want.emb.weight, state["head.weight"])  # control: the names differ
+
+
 def test_sharded_index_and_folder(tmp_path):
     state = _random_state(torch.bfloat16)
     keys = sorted(state)

@@ -347,10 +347,14 @@ def plan(
         if not found:
             missing.append(target.names[0])
             continue
-        entry = entries[found[0]]
+        # A tied tensor stored under several of its names: the last one, as load_state_dict
+        # leaves it (it copies each name in turn); the first gave other weights when the
+        # stored values differ.
+        key = found[-1]
+        entry = entries[key]
         if entry.shape != tuple(target.tensor.shape):
             mismatched.append(
-                f"{found[0]}: {list(entry.shape)} in {entry.file.name}, "
+                f"{key}: {list(entry.shape)} in {entry.file.name}, "
                 f"{list(target.tensor.shape)} in the module"
             )
             continue
