@@ -321,6 +321,41 @@ def test_a_reload_from_a_file_changed_since_the_first_load_raises(tmp_path):
         loader()
 
 
+def test_a_touched_file_reloads_and_one_written_over_in_place_does_not(tmp_path, monkeypatch):
+    """``touch`` (or the same bytes copied back) changes a file's time alone: its reload
+    gave "rewritten since this loader first read it" (a new-user helper). The same-size
+    bytes of other weights written into the same inode still raise. Control: with no
+    content sample, the touched file raises as before."""
+    path = tmp_path / "w.safetensors"
+    save_file(_random_state(torch.float32), str(path))
+    want = load_file(str(path))
+    loader = from_safetensors(Net, path)
+    loader()
+    first = os.stat(path)
+    os.utime(path, ns=(first.st_atime_ns, first.st_mtime_ns + 10**9))  # touch
+    for _ in range(2):  # the second check takes the new time as the file's
+        got = loader().state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+    other = tmp_path / "other.safetensors"
+    save_file(_random_state(torch.float32, seed=1), str(other))
+    with open(path, "r+b") as f:  # same inode, same size, other values
+        f.write(other.read_bytes())
+    os.utime(path, ns=(first.st_atime_ns, first.st_mtime_ns + 2 * 10**9))
+    now = os.stat(path)
+    assert (now.st_ino, now.st_size) == (first.st_ino, first.st_size)
+    with pytest.raises(CheckpointError, match=r"w.safetensors: rewritten since"):
+        loader()
+
+    monkeypatch.setattr("stageload.load.checkpoint.content_sample", lambda path: None)
+    save_file(_random_state(torch.float32), str(path))
+    loader = from_safetensors(Net, path)
+    loader()
+    os.utime(path, ns=(first.st_atime_ns, first.st_mtime_ns + 3 * 10**9))
+    with pytest.raises(CheckpointError, match="rewritten since"):
+        loader()
+
+
 def test_meta_buffers_that_build_computes_are_named(tmp_path):
     class WithTable(nn.Module):
         def __init__(self) -> None:

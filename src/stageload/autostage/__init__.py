@@ -566,7 +566,7 @@ class AutoSession:
         kwargs = copy.deepcopy(kwargs)
         make = self._maker(factory, args, kwargs)
         size = _file_bytes(factory, args, kwargs)
-        stamps = file_stamps(_checkpoint(args, kwargs))
+        stamps = file_stamps(_checkpoint(args, kwargs), sampled=True)
         with self._mutex:
             model = self._new(
                 obj,

@@ -9,12 +9,13 @@ from the header, so planning a load costs a few kilobytes of I/O. No torch impor
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import CheckpointError
 
@@ -322,14 +323,22 @@ def float_itemsize(dtype: Any) -> int:
     raise ValueError(f"dtype must be a floating point dtype such as {known!r}, got {dtype!r}")
 
 
-#: A file as it is on disk now: (inode, size, mtime in ns). Another after the file was
-#: replaced (a hub download, ``save_pretrained`` to the same folder) or written in place.
-Stamp = tuple[int, int, int]
+class Stamp(NamedTuple):
+    """A file as it is on disk now: another inode after the file was replaced (a hub
+    download, ``save_pretrained`` to the same folder), another size or time after it was
+    written in place. ``sample``: a digest of its content (:func:`content_sample`), taken
+    where a stamp is kept, so a file whose time alone changed (``touch``, a copy of the same
+    bytes over it) is told from one written over."""
+
+    ino: int
+    size: int
+    mtime_ns: int
+    sample: bytes | None = None
 
 
-def file_stamps(files: Iterable[Path]) -> dict[Path, Stamp | None]:
-    """Each file's :data:`Stamp` now (None: missing), by absolute path (the process may
-    change its directory before they are compared)."""
+def file_stamps(files: Iterable[Path], *, sampled: bool = False) -> dict[Path, Stamp | None]:
+    """Each file's :class:`Stamp` now (None: missing), by absolute path (the process may
+    change its directory before they are compared); ``sampled``: with its content sample."""
     stamps: dict[Path, Stamp | None] = {}
     for path in map(Path.absolute, map(Path, files)):
         try:
@@ -337,24 +346,58 @@ def file_stamps(files: Iterable[Path]) -> dict[Path, Stamp | None]:
         except OSError:
             stamps[path] = None
         else:
-            stamps[path] = (st.st_ino, st.st_size, st.st_mtime_ns)
+            sample = content_sample(path) if sampled else None
+            stamps[path] = Stamp(st.st_ino, st.st_size, st.st_mtime_ns, sample)
     return stamps
 
 
-def changed_file(stamps: Mapping[Path, Stamp | None]) -> tuple[Path, str] | None:
-    """The first file that is not as ``stamps`` found it, and how; None if none."""
+def changed_file(stamps: dict[Path, Stamp | None]) -> tuple[Path, str] | None:
+    """The first file that is not as ``stamps`` found it, and how; None if none.
+
+    A file whose time alone changed, with its content sample as it was, is the same file:
+    its stamp in ``stamps`` takes the new time, so the next check costs a ``stat`` again.
+    """
     for path, now in file_stamps(stamps).items():
         then = stamps[path]
-        if now == then:
+        if now == then or (then is not None and now == then._replace(sample=None)):
             continue
         if now is None:
             return path, "deleted"
         if then is None:
             return path, "created"
-        how = [
-            what
-            for what, a, b in zip(("replaced", "resized", "rewritten"), then, now, strict=True)
-            if a != b
-        ]
-        return path, " and ".join(how[:1] if how[:1] == ["replaced"] else how)
+        if now.ino != then.ino:
+            return path, "replaced"
+        how = [w for w, a, b in (("resized", then.size, now.size),) if a != b]
+        if now.mtime_ns != then.mtime_ns:
+            if not how and then.sample is not None and content_sample(path) == then.sample:
+                stamps[path] = then._replace(mtime_ns=now.mtime_ns)  # touched, not written
+                continue
+            how.append("rewritten")
+        return path, " and ".join(how)
     return None
+
+
+#: Bytes a content sample reads at each end of each tensor.
+_SAMPLE_BYTES = 64
+
+
+def content_sample(path: Path) -> bytes | None:
+    """A digest of ``path``'s header and of the first and last bytes of each tensor in it:
+    a file saved over with other weights differs in them (a fine-tune changes every value,
+    an edit of one tensor its ends); the same bytes copied back, or a ``touch``, do not.
+    A few KiB of reads per hundred tensors. None for a file that is not valid safetensors
+    (any change to it then counts)."""
+    try:
+        entries = read_header(path)
+        digest = hashlib.blake2b(digest_size=16)
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(length))
+            fd = f.fileno()
+            for entry in sorted(entries.values(), key=lambda e: e.offset):
+                last = entry.offset + entry.nbytes - _SAMPLE_BYTES
+                for start in sorted({entry.offset, max(entry.offset, last)}):
+                    digest.update(os.pread(fd, min(_SAMPLE_BYTES, entry.nbytes), start))
+    except (OSError, CheckpointError):
+        return None
+    return digest.digest()

@@ -67,7 +67,7 @@ def learn(
     user's factory may change a weight anywhere after reading it), at the cost of reading
     the checkpoint once more.
     """
-    stamps = file_stamps(files)  # before the checks: a change during them shows later
+    stamps = file_stamps(files, sampled=True)  # before the checks: a change during them shows later
     try:
         entries = read_entries(files)
         found = targets(module)

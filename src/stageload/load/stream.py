@@ -190,7 +190,7 @@ class Stream:
         self._pending: _Pending | None = None
         self._executor: ThreadPoolExecutor | None = None
         # Before the headers are read: a change during the read shows at the first block.
-        self._stamps = file_stamps(paths)
+        self._stamps = file_stamps(paths, sampled=True)
         entries = read_entries(paths)
         prefixes = [f"{path}." for path, _ in blocks]
         split: list[dict[str, Entry]] = [{} for _ in blocks]

@@ -255,7 +255,8 @@ def from_safetensors(
                 f"than the ones released",
                 fix="restore the file, or make a new loader (from_safetensors) to read it",
             )
-        stamps = file_stamps(checkpoint_files(files))  # before the read: a change during it shows
+        # Before the read: a change during it shows. Sampled for the stamps kept (the first).
+        stamps = file_stamps(checkpoint_files(files), sampled=not first)
         with torch.device("meta"):
             module = build()
         if not isinstance(module, nn.Module):
