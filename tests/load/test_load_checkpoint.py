@@ -162,6 +162,42 @@ def test_a_header_longer_than_the_file_names_it(tmp_path: Path) -> None:
         load_weights(Pair(), path)
 
 
+@pytest.mark.parametrize(
+    "kind, says",
+    [
+        ("zip", "a PyTorch checkpoint .*convert it once"),
+        ("legacy", "a pickle .*convert it once"),
+        ("lfs", "a Git LFS pointer.*git lfs pull"),
+    ],
+)
+def test_a_file_of_another_kind_is_named_not_called_damaged(
+    tmp_path: Path, kind: str, says: str
+) -> None:
+    """A ``.pt`` passed for safetensors, or the LFS pointer a clone without ``git lfs``
+    leaves, was "header length 578712552184433488 exceeds safetensors' limit ...; the file
+    is damaged" (a new-user helper)."""
+    path = tmp_path / "model.safetensors"
+    if kind == "lfs":
+        path.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 9\n")
+    else:
+        torch.save(Pair().state_dict(), path, _use_new_zipfile_serialization=kind == "zip")
+    with pytest.raises(CheckpointError, match=f"not safetensors but {says}") as caught:
+        load_weights(Pair(), path)
+    assert "damaged" not in str(caught.value)
+
+
+def test_a_header_length_that_starts_like_a_pickle_is_still_read(tmp_path: Path) -> None:
+    """Control: a real safetensors file whose header length's first byte is a pickle's
+    (0x80: a 128-byte header) loads; the kinds are named only for an impossible length."""
+    header = json.dumps(GOOD).encode()
+    header += b" " * (128 - len(header))
+    path = write(tmp_path / "ok.safetensors", header, DATA[:32])
+    assert path.read_bytes()[:1] == b"\x80"
+    module = Pair()
+    load_weights(module, path)
+    assert module.b.tolist() == [4.0, 5.0, 6.0, 7.0]
+
+
 def test_control_the_undamaged_file_loads_in_both(tmp_path: Path) -> None:
     path = write(
         tmp_path / "good.safetensors", {"__metadata__": {"format": "pt"}, **GOOD}, DATA[:32]

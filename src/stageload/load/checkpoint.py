@@ -83,6 +83,11 @@ def read_header(path: Path) -> dict[str, Entry]:
                 raise CheckpointError(path, f"only {size} bytes long, shorter than a header")
             length = int.from_bytes(head, "little")
             if length > min(_MAX_HEADER, size - 8):
+                # Not a header length: a file of another kind, named if it is a known one
+                # (a valid length can start with any byte, so only now).
+                other = _other_format(head + f.read(16))
+                if other is not None:
+                    raise CheckpointError(path, f"not safetensors but {other[0]}", fix=other[1])
                 raise CheckpointError(
                     path,
                     f"header length {length} exceeds the file's {size} bytes"
@@ -101,6 +106,36 @@ def read_header(path: Path) -> dict[str, Entry]:
         entries[name] = _entry(path, name, info, 8 + length)
     _check_ranges(path, entries, 8 + length, size - 8 - length)
     return entries
+
+
+#: The first bytes of files often passed for safetensors: what each is, and what to do.
+_OTHER_FORMATS = (
+    (
+        b"PK\x03\x04",
+        "a PyTorch checkpoint (torch.save, a zip archive)",
+        "convert it once: safetensors.torch.save_file(torch.load(path), 'model.safetensors')",
+    ),
+    (
+        b"\x80",
+        "a pickle (torch.save with the legacy format)",
+        "convert it once: safetensors.torch.save_file(torch.load(path), 'model.safetensors')",
+    ),
+    (
+        b"version https://git-lfs",
+        "a Git LFS pointer: the weights were never downloaded",
+        "run `git lfs pull` in the repository, or download the file itself",
+    ),
+    (b"GGUF", "a GGUF file (llama.cpp)", "use the model's safetensors weights"),
+    (b"\x89HDF", "an HDF5 file (Keras)", "use the model's safetensors weights"),
+)
+
+
+def _other_format(head: bytes) -> tuple[str, str] | None:
+    """What a file that starts with ``head`` is, and the fix, if it is a known other format."""
+    for magic, what, fix in _OTHER_FORMATS:
+        if head.startswith(magic):
+            return what, fix
+    return None
 
 
 def _parse(path: Path, raw: bytes) -> dict[str, Any]:
