@@ -391,6 +391,20 @@ def test_bad_arguments():
         release(Net(), keep=[torch.ones(1)])  # was: 'Tensor' object has no attribute 'modules'
 
 
+def test_a_model_or_a_state_dict_where_files_or_a_builder_go_is_named(files):
+    """A new-user helper's slips: a model instance for ``build`` failed at the load with
+    "Net.forward() missing 1 required positional argument"; a state dict for ``files``
+    with "no checkpoint file at 'emb.weight'" (its keys were taken for paths)."""
+    from stageload import streamed
+
+    for make, call in ((from_safetensors, "from_safetensors"), (streamed, "streamed")):
+        with pytest.raises(TypeError, match=rf"{call}\(\) takes a function .*not a model \(Net\)"):
+            make(Net(), files[torch.float32])
+    with pytest.raises(TypeError, match=r"got a dict of 7 entries \(a state dict\?\)"):
+        load_weights(Net(), load_file(str(files[torch.float32])))
+    assert from_safetensors(Net, files[torch.float32])()  # control: the class loads
+
+
 _RSS_SCRIPT = """
 import json, sys, torch
 from torch import nn

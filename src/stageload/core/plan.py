@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from ..load.loaders import is_model
+
 
 class Plan(Mapping[str, tuple[str, ...]]):
     """Stage name -> the models it uses (a tuple), in pipeline order; a read-only mapping.
@@ -102,8 +104,7 @@ def check_plan(
                 f"loader for {name!r} must be a zero-argument callable that returns an "
                 f"nn.Module, got {loader!r}"
             )
-        model = hasattr(loader, "forward") and hasattr(loader, "parameters")
-        if model and not isinstance(loader, type):  # an nn.Module (its class is a loader)
+        if is_model(loader):  # an nn.Module (its class is a loader)
             raise TypeError(
                 f"loader for {name!r} is a model ({type(loader).__name__}), not a function "
                 f"that makes one: a released model cannot be loaded again from itself. Give "

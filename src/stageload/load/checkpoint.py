@@ -242,6 +242,13 @@ def _short(value: Any, limit: int = 120) -> str:
 def given_paths(files: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[Path]:
     """The paths ``files`` names, as given (a file, an index or a folder each), checked
     for its form, not read."""
+    if isinstance(files, Mapping):  # a state dict: its keys would be taken for paths
+        raise TypeError(
+            f"files must name safetensors files, got a {type(files).__name__} of "
+            f"{len(files)} entries (a state dict?); load one that is in memory with "
+            f"module.load_state_dict(state_dict), or save it once with "
+            f"safetensors.torch.save_file(state_dict, 'model.safetensors') and pass that"
+        )
     if isinstance(files, (str, os.PathLike)):
         items: list[Path] = [Path(files)]
     elif isinstance(files, Iterable) and not isinstance(files, bytes):

@@ -56,3 +56,23 @@ def ready_for_background(loader: object) -> bool:
 def is_rng_free(loader: object) -> bool:
     """True when ``loader`` is marked as drawing no random numbers (see :func:`rng_free`)."""
     return getattr(loader, RNG_FREE_ATTR, True) is False
+
+
+def check_build(build: object, call: str) -> None:
+    """Raise a TypeError unless ``build`` is a function that makes a model, as ``call``
+    (``"from_safetensors"``) takes it: a model instance is callable (its forward), so
+    passed instead it failed later with "forward() missing 1 required positional argument"."""
+    if not callable(build):
+        raise TypeError(f"build must be a callable that returns an nn.Module, got {build!r}")
+    if is_model(build):
+        cls = type(build).__name__
+        raise TypeError(
+            f"{call}() takes a function that builds the model, not a model ({cls}): the "
+            f"weights go into a fresh one built on meta. Pass the class or a function: "
+            f"{call}({cls}, ...) or {call}(lambda: {cls}(config), ...)"
+        )
+
+
+def is_model(obj: object) -> bool:
+    """Whether ``obj`` is a model instance (a module), not a class or function making one."""
+    return hasattr(obj, "forward") and hasattr(obj, "parameters") and not isinstance(obj, type)

@@ -53,6 +53,7 @@ from ..external import non_persistent_buffers
 from ..hooks.registry import HookRegistry, ModuleHook
 from ..hooks.release import is_released, release
 from .checkpoint import Entry, changed_file, checkpoint_files, file_stamps, read_entries
+from .loaders import check_build
 from .meta import build_on_meta
 from .placement import COPIED, Placement
 from .reader import background_thread
@@ -566,8 +567,7 @@ def stream_blocks(
     import torch
     from torch import nn
 
-    if not callable(build):
-        raise TypeError(f"build must be a callable that returns an nn.Module, got {build!r}")
+    check_build(build, "streamed")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
     if threads is not None and (not isinstance(threads, int) or threads < 1):

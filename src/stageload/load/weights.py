@@ -36,7 +36,7 @@ from .checkpoint import (
     given_paths,
     read_entries,
 )
-from .loaders import rng_free
+from .loaders import check_build, rng_free
 from .placement import COPIED, Placement, empty_at
 from .progress import progress as progress_bar
 from .reader import in_background, run_chunks
@@ -224,8 +224,7 @@ def from_safetensors(
         models = StagedModels({"unet": from_safetensors(lambda: UNet(cfg), "unet.safetensors",
                                                         dtype=torch.bfloat16)}, stages=...)
     """
-    if not callable(build):
-        raise TypeError(f"build must be a callable that returns an nn.Module, got {build!r}")
+    check_build(build, "from_safetensors")
     unknown = set(kwargs) - {
         "device",
         "dtype",
