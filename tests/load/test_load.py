@@ -257,6 +257,31 @@ def test_loads_in_place_into_a_materialised_module(files):
     assert torch.equal(module.proj.weight, load_file(str(files[torch.float32]))["proj.weight"])
 
 
+def test_loading_in_place_under_a_graph_fails_its_backward_as_torch_does(files, monkeypatch):
+    """A graph that saved a weight, then a load into it, then ``backward``: after torch's
+    ``load_state_dict`` (a ``copy_``) backward raises; after ``load_weights``' in-place
+    read it ran on, with gradients from the new values (a new-user helper). Control:
+    without the version bump, backward runs."""
+    want = load_file(str(files[torch.float32]))
+
+    def backward_after(load) -> str:
+        module = Net()
+        loss = module.head(module.proj(torch.randn(2, 33))).sum()  # saves head.weight
+        load(module)
+        try:
+            loss.backward()
+        except RuntimeError as exc:
+            return str(exc)
+        return "ran"
+
+    reference = backward_after(lambda m: m.load_state_dict(want))
+    assert "modified by an inplace operation" in reference
+    ours = backward_after(lambda m: load_weights(m, files[torch.float32]))
+    assert "modified by an inplace operation" in ours
+    monkeypatch.setattr("torch.autograd.graph.increment_version", lambda tensors: None)
+    assert backward_after(lambda m: load_weights(m, files[torch.float32])) == "ran"
+
+
 def test_refills_a_released_module(files):
     """Reference: the same module's first load (``from_safetensors``, placed as
     ``load_state_dict`` would) in this process, same torch threads, before and after."""

@@ -527,7 +527,10 @@ def install(
     """Put the tensors :func:`read` returned into ``module`` (the planned targets'); one
     object per tied group keeps it tied. A released module filled again is live again."""
 
+    from torch.autograd.graph import increment_version
+
     unfilled: list[str] = []
+    in_place: list[torch.Tensor] = []
     for target in planned.targets:
         old = target.tensor
         new = results.get(id(target))
@@ -538,8 +541,12 @@ def install(
             want = dtype if dtype is not None and old.is_floating_point() else old.dtype
             new = old.detach().to(device=device, dtype=want)  # computed buffer: move it
         if not old.is_meta and new.data_ptr() == old.data_ptr():
-            continue  # filled in place
+            in_place.append(old)  # filled in place
+            continue
         put(target, new)
+    # Written through its memory, not by torch: a graph that saved the old values must know
+    # (backward raises, as after load_state_dict's copy_; it used the new ones, silently).
+    increment_version([t for t in in_place if not t.is_inference()])
     if unfilled and strict:
         raise ValueError(
             _listing(
