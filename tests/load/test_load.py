@@ -219,6 +219,24 @@ def test_not_strict_skips_missing_and_unexpected_but_not_shapes(tmp_path):
         load_weights(Net(), path, strict=False)
 
 
+def test_not_strict_names_missing_tensors_that_have_no_value_to_keep(tmp_path):
+    """``from_safetensors(..., strict=False)`` builds on meta: a tensor missing from the
+    checkpoint stayed there, silently, until a call raised "Tensor on device meta is not
+    on the expected device cpu!" (a new-user helper). The control, built on the CPU,
+    keeps its initial value (the test above)."""
+    state = _random_state(torch.float32)
+    del state["norm.bias"]
+    path = tmp_path / "partial.safetensors"
+    save_file(state, str(path))
+    with pytest.raises(ValueError, match=r"missing from the checkpoint, and on meta: .*norm\.bias"):
+        from_safetensors(Net, path, strict=False)()
+    with torch.device("meta"):
+        module = Net()
+    with pytest.raises(ValueError, match="build the module on the CPU"):
+        load_weights(module, path, strict=False)
+    assert is_released(module)
+
+
 def test_truncated_and_corrupt_files_name_the_file(files, tmp_path):
     data = files[torch.float16].read_bytes()
     cut = tmp_path / "cut.safetensors"

@@ -335,6 +335,7 @@ def plan(
     reads: list[tuple[Target, Entry]] = []
     used: set[str] = set()
     missing: list[str] = []
+    valueless: list[str] = []  # missing and on meta
     mismatched: list[str] = []
     names = names or {}
     for target in targets:
@@ -346,6 +347,8 @@ def plan(
             continue  # kept as it is; its checkpoint entry, if any, is accounted for
         if not found:
             missing.append(target.names[0])
+            if target.tensor.is_meta:
+                valueless.append(target.names[0])
             continue
         # A tied tensor stored under several of its names: the last one, as load_state_dict
         # leaves it (it copies each name in turn); the first gave other weights when the
@@ -368,10 +371,19 @@ def plan(
         problems.append(_listing("missing from the checkpoint", missing))
     if strict and unexpected and not unused_ok:
         problems.append(_listing("unexpected (not in the module)", unexpected))
+    if not strict and valueless:  # strict=False keeps a missing tensor's value: it has none
+        problems.append(
+            _listing("missing from the checkpoint, and on meta: no value to keep", valueless)
+        )
     if problems:
         where = ", ".join(str(p) for p in paths)
         fix = "build the module with the checkpoint's config"
-        if strict_hint and len(problems) > skippable and not mismatched:
+        if valueless and not strict:
+            fix = (
+                "strict=False keeps the values that missing tensors have; build the module on "
+                "the CPU (from_safetensors builds it on meta) and call load_weights() on it"
+            )
+        elif strict_hint and len(problems) > skippable and not mismatched:
             fix += ", or pass strict=False to skip missing and unexpected keys"
         listed = "\n".join(problems)
         raise ValueError(f"the checkpoint does not fit the module ({where}):\n{listed}\n{fix}")
