@@ -176,13 +176,7 @@ class HookRegistry:
         the module); each call waits for those that began before it, whichever way they
         end: their tokens go in ``_HookedForward``'s ``finally``."""
         me = threading.get_ident()
-        while True:
-            with _calls_lock:
-                first = next(iter(self._running.values()), me)
-                if first == me:
-                    return
-                ticket = _changed.ticket()
-            ticket.acquire(timeout=bell.RECHECK)
+        _changed.wait(_calls_lock, lambda: next(iter(self._running.values()), me) == me)
 
     def calls_in_flight(self) -> int:
         """How many calls of the module are running now, on every thread."""
