@@ -122,17 +122,14 @@ def _fingerprint(module: nn.Module) -> dict[str, Any]:
     shape. Not computed buffers (a rotary cache grown with the sequence: the loader's model
     grows it again), nor values or in-place changes (a streamed model's blocks are written
     in place by every load)."""
-    from ..external import non_persistent_buffers, own_tensor_tables
+    from ..load.weights import targets
 
-    out: dict[str, Any] = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        params, buffers = own_tensor_tables(sub)
-        computed = non_persistent_buffers(sub)
-        for key, t in [*params.items(), *((k, b) for k, b in buffers.items() if k not in computed)]:
-            if t is not None:
-                out[dot + key] = (t.dtype, tuple(t.shape))
-    return out
+    return {
+        name: (target.tensor.dtype, tuple(target.tensor.shape))
+        for target in targets(module)
+        if target.persistent
+        for name in target.names
+    }
 
 
 def _changed(then: dict[str, Any], now: dict[str, Any]) -> str | None:
