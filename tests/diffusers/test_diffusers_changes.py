@@ -144,8 +144,8 @@ def test_fuse_and_unfuse_of_an_unloaded_component_load_it(root: Path) -> None:
 
 @pytest.mark.parametrize("loaded", [True, False], ids=["loaded", "unloaded"])
 def test_a_peft_adapter_added_is_kept(root: Path, loaded: bool) -> None:
-    """Unloaded, add_adapter loads the component first (peft builds the adapter's tensors
-    where the base weights are: on meta, they would never get values)."""
+    """Unloaded, peft builds the adapter's tensors where the base weights answer they are:
+    where the component runs (on meta they would never get values)."""
     from peft import LoraConfig
 
     def add(pipe: Any) -> None:
@@ -161,16 +161,16 @@ def test_a_peft_adapter_added_is_kept(root: Path, loaded: bool) -> None:
     compare("sd", root, "default", [add])
 
 
-def test_control_an_adapter_added_without_loading_first_fails_clearly(
+def test_control_an_adapter_added_on_meta_fails_clearly(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without the load first, peft builds the adapter beside the empty weights, on meta:
-    nothing can give those tensors values, and stageload says so."""
+    """With the empty weights answering ``meta`` for ``.device``, peft builds the adapter
+    there: nothing can give those tensors values, and stageload says so."""
     from peft import LoraConfig
 
-    from stageload.diffusers import _placeholder
+    from stageload.diffusers._placeholder import StageHook
 
-    monkeypatch.setattr(_placeholder, "LOAD_FIRST", ())
+    monkeypatch.setattr(StageHook, "run_device", None)
     fam = FAMILIES["sd"]
     pipe = staged("sd", root, "default")
     run(pipe, "sd", "default")

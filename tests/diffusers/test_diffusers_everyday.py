@@ -164,9 +164,35 @@ def test_control_without_the_device_answer_an_unloaded_component_says_meta(
     path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_placeholder, "placeholder_device", lambda module, found: found)
+    monkeypatch.setattr(_placeholder.StageHook, "run_device", None)
     pipe = staged(path)
     assert pipe.unet.device.type == "meta"
     assert pipe.text_encoder.device.type == "meta"
+
+
+def inputs_placed_by_a_parameter(pipe: Any) -> tuple[torch.device, torch.Tensor]:
+    """The everyday way to place a component's inputs: where its first parameter is."""
+    device = next(pipe.vae.parameters()).device
+    latents = torch.ones(1, pipe.vae.config.latent_channels, 8, 8)
+    with torch.no_grad():
+        return device, pipe.vae.decode(latents.to(device)).sample
+
+
+def test_a_released_components_parameters_answer_where_it_runs(path: Path) -> None:
+    """``next(pipe.vae.parameters()).device`` said ``meta`` before the first load (auto's
+    models said ``cpu``): the decode of inputs sent there failed (issue 38's review)."""
+    device, out = inputs_placed_by_a_parameter(staged(path))
+    want_device, want = inputs_placed_by_a_parameter(eager(path))
+    assert device == want_device
+    assert torch.equal(out, want)
+
+
+def test_control_answering_meta_the_inputs_go_to_meta(path: Path, monkeypatch: Any) -> None:
+    from stageload.diffusers._placeholder import StageHook
+
+    monkeypatch.setattr(StageHook, "run_device", None)
+    with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
+        inputs_placed_by_a_parameter(staged(path))
 
 
 # -- inference_mode and no_grad ------------------------------------------------------------------
@@ -388,10 +414,11 @@ def test_textual_inversion_before_or_after_the_first_call(path: Path, warm: bool
     assert same_twice(pipe, want, prompt="a <cat-toy> on a chair")
 
 
-def test_control_without_loading_first_textual_inversion_fails(
+def test_control_answering_meta_textual_inversion_fails(
     path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_placeholder, "LOAD_FIRST", ())
+    """The new embedding is built on the old one's device: ``meta`` without the answer."""
+    monkeypatch.setattr(_placeholder.StageHook, "run_device", None)
     pipe = staged(path)
     with pytest.raises((RuntimeError, NotImplementedError, ModelLoadError)):
         pipe.load_textual_inversion({k: v.clone() for k, v in EMBEDDING.items()}, token="<cat-toy>")

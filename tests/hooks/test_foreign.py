@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from stageload import StagedModels, load_weights, on_call, release, share
-from stageload.diffusers._placeholder import LOAD_FIRST
 from stageload.external import CONVERT_METHOD, HF_HOOK_ATTR
 from stageload.hooks.registry import HOOKS_ATTR
 
@@ -26,7 +25,7 @@ ON_MODULES = {HOOKS_ATTR, "forward"}
 #: On a diffusers placeholder itself, besides: accelerate's hook protocol, the patch that
 #: loads the component around its own save_pretrained and the methods that must load it
 #: first, and the one that records conversions (nn.Module._apply).
-ON_PLACEHOLDERS = {HF_HOOK_ATTR, "save_pretrained", CONVERT_METHOD, *LOAD_FIRST}
+ON_PLACEHOLDERS = {HF_HOOK_ATTR, "save_pretrained", CONVERT_METHOD}
 #: On a staged diffusers pipeline: the handle users reach the stager by.
 ON_PIPELINES = {"stageload"}
 

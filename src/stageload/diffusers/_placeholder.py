@@ -163,6 +163,13 @@ class StageHook(ModuleHook):
         if not self.passthrough:
             self.load()
 
+    @property
+    def run_device(self) -> torch.device:
+        """What the component's empty tensors answer for ``.device``: where it runs, as
+        ``pipe.unet.device`` answers (``x.to(next(pipe.unet.parameters()).device)`` put
+        the inputs on ``meta``)."""
+        return self.execution_device
+
     def before_state_dict(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         """``load_state_dict`` into the component (peft's LoRA loading does): the change
         needs the weights, so load them now, in the current stage, and give the tensors
@@ -252,14 +259,6 @@ def passthrough(module: nn.Module) -> Iterator[None]:
 
 
 # -- what a hook cannot catch: read without computing, or a conversion -------------------------
-#: Methods that build new tensors where the weights are (``weight.device``, a metadata read
-#: that loads nothing) before they read the weights' values: they load the component first.
-#: transformers' ``resize_token_embeddings`` (textual inversion) builds the new embedding
-#: on the old one's device, which is ``meta`` while the text encoder is out; peft's
-#: ``add_adapter`` builds the adapter's weights beside the base weights.
-LOAD_FIRST = ("resize_token_embeddings", "add_adapter")
-
-
 def placeholder_device(module: Any, found: torch.device) -> torch.device:
     """What ``component.device`` answers: ``found`` (its first tensor's device), except
     for a placeholder whose weights are out, which answers where it runs.
@@ -306,8 +305,8 @@ def answer_devices() -> None:
 
 
 def intercept(skeleton: nn.Module, hook: StageHook) -> None:
-    """Patch conversions (``nn.Module._apply``) and ``LOAD_FIRST`` on this one object: no
-    submodule call catches them (see the module docstring)."""
+    """Patch conversions (``nn.Module._apply``) on this one object: no submodule call
+    catches them (see the module docstring)."""
 
     def convert(inner: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(inner)
@@ -327,19 +326,6 @@ def intercept(skeleton: nn.Module, hook: StageHook) -> None:
         return _apply
 
     patch(skeleton, CONVERT_METHOD, convert)
-
-    def load_first(inner: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(inner)
-        def changing(*args: Any, **kwargs: Any) -> Any:
-            if not hook.passthrough:
-                hook.load()
-            return inner(*args, **kwargs)
-
-        return changing
-
-    for method in LOAD_FIRST:
-        if callable(getattr(skeleton, method, None)):
-            patch(skeleton, method, load_first)
 
 
 def conversion(
@@ -517,7 +503,7 @@ class Tracked:
 
     def added_empty(self, module: nn.Module) -> list[str]:
         """Names of tensors added to ``module`` while it was empty that still have no values
-        (peft's ``add_adapter`` on an unloaded component creates them on meta)."""
+        (code that builds tensors on ``meta`` itself, not where the component runs)."""
         return [n for n, t in named_tensors(module) if t.is_meta and self.key(n, t) is None]
 
     def empty(self, module: nn.Module) -> set[str]:
