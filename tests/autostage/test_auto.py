@@ -1873,7 +1873,7 @@ def test_a_diffusers_pipeline_follows_its_offload_order_from_the_first_call(sd_f
     got, sink = sd_two_calls(sd_folder, staged=True)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert [e.note for e in sink.events if e.kind == "note"] == [
-        "the plan before the first use, from diffusers' model_cpu_offload_seq: "
+        f"the plan before the first use, from {stageload.autostage._DIFFUSERS_PLAN}: "
         "text_encoder -> unet -> vae"
     ]
     assert [e.model for e in sink.events if e.kind == "reload"] == ["unet"]

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
 from stageload import ListSink  # noqa: E402
-from stageload.autostage import auto  # noqa: E402
+from stageload.autostage import _DIFFUSERS_PLAN, auto  # noqa: E402
 from stageload.testing.families import FAMILIES, folder  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -98,6 +98,31 @@ def test_with_room_to_load_ahead_auto_gives_eagers_outputs(root: Path, name: str
     assert same(got, want)
     said = [e.note for e in sink.events if e.kind == "note"]
     assert [n for n in said if not any(e in n for e in EXPECTED)] == []
+
+
+#: Each pipeline's plan before its first call, as auto says it: the diffusers adapter's
+#: plan. ``model_cpu_offload_seq`` alone left out the ControlNet and Kandinsky's prior, and
+#: gave AudioLDM2 none.
+PLANS = {
+    "sd-controlnet": "text_encoder -> unet+controlnet -> vae",
+    "kandinsky2.2-combined": (
+        "prior_text_encoder+prior_image_encoder -> prior_prior -> unet -> movq"
+    ),
+    "audioldm2": "text_encoder+text_encoder_2 -> unet -> vae+vocoder",
+}
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_the_plan_before_the_first_call_is_the_diffusers_adapters(root: Path, name: str):
+    """Control: with the offload order as the source, the note is another (or none)."""
+    path = folder(FAMILIES[name], root)
+    want = two_calls(name, path)
+    sink = ListSink()
+    with auto(budget=1, events=sink):
+        got = two_calls(name, path)
+    assert same(got, want)
+    plans = [e.note for e in sink.events if e.kind == "note" and "plan before" in e.note]
+    assert plans == [f"the plan before the first use, from {_DIFFUSERS_PLAN}: {PLANS[name]}"]
 
 
 def round_trip(path: Path, staged: bool) -> tuple[list[Any], list[int]]:

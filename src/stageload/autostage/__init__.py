@@ -2073,14 +2073,23 @@ def _as_plan_source(session: AutoSession, source: PlanSource) -> Around:
     return around
 
 
-def _offload_order(pipe: Any) -> list[list[Any]]:
-    """A diffusers pipeline's components in the order its call uses them, one per stage:
-    its ``model_cpu_offload_seq`` (``"text_encoder->unet->vae"``), which diffusers' own
-    model offloading follows."""
-    seq = getattr(pipe, "model_cpu_offload_seq", None)
-    if not isinstance(seq, str):
+def _diffusers_stages(pipe: Any) -> list[list[Any]]:
+    """A diffusers pipeline's components by stage, as the diffusers adapter plans them
+    (:func:`stageload.diffusers.default_plan`): ``model_cpu_offload_seq``'s order
+    (``"text_encoder->unet->vae"``, which diffusers' model offloading follows), with the
+    components it leaves out placed by their role: a ControlNet beside its UNet, Kandinsky's
+    ``prior_prior``, AudioLDM2's (it has no order)."""
+    from torch import nn
+
+    from ..diffusers import default_plan
+
+    components = getattr(pipe, "components", None)
+    if not isinstance(components, dict):
         return []
-    return [[getattr(pipe, name.strip(), None)] for name in seq.split("->")]
+    models = {n: type(c) for n, c in components.items() if isinstance(c, nn.Module)}
+    seq = getattr(pipe, "model_cpu_offload_seq", None)
+    plan = default_plan(seq if isinstance(seq, str) else None, models)
+    return [[components[name] for name in names] for names in plan.values()]
 
 
 def _pixal3d_stages(pipeline: Any, *args: Any, **kwargs: Any) -> list[list[Any]]:
@@ -2090,13 +2099,15 @@ def _pixal3d_stages(pipeline: Any, *args: Any, **kwargs: Any) -> list[list[Any]]
     return run_stages(pipeline, kwargs.get("pipeline_type"))
 
 
+_DIFFUSERS_PLAN = "the diffusers adapter's plan (model_cpu_offload_seq, and roles)"
+
 #: Plan sources wrapped with the default factories, by ``module:Class.method``.
 PLAN_SOURCES: dict[str, PlanSource] = {
     "diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pretrained": PlanSource(
-        _offload_order, "diffusers' model_cpu_offload_seq"
+        _diffusers_stages, _DIFFUSERS_PLAN
     ),
     "diffusers.pipelines.pipeline_utils:DiffusionPipeline.from_pipe": PlanSource(
-        _offload_order, "diffusers' model_cpu_offload_seq"
+        _diffusers_stages, _DIFFUSERS_PLAN
     ),
     "pixal3d.pipelines.pixal3d_image_to_3d:Pixal3DImageTo3DPipeline.run": PlanSource(
         _pixal3d_stages, "the Pixal3D stage plan", before=True
