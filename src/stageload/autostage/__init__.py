@@ -1737,7 +1737,9 @@ def _anchored(values: tuple) -> tuple:
 
 def _checkpoint(args: tuple, kwargs: dict) -> list[Path]:
     """The safetensors files a factory's arguments name: each path to a ``.safetensors``
-    file or a sharded index, and each folder where ``from_pretrained`` finds one."""
+    file or a sharded index, each folder where ``from_pretrained`` finds one, and each
+    path that is one without its suffix. A file the model does not match is not used: its
+    first load compares them (:func:`_learn`), and a mismatch reloads through the factory."""
     found: list[Path] = []
     skip = ("subfolder", "variant")
     for value in (*args, *(v for k, v in kwargs.items() if k not in skip)):
@@ -1752,6 +1754,10 @@ def _checkpoint(args: tuple, kwargs: dict) -> list[Path]:
                     continue
             elif path.name.endswith((".safetensors", INDEX_SUFFIX)) and path.is_file():
                 files = checkpoint_files(path)
+            elif path.with_name(f"{path.name}.safetensors").is_file():
+                # A path the factory adds the suffix to: the Pixal3D port's and TRELLIS'
+                # ``from_pretrained("ckpts/ss_flow")`` read ``ckpts/ss_flow.safetensors``.
+                files = [path.with_name(f"{path.name}.safetensors")]
             else:
                 continue
         except (OSError, ValueError):  # a name too long for a path, a damaged index
