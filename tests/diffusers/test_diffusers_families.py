@@ -155,9 +155,14 @@ def _unet_file(path: Path) -> Path:
 
 
 @pytest.mark.parametrize("fault", ["one weight perturbed", "another checkpoint"])
-def test_control_a_wrong_fill_breaks_equality(root: Path, tmp_path: Path, fault: str) -> None:
+def test_control_a_wrong_fill_breaks_equality(
+    root: Path, tmp_path: Path, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The bit-for-bit check can fail: the same staged run, with the UNet's file changed on
-    disk after the pipeline was built (so the placeholder fills from it), differs."""
+    disk after the pipeline was built (so the placeholder fills from it), differs. A file
+    changed since the build now raises at the first load (test_auto_deferred): that check
+    is off here."""
+    monkeypatch.setattr("stageload.diffusers.changed_file", lambda stamps: None)
     family = FAMILIES["sd"]
     path = tmp_path / "sd"
     shutil.copytree(folder(family, root), path)

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 from ..bell import Bell
 from ..core.events import NOTE, Event, EventSink
 from ..core.staged import StagedModels
-from ..errors import StageloadError
+from ..errors import CheckpointError, StageloadError
 from ..external import BUILD_LOCK, progress_bars_disabled
 from ..hooks.empty import mark_empty
 from ..hooks.registry import patch
 from ..hooks.release import ReleasedModuleError, release, releasing
-from ..load.checkpoint import pretrained_checkpoint
+from ..load.checkpoint import Stamp, changed_file, file_stamps, pretrained_checkpoint
 from ..load.loaders import BACKGROUND_READY_ATTR, rng_free
 from ..load.refill import Recipe, converted, learn, reload
 from ..load.skeleton import build_empty, can_stage, is_transformers_model, skeleton_dtype
@@ -99,8 +99,11 @@ class StagedPipeline:
         prefetch: bool = False,
         sizes: Mapping[str, int] | None = None,
         adaptive: bool = False,
+        stamps: Mapping[str, dict[Path, Stamp | None]] | None = None,
     ) -> None:
         self.path = path
+        # Each component's files as the build found them, until its first load checks them.
+        self._stamps = dict(stamps or {})
         self.adaptive = adaptive
         self.device = device
         self.torch_dtype = torch_dtype
@@ -192,6 +195,15 @@ class StagedPipeline:
             tracked.filled(skeleton, fresh)
             _placeholder.check_added(name, skeleton, tracked)
             return
+        changed = changed_file(self._stamps.get(name, {}))
+        if changed is not None:  # its own tensors came from the files as they were
+            path, how = changed
+            raise CheckpointError(
+                path,
+                f"{how} since the staged pipeline was built: {name} would load other "
+                f"weights than the ones its build read",
+                fix="restore the file, or build the staged pipeline again to use the new one",
+            )
         loaded = _load_component(
             self._classes[name], self.path / name, self.torch_dtype, self._model_kwargs
         )
@@ -584,15 +596,17 @@ def staged_pipeline(
             for name in staged
         }
     model_kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in _MODEL_KWARGS}
+    stamps: dict[str, dict[Path, Stamp | None]] = {}
     with releasing():  # one garbage collection for all the skeletons, not one each
         for name, skeleton in skeletons.items():
             built = {n: t for n, t in _placeholder.own_tensors(skeleton) if not t.is_meta}
             # The skeleton starts out "released": a call that bypasses the stager (a
             # submodule called directly) says so, instead of failing on a meta tensor.
             release(skeleton, name=name, stage=None)
-            _placeholder.keep_own(
-                skeleton, built, pretrained_checkpoint(folder / name, model_kwargs)
-            )
+            files = pretrained_checkpoint(folder / name, model_kwargs)
+            # Before its own tensors are read: the first load must read the same files.
+            stamps[name] = {} if isinstance(files, str) else file_stamps(files, sampled=True)
+            _placeholder.keep_own(skeleton, built, files)
 
     streams = {
         name: _stream_component(
@@ -633,6 +647,7 @@ def staged_pipeline(
         if budget is not None
         else None,
         adaptive=stages is None,
+        stamps=stamps,
     )
     for name, skeleton in skeletons.items():
         state._save_through(name, skeleton)
