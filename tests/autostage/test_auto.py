@@ -391,6 +391,37 @@ def test_control_without_the_pixal3d_plan_it_is_not_said_and_the_reloads_are_as_
     assert (reloads, from_files, said) == (17, 16, 0)  # DINOv3: a hub name, no file found
 
 
+PIXAL3D_TYPE = """
+import sys, generate_mps as g, stageload
+image, how = sys.argv[1], sys.argv[2]
+with stageload.auto(budget=1, factories=FACTORIES) as session:
+    args = g.parse_args([image, "--device", "cpu", "--output", "unused.glb"])
+    g.load_runtime_deps()
+    pipeline = g.load_pipeline(args, "cpu")
+    positional = (None, 1, 42, None, None, None, True, False, "other_type")
+    try:
+        if how == "positional":
+            pipeline.run(g.Image.open(image), *positional)
+        else:
+            pipeline.run(g.Image.open(image), pipeline_type="other_type")
+    except NotImplementedError as exc:  # the stub runs 1024_cascade only
+        print("raised:", exc, file=sys.stderr)
+    print(sum(n.startswith("the plan before the first use") for n in session.notes))
+""".replace("FACTORIES", repr(list(PIXAL3D_FACTORIES)))
+
+
+@pytest.mark.parametrize("how", ["keyword", "positional"])
+def test_a_pixal3d_pipeline_type_without_a_plan_gives_none_however_it_is_passed(stub, image, how):
+    """``run(image, ..., "other_type")`` seeded the default type's plan: the plan source
+    read ``pipeline_type`` from the keywords only (issue 38's review; the positional case
+    fails on that code, the keyword one passes on both)."""
+    pytest.importorskip("PIL.Image")
+    done = _run(["-c", PIXAL3D_TYPE, str(image), how], stub)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "raised:" in done.stderr
+    assert done.stdout.split()[-1] == "0"
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memory cgroups are Linux only")
 def test_in_a_cgroup_between_the_two_peaks_auto_finishes_where_the_script_is_oom_killed(
     tmp_path,

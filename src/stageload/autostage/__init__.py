@@ -2057,8 +2057,9 @@ def _as_factory(session: AutoSession, *, trusted: bool = False) -> Around:
 @dataclass(frozen=True)
 class PlanSource:
     """Where a library knows the order of its models before their first use: a call whose
-    result (or, with ``before``, whose arguments, ``self`` first) ``stages`` turns into the
-    objects it will use, stage by stage, and what the note calls it."""
+    result (or, with ``before``, whose arguments, by their names in the call's signature)
+    ``stages`` turns into the objects it will use, stage by stage, and what the note calls
+    it."""
 
     stages: Callable[..., list[list[Any]]]
     name: str
@@ -2070,7 +2071,12 @@ def _as_plan_source(session: AutoSession, source: PlanSource) -> Around:
 
     def around(call: Callable[..., Any], who: Any, args: tuple, kwargs: dict) -> Any:
         if source.before:
-            session.seed(source.stages(*args, **kwargs), source.name)
+            try:  # by name, however the script passed them (pipeline_type positionally)
+                given = inspect.signature(call).bind(*args, **kwargs).arguments
+            except (TypeError, ValueError):  # the call raises its own error for these
+                given = None
+            if given is not None:
+                session.seed(source.stages(**given), source.name)
             return call(*args, **kwargs)
         result = call(*args, **kwargs)
         session.seed(source.stages(result), source.name)
@@ -2098,11 +2104,12 @@ def _diffusers_stages(pipe: Any) -> list[list[Any]]:
     return [[components[name] for name in names] for names in plan.values()]
 
 
-def _pixal3d_stages(pipeline: Any, *args: Any, **kwargs: Any) -> list[list[Any]]:
-    """The Pixal3D port's ``run``: its stage plan (:mod:`stageload.pixal3d.plan`)."""
+def _pixal3d_stages(self: Any, pipeline_type: str | None = None, **_: Any) -> list[list[Any]]:
+    """The Pixal3D port's ``run(self, ..., pipeline_type=None, ...)``: its stage plan
+    (:mod:`stageload.pixal3d.plan`)."""
     from ..pixal3d.plan import run_stages
 
-    return run_stages(pipeline, kwargs.get("pipeline_type"))
+    return run_stages(self, pipeline_type)
 
 
 _DIFFUSERS_PLAN = "the diffusers adapter's plan (model_cpu_offload_seq, and roles)"
