@@ -433,6 +433,10 @@ def test_missing_command_exits_127(tmp_path: Path, capsys: pytest.CaptureFixture
         (["meter", "--sampler", "fork", "--", "true"], "invalid choice: 'fork'"),
         (["meter", "-o", "no/such/dir/t.jsonl", "--", "true"], "folder 'no/such/dir' does not"),
         (["meter", "-o", ".", "--", "true"], "-o '.': '.' is a folder; give the path of a file"),
+        (
+            ["meter", "-o", "", "--", "true"],
+            "-o '': the file name is empty; give the path of a file",
+        ),
     ],
 )
 def test_bad_flags_exit_2_with_a_clear_message(

@@ -213,11 +213,11 @@ def run(args: argparse.Namespace) -> int:
             )
             return EXIT_USAGE
     else:
-        output = Path(args.output)
-        problem = unwritable_file(output)  # find out now, not after the command has run
+        problem = unwritable_file(args.output)  # find out now, not after the command has run
         if problem is not None:
-            print(f"stageload meter: error: -o {str(output)!r}: {problem}", file=sys.stderr)
+            print(f"stageload meter: error: -o {args.output!r}: {problem}", file=sys.stderr)
             return EXIT_USAGE
+        output = Path(args.output)
 
     meta = {} if args.label is None else {"label": args.label}
     meter = MemoryMeter(output, args.interval, sampler=args.sampler, meta=meta)
