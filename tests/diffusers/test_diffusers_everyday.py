@@ -163,7 +163,6 @@ def test_a_staged_component_is_its_own_class_on_meta_and_answers_without_loading
 def test_control_without_the_device_answer_an_unloaded_component_says_meta(
     path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_placeholder, "placeholder_device", lambda module, found: found)
     monkeypatch.setattr(_placeholder.StageHook, "run_device", None)
     pipe = staged(path)
     assert pipe.unet.device.type == "meta"

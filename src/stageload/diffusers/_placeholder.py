@@ -22,8 +22,9 @@ eager gives: ``from_pipe``, ``torch.compile`` and ``copy`` see the real class). 
 submodule call catches, in one place:
 
 - ``.device``: a model answers its first tensor's device, ``meta`` while the weights are
-  out, and pipelines move inputs there. :func:`placeholder_device` answers where it runs
-  instead, as diffusers' group offloading answers its ``onload_device``;
+  out, and pipelines move inputs there. The empty tensors answer where it runs instead
+  (:attr:`StageHook.run_device`), as diffusers' group offloading answers its
+  ``onload_device``;
 - conversions (``to``, ``half``, ``cuda``, ...): all go through ``nn.Module._apply``, which
   fails on ``meta`` for a device change and must be remembered for the next load
   (``pipe.to("cuda")`` while the VAE is out): :func:`intercept` patches it on the object;
@@ -259,51 +260,6 @@ def passthrough(module: nn.Module) -> Iterator[None]:
 
 
 # -- what a hook cannot catch: read without computing, or a conversion -------------------------
-def placeholder_device(module: Any, found: torch.device) -> torch.device:
-    """What ``component.device`` answers: ``found`` (its first tensor's device), except
-    for a placeholder whose weights are out, which answers where it runs.
-
-    This is how diffusers' group offloading answers it (``get_parameter_device`` asks the
-    offload hook for its ``onload_device`` before looking at the tensors), for the same
-    reason: pipelines move inputs to ``model.device`` (``text_inputs.to(
-    self.text_encoder.device)``). Installed once, by :func:`answer_devices`, on diffusers'
-    ``get_parameter_device`` (``ModelMixin.device``) and on ``PreTrainedModel.device``.
-    """
-    if found.type == "meta":
-        hook = stage_hook(module)
-        if hook is not None:
-            return hook.execution_device
-    return found
-
-
-@functools.cache
-def answer_devices() -> None:
-    """Route ``.device`` of diffusers and transformers models through
-    :func:`placeholder_device` (a :func:`patch`, for the process's life: it only changes
-    the answer for placeholders)."""
-
-    def wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(inner)
-        def device(module: Any) -> Any:
-            return placeholder_device(module, inner(module))
-
-        return device
-
-    try:
-        from diffusers.models import modeling_utils
-    except ImportError:
-        pass
-    else:
-        patch(modeling_utils, "get_parameter_device", wrap)
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return
-    owner = next((c for c in PreTrainedModel.__mro__ if "device" in vars(c)), None)
-    if owner is not None:
-        patch(owner, "device", wrap)
-
-
 def intercept(skeleton: nn.Module, hook: StageHook) -> None:
     """Patch conversions (``nn.Module._apply``) on this one object: no submodule call
     catches them (see the module docstring)."""
@@ -367,7 +323,6 @@ def real_to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
 def build_skeleton(cls: type, folder: Path, dtype: torch.dtype) -> nn.Module:
     """An instance of ``cls`` itself built from the config in ``folder``, with every
     parameter on ``meta`` in ``dtype`` (float32 where the class keeps modules in float32)."""
-    answer_devices()
     return build_empty(cls, folder, dtype)
 
 
