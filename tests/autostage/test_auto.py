@@ -782,8 +782,8 @@ def test_after_the_block_a_released_model_loads_at_its_use(folder):
 def test_control_with_the_hooks_taken_off_at_the_end_a_released_model_is_dead(folder, monkeypatch):
     real = stageload.autostage.AutoSession.close
 
-    def close(self: Any, last: Any = ()) -> None:
-        real(self, last)
+    def close(self: Any) -> None:
+        real(self)
         for module in self.models.values():
             if module is not None:
                 for sub in (module, *module.children()):

@@ -350,7 +350,6 @@ class AutoSession:
         self._stage: str | None = None
         self._making = threading.local()
         self._closed = False
-        self._last: list[Callable[[], None]] = []
         self.record = _Record()
         self.notes: list[str] = []
 
@@ -909,7 +908,6 @@ class AutoSession:
                         )
                     if self._closed:
                         _unhook(module)
-                        self._finish()
                 self._bell.ring()
         return True
 
@@ -1037,8 +1035,6 @@ class AutoSession:
                     if model.owner == AHEAD:
                         model.state, model.owner = RELEASED, None
                 self._ahead = None
-                if self._closed:
-                    self._finish()
                 self._bell.ring()
 
     def _first_loaded(
@@ -1170,14 +1166,11 @@ class AutoSession:
                     )
                 self._bell.ring()
 
-    def close(self, last: Iterable[Callable[[], None]] = ()) -> None:
+    def close(self) -> None:
         """The block ended: take auto's hooks off every loaded model; a released one keeps
-        its hook and reloads at its next use (then loses it), with no budget. ``last``
-        runs once no released model is left (the ``.device`` answers a released model
-        needs until then)."""
+        its hook and reloads at its next use (then loses it), with no budget."""
         with self._mutex:
             self._closed = True
-            self._last = list(last)
         # The thread ahead, being started (or given up) on another thread, has an ident.
         self._bell.wait(self._mutex, lambda: self._ahead is None or self._ahead.ident is not None)
         with self._mutex:
@@ -1191,16 +1184,6 @@ class AutoSession:
                     module = model.module()
                     if module is not None and model.state == LOADED:
                         _unhook(module)
-                self._finish()
-
-    def _finish(self) -> None:
-        """Under the lock, once closed: run ``last`` when no released model is alive."""
-        self._prune()
-        if any(m.state != LOADED and m.module() is not None for m in self._models.values()):
-            return
-        last, self._last = self._last, []
-        for step in reversed(last):
-            step()
 
     # -- helpers -------------------------------------------------------------------------
     def _on_drop(self, name: str) -> Callable[[Any], None]:
@@ -1556,17 +1539,6 @@ def _unhook(module: nn.Module) -> None:
             HookRegistry.remove(sub, AUTO)
 
 
-def released_device(module: Any, found: Any) -> Any:
-    """What ``model.device`` answers: ``found``, except for a model auto released, which
-    answers where it ran (diffusers' pipelines do ``inputs.to(self.text_encoder.device)``)."""
-    if getattr(found, "type", None) == "meta":
-        registry = HookRegistry.of(module)
-        hook = registry.get(AUTO) if registry is not None else None
-        if isinstance(hook, _Hook) and hook.model.device is not None:
-            return hook.model.device
-    return found
-
-
 def _settled_first(inner: Callable[..., Any]) -> Callable[..., Any]:
     """``nn.Module._apply`` (``.to``, ``.half``, ``.cuda``...) while auto is on: a model
     that another thread is loading (ahead) or releasing is converted once that is done.
@@ -1591,33 +1563,6 @@ def _settled_first(inner: Callable[..., Any]) -> Callable[..., Any]:
         return inner(module, *args, **kwargs)
 
     return _apply
-
-
-def _device_wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(inner)
-    def device(module: Any) -> Any:
-        return released_device(module, inner(module))
-
-    return device
-
-
-def _diffusers_devices(modeling_utils: Any) -> Callable[[], None]:
-    """diffusers' ``ModelMixin.device`` asks ``get_parameter_device``: route it."""
-    return patch(modeling_utils, "get_parameter_device", _device_wrap)
-
-
-def _transformers_devices(modeling_utils: Any) -> Callable[[], None]:
-    """transformers' ``PreTrainedModel.device`` is a property of a mixin: route it."""
-    model = modeling_utils.PreTrainedModel
-    owner = next((c for c in model.__mro__ if "device" in vars(c)), None)
-    return patch(owner, "device", _device_wrap) if owner is not None else (lambda: None)
-
-
-#: For each default factory's module: where ``.device`` is answered, patched with it.
-_DEVICE_ANSWERS: dict[str, Callable[[Any], Callable[[], None]]] = {
-    "diffusers.models.modeling_utils": _diffusers_devices,
-    "transformers.modeling_utils": _transformers_devices,
-}
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -2178,14 +2123,10 @@ def auto(
     from torch import nn
 
     undo: list[Callable[[], None]] = []
-    devices: list[Callable[[], None]] = []  # undone once no released model is left
 
     def factory(spec: str) -> Callable[[Any], None]:
         def wrap(module: Any) -> None:
             undo.append(_wrap(*_resolve(spec), _as_factory(session, trusted=True)))
-            answer = _DEVICE_ANSWERS.get(module.__name__)
-            if answer is not None:
-                devices.append(answer(module))
 
         return wrap
 
@@ -2226,7 +2167,7 @@ def auto(
         try:
             for step in reversed(undo):
                 step()
-            session.close(last=devices)
+            session.close()
         finally:
             with _ACTIVE_LOCK:
                 _ACTIVE.remove(session)
