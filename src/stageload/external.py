@@ -73,6 +73,18 @@ def tensor_version(tensor: Any) -> int:
     return int(tensor._version)
 
 
+def written_in_place(tensors: list[Any]) -> None:
+    """Tell autograd that ``tensors`` were written through their memory (a read into their
+    storage), as an in-place op would: a graph that saved one raises at ``backward``.
+    ``torch.autograd.graph.increment_version`` takes one tensor before torch 2.5 (a list
+    after); inference tensors have no counter and are left out."""
+    from torch.autograd.graph import increment_version
+
+    for t in tensors:
+        if not t.is_inference():
+            increment_version(t)
+
+
 def transformers_from_config(cls: type, config: Any) -> nn.Module:
     """A transformers model built from ``config`` with no weights read: ``_from_config`` is
     the constructor ``from_pretrained`` itself uses (it applies the config's dtype and

@@ -69,6 +69,19 @@ def test_the_version_counter_counts_in_place_changes_but_not_through_data() -> N
     assert external.tensor_version(p) == start + 1
 
 
+def test_written_in_place_makes_a_saved_tensor_fail_backward() -> None:
+    """load_weights' in-place reads rely on it; inference tensors are skipped, not an
+    error."""
+    p = nn.Parameter(torch.ones(4))
+    loss = (p * p).sum()  # saves p
+    external.written_in_place([p])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with torch.inference_mode():
+        frozen = torch.ones(4)
+    external.written_in_place([frozen])
+
+
 def test_swap_tensors_keeps_the_objects_and_swaps_their_contents() -> None:
     """Releases and refills rely on it: a module keeps its tensor objects for life."""
     module = nn.Linear(2, 2)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..external import non_persistent_buffers, own_tensor_tables
+from ..external import non_persistent_buffers, own_tensor_tables, written_in_place
 from ..hooks.release import advise_huge_pages, release, unmark_released
 from .checkpoint import (
     DTYPES,
@@ -539,8 +539,6 @@ def install(
     """Put the tensors :func:`read` returned into ``module`` (the planned targets'); one
     object per tied group keeps it tied. A released module filled again is live again."""
 
-    from torch.autograd.graph import increment_version
-
     unfilled: list[str] = []
     in_place: list[torch.Tensor] = []
     for target in planned.targets:
@@ -558,7 +556,7 @@ def install(
         put(target, new)
     # Written through its memory, not by torch: a graph that saved the old values must know
     # (backward raises, as after load_state_dict's copy_; it used the new ones, silently).
-    increment_version([t for t in in_place if not t.is_inference()])
+    written_in_place(in_place)
     if unfilled and strict:
         raise ValueError(
             _listing(
