@@ -379,6 +379,13 @@ def test_a_touched_file_reloads_and_one_written_over_in_place_does_not(tmp_path,
     for _ in range(2):  # the second check takes the new time as the file's
         got = loader().state_dict()
         assert all(torch.equal(got[k], want[k]) for k in want)
+    same = tmp_path / "same.safetensors"  # the same bytes renamed onto it (rsync, a download)
+    same.write_bytes(path.read_bytes())
+    os.replace(same, path)
+    assert os.stat(path).st_ino != first.st_ino
+    got = loader().state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    first = os.stat(path)
 
     other = tmp_path / "other.safetensors"
     save_file(_random_state(torch.float32, seed=1), str(other))

@@ -196,6 +196,12 @@ def test_a_header_length_that_starts_like_a_pickle_is_still_read(tmp_path: Path)
     module = Pair()
     load_weights(module, path)
     assert module.b.tolist() == [4.0, 5.0, 6.0, 7.0]
+    cut = tmp_path / "cut.safetensors"  # a 384-byte header (0x80 again), the file cut short
+    header = json.dumps(GOOD).encode()
+    write(cut, header + b" " * (384 - len(header)), DATA[:32])
+    cut.write_bytes(cut.read_bytes()[:200])
+    with pytest.raises(CheckpointError, match="header length 384 exceeds the file's 200 bytes"):
+        load_weights(Pair(), cut)
 
 
 def test_control_the_undamaged_file_loads_in_both(tmp_path: Path) -> None:

@@ -84,7 +84,7 @@ def command_after_dashes(words: Sequence[str], prog: str, example: str) -> list[
 def unwritable_file(path: str | os.PathLike[str]) -> str | None:
     """Why a file cannot be written at ``path`` (None when it can), found out before a long
     run rather than after it. Leaves no file behind that was not there before."""
-    if not os.fspath(path).strip():  # Path("") is ".": the error would name a folder
+    if not os.fspath(path):  # Path("") is ".": the error would name a folder
         return "the file name is empty; give the path of a file"
     try:
         return _unwritable_file(Path(path))

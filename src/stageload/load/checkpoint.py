@@ -82,12 +82,13 @@ def read_header(path: Path) -> dict[str, Entry]:
             if len(head) < 8:
                 raise CheckpointError(path, f"only {size} bytes long, shorter than a header")
             length = int.from_bytes(head, "little")
-            if length > min(_MAX_HEADER, size - 8):
-                # Not a header length: a file of another kind, named if it is a known one
-                # (a valid length can start with any byte, so only now).
+            if length > _MAX_HEADER:
+                # No header is that long: a file of another kind, named if it is a known
+                # one (a cut-off safetensors file can start with any byte, so only now).
                 other = _other_format(head + f.read(16))
                 if other is not None:
                     raise CheckpointError(path, f"not safetensors but {other[0]}", fix=other[1])
+            if length > min(_MAX_HEADER, size - 8):
                 raise CheckpointError(
                     path,
                     f"header length {length} exceeds the file's {size} bytes"
@@ -369,8 +370,8 @@ class Stamp(NamedTuple):
     """A file as it is on disk now: another inode after the file was replaced (a hub
     download, ``save_pretrained`` to the same folder), another size or time after it was
     written in place. ``sample``: a digest of its content (:func:`content_sample`), taken
-    where a stamp is kept, so a file whose time alone changed (``touch``, a copy of the same
-    bytes over it) is told from one written over."""
+    where a stamp is kept, so the same bytes again (``touch``, a copy or a re-download of
+    the same file) are told from other weights."""
 
     ino: int
     size: int
@@ -396,8 +397,9 @@ def file_stamps(files: Iterable[Path], *, sampled: bool = False) -> dict[Path, S
 def changed_file(stamps: dict[Path, Stamp | None]) -> tuple[Path, str] | None:
     """The first file that is not as ``stamps`` found it, and how; None if none.
 
-    A file whose time alone changed, with its content sample as it was, is the same file:
-    its stamp in ``stamps`` takes the new time, so the next check costs a ``stat`` again.
+    A file of the same size whose content sample is as it was (``touch``, the same bytes
+    copied over it or renamed onto it, as rsync and a re-download do) is the same file: its
+    stamp in ``stamps`` takes the new inode and time, so the next check is a ``stat`` again.
     """
     for path, now in file_stamps(stamps).items():
         then = stamps[path]
@@ -407,13 +409,14 @@ def changed_file(stamps: dict[Path, Stamp | None]) -> tuple[Path, str] | None:
             return path, "deleted"
         if then is None:
             return path, "created"
+        same_size = now.size == then.size and then.sample is not None
+        if same_size and content_sample(path) == then.sample:  # touched, or the same bytes
+            stamps[path] = then._replace(ino=now.ino, mtime_ns=now.mtime_ns)
+            continue
         if now.ino != then.ino:
             return path, "replaced"
         how = [w for w, a, b in (("resized", then.size, now.size),) if a != b]
         if now.mtime_ns != then.mtime_ns:
-            if not how and then.sample is not None and content_sample(path) == then.sample:
-                stamps[path] = then._replace(mtime_ns=now.mtime_ns)  # touched, not written
-                continue
             how.append("rewritten")
         return path, " and ".join(how)
     return None

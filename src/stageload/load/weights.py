@@ -380,8 +380,9 @@ def plan(
         fix = "build the module with the checkpoint's config"
         if valueless and not strict:
             fix = (
-                "strict=False keeps the values that missing tensors have; build the module on "
-                "the CPU (from_safetensors builds it on meta) and call load_weights() on it"
+                "strict=False keeps the values that missing tensors have; pass every file "
+                "that holds them in one call (a list), or build the module on the CPU "
+                "(from_safetensors builds it on meta) and call load_weights() on it"
             )
         elif strict_hint and len(problems) > skippable and not mismatched:
             fix += ", or pass strict=False to skip missing and unexpected keys"

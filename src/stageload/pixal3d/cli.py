@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is not None:
         return _fail(f"--output {opts.output!r}: {problem}")
     if opts.trace is not None:
-        problem = unwritable_file(Path(opts.trace).expanduser())
+        problem = unwritable_file(os.path.expanduser(opts.trace))
         if problem is not None:
             return _fail(f"--trace {opts.trace!r}: {problem}")
     if opts.fingerprints is not None:
