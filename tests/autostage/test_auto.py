@@ -1618,6 +1618,56 @@ def test_control_answering_meta_the_input_goes_to_meta_and_the_call_fails(st_fol
         placed_by_a_released_parameter(st_folder)
 
 
+def after_a_chdir(folder: str, factory: str, suffix: str) -> tuple[Any, Any]:
+    """Room for one model: ``a`` and ``b`` made from relative paths (``st/a`` plus
+    ``suffix``), ``a`` called, ``b`` called, then the script changes to a folder that has
+    its own ``st/a.safetensors`` (other weights) and calls ``a`` again: a reload. Returns
+    (the first output, the second)."""
+    import shutil
+
+    root, other = Path(folder) / "here", Path(folder) / "elsewhere"
+    for where, scale in ((root, 1.0), (other, 2.0)):
+        (where / "st").mkdir(parents=True, exist_ok=True)
+        for name in ("a", "b"):
+            shutil.copy(Path(folder) / f"{name}.safetensors", where / "st" / f"{name}.safetensors")
+        if scale != 1.0:
+            from safetensors.torch import load_file, save_file
+
+            file = where / "st" / "a.safetensors"
+            save_file({k: v * scale for k, v in load_file(file).items()}, file)
+    x = torch.ones(2, auto_script.WIDTH)
+    here = os.getcwd()
+    os.chdir(root)
+    try:
+        with torch.no_grad(), auto(budget=int(1.5 * SIZE), factories=[factory], defaults=False):
+            fn = getattr(auto_script, factory.rpartition(":")[2])  # wrapped now
+            a, b = fn(f"st/a{suffix}"), fn(f"st/b{suffix}")
+            assert stageload.autostage.HookRegistry.of(a) is not None
+            first = a(x)
+            b(x)
+            os.chdir(other)
+            return first, a(x)
+    finally:
+        os.chdir(here)
+
+
+@pytest.mark.parametrize(
+    "factory, suffix", [(ST, ".safetensors"), ("fixtures.auto_script:load_named", "")]
+)
+def test_a_reload_after_a_chdir_reads_the_file_the_call_meant(st_folder, factory, suffix):
+    """Eager's ``a`` keeps the weights it read. The reload read ``st/a.safetensors`` of the
+    new folder (other weights: the output doubled), while the stamps checked the first
+    (a helper's review). Control: without anchoring, it reads the other file."""
+    first, again = after_a_chdir(st_folder, factory, suffix)
+    assert torch.equal(first, again)
+
+
+def test_control_unanchored_the_reload_reads_the_other_folders_file(st_folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage, "_anchored", lambda values: values)
+    first, again = after_a_chdir(st_folder, "fixtures.auto_script:load_named", "")
+    assert not torch.equal(first, again)
+
+
 def copies_of_models(folder: str) -> tuple[Any, ...]:
     """Room for one model: ``copy.deepcopy`` of a released model (``a``) and of a loaded one
     (``c``), and ``torch.save``/``torch.load`` of ``c``. Returns (the copies' outputs, the

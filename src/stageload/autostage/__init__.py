@@ -46,6 +46,7 @@ import functools
 import importlib
 import importlib.abc
 import inspect
+import os
 import sys
 import threading
 import time
@@ -388,6 +389,11 @@ class AutoSession:
         every byte is compared."""
         if getattr(self._making, "depth", 0):  # a factory inside a factory, or a reload
             return factory(*args, **kwargs)
+        # Relative paths anchored now, for everything that reads them from here on: the
+        # first call, its files' stamps and recipe, and each reload (a ``chdir`` since read
+        # another folder's file of that name, with the stamps checking the first one).
+        args = _anchored(args)
+        kwargs = dict(zip(kwargs, _anchored(tuple(kwargs.values())), strict=True))
         key = _key(factory, args, kwargs)
         while True:
             ticket = running = None
@@ -1663,21 +1669,34 @@ def _default_dtype(dtype: Any) -> Iterator[None]:
 
 
 def _anchored(values: tuple) -> tuple:
-    """``values`` with each relative path to a file or folder that exists now made
-    absolute, of the same type (str or Path)."""
+    """``values`` with each relative path to a file or folder that exists now, or to a
+    checkpoint named without its suffix (:func:`_suffixed`), made absolute, of the same
+    type (str or Path)."""
 
     def anchored(value: Any) -> Any:
         if not isinstance(value, (str, PurePath)) or not str(value):
             return value
         path = Path(value)
         try:
-            if path.is_absolute() or not path.exists():
+            if path.is_absolute() or not (path.exists() or _suffixed(value)):
                 return value
         except (OSError, ValueError):  # a name too long for a path: a hub id, say
             return value
         return type(value)(path.absolute()) if isinstance(value, PurePath) else str(path.absolute())
 
     return tuple(anchored(v) for v in values)
+
+
+def _suffixed(value: str | PurePath) -> Path | None:
+    """The checkpoint a path names without its suffix, if there is one: the Pixal3D port's
+    and TRELLIS' ``from_pretrained("ckpts/ss_flow")`` read ``ckpts/ss_flow.safetensors``.
+    Only a path with a folder in it: a bare word (``revision="main"``) is not a path,
+    whatever files the current folder holds."""
+    text = str(value)
+    if "/" not in text and os.sep not in text:
+        return None
+    file = Path(f"{text}.safetensors")
+    return file if file.is_file() else None
 
 
 def _checkpoint(args: tuple, kwargs: dict) -> list[Path]:
@@ -1699,10 +1718,8 @@ def _checkpoint(args: tuple, kwargs: dict) -> list[Path]:
                     continue
             elif path.name.endswith((".safetensors", INDEX_SUFFIX)) and path.is_file():
                 files = checkpoint_files(path)
-            elif path.with_name(f"{path.name}.safetensors").is_file():
-                # A path the factory adds the suffix to: the Pixal3D port's and TRELLIS'
-                # ``from_pretrained("ckpts/ss_flow")`` read ``ckpts/ss_flow.safetensors``.
-                files = [path.with_name(f"{path.name}.safetensors")]
+            elif _suffixed(value) is not None:
+                files = [_suffixed(value)]
             else:
                 continue
         except (OSError, ValueError):  # a name too long for a path, a damaged index
