@@ -1668,6 +1668,28 @@ def test_control_unanchored_the_reload_reads_the_other_folders_file(st_folder, m
     assert not torch.equal(first, again)
 
 
+def test_a_plan_source_that_fails_says_so_and_the_call_runs():
+    """A plan is a hint: a source that raises (a port's ``run`` behind a decorator that
+    hides its signature, a pipeline it does not know) made the script's own call raise
+    (a helper's review). Now the call runs and a note says why there is no plan."""
+    from stageload.autostage import PlanSource, _as_plan_source
+
+    def boom(arguments: dict[str, Any]) -> list[list[Any]]:
+        raise LookupError(f"no plan for {sorted(arguments)}")
+
+    def hidden(*args: Any, **kwargs: Any) -> str:  # a wrapper without functools.wraps
+        return "ran"
+
+    with auto(defaults=False) as session:
+        for before in (True, False):
+            around = _as_plan_source(session, PlanSource(boom, "the source", before=before))
+            assert around(hidden, hidden, ("pipe", "image"), {"pipeline_type": "x"}) == "ran"
+    assert session.notes[0] == (
+        "the source gave no plan (LookupError: no plan for ['pipeline_type', 'self'])"
+    )
+    assert len(session.notes) == 2
+
+
 def copies_of_models(folder: str) -> tuple[Any, ...]:
     """Room for one model: ``copy.deepcopy`` of a released model (``a``) and of a loaded one
     (``c``), and ``torch.save``/``torch.load`` of ``c``. Returns (the copies' outputs, the

@@ -2019,9 +2019,9 @@ def _as_factory(session: AutoSession, *, trusted: bool = False) -> Around:
 @dataclass(frozen=True)
 class PlanSource:
     """Where a library knows the order of its models before their first use: a call whose
-    result (or, with ``before``, whose arguments, by their names in the call's signature)
-    ``stages`` turns into the objects it will use, stage by stage, and what the note calls
-    it."""
+    result (or, with ``before``, whose arguments: a dict by their names in the call's
+    signature, ``self`` first) ``stages`` turns into the objects it will use, stage by
+    stage, and what the note calls it."""
 
     stages: Callable[..., list[list[Any]]]
     name: str
@@ -2033,18 +2033,39 @@ def _as_plan_source(session: AutoSession, source: PlanSource) -> Around:
 
     def around(call: Callable[..., Any], who: Any, args: tuple, kwargs: dict) -> Any:
         if source.before:
-            try:  # by name, however the script passed them (pipeline_type positionally)
-                given = inspect.signature(call).bind(*args, **kwargs).arguments
-            except (TypeError, ValueError):  # the call raises its own error for these
-                given = None
-            if given is not None:
-                session.seed(source.stages(**given), source.name)
+            _seed_from(session, source, lambda: _arguments(call, args, kwargs))
             return call(*args, **kwargs)
         result = call(*args, **kwargs)
-        session.seed(source.stages(result), source.name)
+        _seed_from(session, source, lambda: result)
         return result
 
     return around
+
+
+def _arguments(call: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments by name, however the script passed them (``pipeline_type``
+    positionally); with a signature that does not take them (the call raises its own error
+    then), or none to read, the first positional one as ``self`` and the keywords."""
+    try:
+        signature = inspect.signature(call)
+        bound = signature.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        bound = None
+    first = next(iter(signature.parameters.values()), None) if bound is not None else None
+    if first is None or first.kind in (first.VAR_POSITIONAL, first.VAR_KEYWORD):
+        return {"self": args[0] if args else None, **kwargs}  # (*args, **kwargs): a wrapper
+    return dict(bound.arguments)
+
+
+def _seed_from(session: AutoSession, source: PlanSource, given: Callable[[], Any]) -> None:
+    """Seed ``session`` with ``source``'s stages for ``given()``; a source that fails says
+    so in a note and seeds nothing: the plan is a hint, never a reason for the call to fail."""
+    try:
+        stages = source.stages(given())
+    except Exception as exc:
+        session._note(f"{source.name} gave no plan ({type(exc).__name__}: {exc})")
+        return
+    session.seed(stages, source.name)
 
 
 def _diffusers_stages(pipe: Any) -> list[list[Any]]:
@@ -2066,12 +2087,13 @@ def _diffusers_stages(pipe: Any) -> list[list[Any]]:
     return [[components[name] for name in names] for names in plan.values()]
 
 
-def _pixal3d_stages(self: Any, pipeline_type: str | None = None, **_: Any) -> list[list[Any]]:
-    """The Pixal3D port's ``run(self, ..., pipeline_type=None, ...)``: its stage plan
-    (:mod:`stageload.pixal3d.plan`)."""
+def _pixal3d_stages(arguments: dict[str, Any]) -> list[list[Any]]:
+    """The Pixal3D port's ``run(self, ..., pipeline_type=None, ...)``, its arguments by
+    name: its stage plan (:mod:`stageload.pixal3d.plan`)."""
     from ..pixal3d.plan import run_stages
 
-    return run_stages(self, pipeline_type)
+    pipeline = next(iter(arguments.values()), None)
+    return run_stages(pipeline, arguments.get("pipeline_type"))
 
 
 _DIFFUSERS_PLAN = "the diffusers adapter's plan (model_cpu_offload_seq, and roles)"
