@@ -160,43 +160,6 @@ def test_control_unchecked_the_reload_silently_gives_other_weights(sd, tmp_path,
     assert not torch.equal(first, second)
 
 
-def replaced_before_the_first_call(sd: Path, tmp_path: Path) -> Any:
-    """The diffusers adapter: the UNet's file replaced with other weights between
-    ``staged_pipeline`` (which read the components' configs and own tensors) and the first
-    call. Returns the staged output, or the call's error."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from stageload.diffusers import staged_pipeline
-
-    copy = tmp_path / "sd"
-    shutil.copytree(sd, copy)
-    pipe = staged_pipeline(FAMILIES["sd"].cls, copy, keep=())
-    (unet,) = (copy / "unet").glob("*.safetensors")
-    tensors = {k: v * 0.5 for k, v in load_file(unet).items()}
-    save_file(tensors, tmp_path / "new.safetensors", metadata={"format": "pt"})
-    os.replace(tmp_path / "new.safetensors", unet)
-    try:
-        return pipe(**FAMILIES["sd"].call(0))[0]
-    except ModelLoadError as exc:
-        return exc.__cause__
-
-
-def test_a_file_replaced_before_the_first_use_fails_the_load_and_names_it(sd, tmp_path):
-    """auto raised there; the adapter read the new file silently (issue 38's review)."""
-    err = replaced_before_the_first_call(sd, tmp_path)
-    assert isinstance(err, CheckpointError)
-    assert "unet" in err.path and "replaced since the staged pipeline was built" in str(err)
-
-
-def test_control_unchecked_the_first_load_reads_the_new_file(sd, tmp_path, monkeypatch):
-    monkeypatch.setattr("stageload.diffusers.changed_file", lambda stamps: None)
-    want = FAMILIES["sd"].load(sd)(**FAMILIES["sd"].call(0))[0]
-    got = replaced_before_the_first_call(sd, tmp_path)
-    assert isinstance(got, torch.Tensor) and not torch.equal(got, want)
-
-
 def interrupted_at(sd: Path, name: str) -> list[torch.Tensor]:
     """Tiny SD under auto with room for one component: one call, then a call interrupted
     (as a Ctrl-C, caught as a notebook does) where a reload from the files calls ``name``,

@@ -125,6 +125,30 @@ def test_the_plan_before_the_first_call_is_the_diffusers_adapters(root: Path, na
     assert plans == [f"the plan before the first use, from {_DIFFUSERS_PLAN}: {PLANS[name]}"]
 
 
+def test_control_with_the_offload_order_alone_the_controlnet_is_not_in_the_plan(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """What the source was: ``model_cpu_offload_seq``, one component a stage."""
+    import stageload.autostage as autostage
+
+    def offload_order(pipe: Any) -> list[list[Any]]:
+        return [[getattr(pipe, n.strip())] for n in pipe.model_cpu_offload_seq.split("->")]
+
+    for spec, source in list(autostage.PLAN_SOURCES.items()):
+        if spec.startswith("diffusers"):
+            monkeypatch.setitem(
+                autostage.PLAN_SOURCES, spec, autostage.PlanSource(offload_order, source.name)
+            )
+    path = folder(FAMILIES["sd-controlnet"], root)
+    sink = ListSink()
+    with auto(budget=1, events=sink):
+        two_calls("sd-controlnet", path)
+    plans = [e.note for e in sink.events if e.kind == "note" and "plan before" in e.note]
+    assert plans == [
+        f"the plan before the first use, from {_DIFFUSERS_PLAN}: text_encoder -> unet -> vae"
+    ]
+
+
 def round_trip(path: Path, staged: bool) -> tuple[list[Any], list[int]]:
     """Stable Diffusion: a call, ``pipe.to(float64)``, a call, ``pipe.to(float32)``, three
     calls (under a budget of 1 byte, each component reloads at each use); the outputs, and

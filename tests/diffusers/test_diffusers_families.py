@@ -10,6 +10,7 @@ with no stageload, in this process. torch on one thread on both sides (conftest'
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from stageload import ListSink  # noqa: E402
+from stageload import CheckpointError, ListSink, ModelLoadError  # noqa: E402
 from stageload.diffusers import StagingRemovedError, staged_pipeline  # noqa: E402
 from stageload.diffusers._plan import SMALL_FRACTION  # noqa: E402
 from stageload.testing.diffusers import model_bytes  # noqa: E402
@@ -182,6 +183,44 @@ def test_control_a_wrong_fill_breaks_equality(
 
     _rewrite(_unet_file(path), perturb if fault == "one weight perturbed" else other)
     assert not torch.equal(_out(pipe, "sd"), expected)
+
+
+def replaced_before_the_first_call(sd: Path, tmp_path: Path) -> Any:
+    """The diffusers adapter: the UNet's file replaced with other weights between
+    ``staged_pipeline`` (which read the components' configs and own tensors) and the first
+    call. Returns the staged output, or the call's error."""
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "sd"
+    shutil.copytree(sd, copy)
+    pipe = staged_pipeline(FAMILIES["sd"].cls, copy, keep=())
+    (unet,) = (copy / "unet").glob("*.safetensors")
+    tensors = {k: v * 0.5 for k, v in load_file(unet).items()}
+    save_file(tensors, tmp_path / "new.safetensors", metadata={"format": "pt"})
+    os.replace(tmp_path / "new.safetensors", unet)
+    try:
+        return pipe(**FAMILIES["sd"].call(0))[0]
+    except ModelLoadError as exc:
+        return exc.__cause__
+
+
+def test_a_file_replaced_before_the_first_use_fails_the_load_and_names_it(
+    root: Path, tmp_path: Path
+) -> None:
+    """auto raised there; the adapter read the new file silently (issue 38's review)."""
+    err = replaced_before_the_first_call(folder(FAMILIES["sd"], root), tmp_path)
+    assert isinstance(err, CheckpointError)
+    assert "unet" in err.path and "replaced since the staged pipeline was built" in str(err)
+
+
+def test_control_unchecked_the_first_load_reads_the_new_file(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sd = folder(FAMILIES["sd"], root)
+    monkeypatch.setattr("stageload.diffusers.changed_file", lambda stamps: None)
+    want = FAMILIES["sd"].load(sd)(**FAMILIES["sd"].call(0))[0]
+    got = replaced_before_the_first_call(sd, tmp_path)
+    assert isinstance(got, torch.Tensor) and not torch.equal(got, want)
 
 
 def test_buffer_read_answers_the_checkpoint_without_loading(root: Path) -> None:

@@ -23,8 +23,8 @@ from stageload.hooks.registry import HOOKS_ATTR
 #: On any module stageload hooks (a released one, a placeholder's parts).
 ON_MODULES = {HOOKS_ATTR, "forward"}
 #: On a diffusers placeholder itself, besides: accelerate's hook protocol, the patch that
-#: loads the component around its own save_pretrained and the methods that must load it
-#: first, and the one that records conversions (nn.Module._apply).
+#: loads the component around its own save_pretrained, and the one that records
+#: conversions (nn.Module._apply).
 ON_PLACEHOLDERS = {HF_HOOK_ATTR, "save_pretrained", CONVERT_METHOD}
 #: On a staged diffusers pipeline: the handle users reach the stager by.
 ON_PIPELINES = {"stageload"}
