@@ -1668,6 +1668,40 @@ def test_control_unanchored_the_reload_reads_the_other_folders_file(st_folder, m
     assert not torch.equal(first, again)
 
 
+def accumulated(folder: str, staged: bool) -> tuple[list[torch.Tensor], list[str]]:
+    """Gradient accumulation with a teacher called between the micro-batches (room for one
+    model under auto): the student's gradient after each backward, and auto's notes."""
+    paths = [f"{folder}/{n}.safetensors" for n in auto_script.NAMES[:2]]
+    grads, notes = [], []
+    scope = auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False) if staged else None
+    with scope or contextlib.nullcontext() as session:
+        student, teacher = (auto_script.load_st(p) for p in paths)
+        x = torch.full((2, auto_script.WIDTH), 1e-3)  # tanh not saturated: gradients
+        for _ in range(2):
+            with torch.no_grad():
+                target = teacher(x)  # room for it: the student must go, or keep its grads
+            ((student(x) - 0.5 * target) ** 2).sum().backward()
+            grads.append(torch.cat([p.grad.flatten() for p in student.parameters()]))
+        notes = list(session.notes) if session is not None else []
+    return grads, notes
+
+
+def test_a_model_holding_gradients_is_kept_until_they_are_cleared(st_folder):
+    """The release dropped the student's ``.grad``: the second backward's gradient was its
+    own alone, silently (a new-user helper: 4.41 then 4.41, eager 4.41 then 6.24)."""
+    want, _ = accumulated(st_folder, staged=False)
+    got, notes = accumulated(st_folder, staged=True)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert any("hold gradients" in n and "kept loaded" in n for n in notes)
+
+
+def test_control_releasing_a_model_with_gradients_drops_them(st_folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage, "_with_grad", lambda module: None)
+    want, _ = accumulated(st_folder, staged=False)
+    got, _ = accumulated(st_folder, staged=True)
+    assert not torch.equal(got[1], want[1])
+
+
 def test_a_plan_source_that_fails_says_so_and_the_call_runs():
     """A plan is a hint: a source that raises (a port's ``run`` behind a decorator that
     hides its signature, a pipeline it does not know) made the script's own call raise

@@ -987,7 +987,9 @@ class AutoSession:
 
     def _held_for_release(self, model: _Model, *, say: bool) -> _Victim | None:
         """Under the lock: ``model``, held for its release, or None when it cannot go now:
-        not loaded, kept loaded, in a call, changed by the script or held outside the model.
+        not loaded, kept loaded, in a call, changed by the script, holding gradients (a
+        training loop's, accumulated across calls of other models) or held outside the
+        model.
         With ``say`` (a use needs room), a change or a holder is said, and a change keeps
         it loaded; ahead of need, the use says it, not a guess ahead."""
         module = model.module()
@@ -997,6 +999,16 @@ class AutoSession:
         if changed is not None:
             if say:
                 self._pin(model, f"changed by the script since its load ({changed})", changed=True)
+            return None
+        graded = _with_grad(module)
+        if graded is not None:  # a release would drop them: an accumulation loses a step
+            if say:
+                self._say(
+                    model,
+                    "grad",
+                    f"{model.name}: its parameters hold gradients ({graded}.grad): kept "
+                    f"loaded until they are cleared (optimizer.zero_grad())",
+                )
             return None
         held = _held_elsewhere(module)
         if held is not None:  # freeing it would free memory under the holder
@@ -1266,6 +1278,11 @@ def _reloads_alone(model: _Model) -> bool:
 def _moving_elsewhere(model: _Model) -> bool:
     """Another thread is loading or releasing ``model`` (its tensors are being written)."""
     return model.state in (LOADING, RELEASING) and model.owner != threading.get_ident()
+
+
+def _with_grad(module: nn.Module) -> str | None:
+    """The name of a parameter of ``module`` that holds a gradient, or None."""
+    return next((n for n, p in module.named_parameters() if p.grad is not None), None)
 
 
 def _busy(model: _Model) -> bool:
