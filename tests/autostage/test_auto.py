@@ -1702,6 +1702,43 @@ def test_control_releasing_a_model_with_gradients_drops_them(st_folder, monkeypa
     assert not torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("imported_first", [True, False])
+def test_a_named_factory_nothing_called_is_said_at_the_end(st_folder, imported_first):
+    """``from module import factory`` before the block keeps the unwrapped function: the
+    script ran unstaged and nothing said so (a new-user helper). Control: called through
+    its module, it is staged and nothing is said."""
+    from fixtures.auto_script import load_st
+
+    with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False) as session:
+        make = load_st if imported_first else auto_script.load_st
+        model = make(f"{st_folder}/a.safetensors")
+        staged = stageload.autostage.HookRegistry.of(model) is not None
+    said = [n for n in session.notes if "was never called through auto" in n]
+    assert staged is not imported_first
+    assert len(said) == int(imported_first)
+    if said:
+        assert said[0].startswith(f"{ST} was never called")
+        assert "from fixtures.auto_script import load_st" in said[0]
+
+
+def test_the_cli_warns_of_a_factory_a_package_re_exports(tmp_path):
+    """``--factory pkg.models:load`` while the script calls ``pkg.load`` (the package's
+    ``__init__`` imported it first): the warning names the fix. Control: ``pkg:load``."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("from .models import load\n")
+    (tmp_path / "pkg" / "models.py").write_text(
+        "import torch\ndef load():\n    return torch.nn.Linear(4, 4)\n"
+    )
+    (tmp_path / "run.py").write_text("import pkg\npkg.load()\n")
+    for spec, warned in (("pkg.models:load", True), ("pkg:load", False)):
+        done = _run(
+            ["-m", "stageload", "auto", "--factory", spec, "--", "python", "run.py"], tmp_path
+        )
+        assert done.returncode == 0, done.stderr
+        said = f"stageload auto: warning: {spec} was never called through auto"
+        assert (said in done.stderr) is warned, done.stderr
+
+
 def test_a_plan_source_that_fails_says_so_and_the_call_runs():
     """A plan is a hint: a source that raises (a port's ``run`` behind a decorator that
     hides its signature, a pipeline it does not know) made the script's own call raise

@@ -353,6 +353,8 @@ class AutoSession:
         self._closed = False
         self.record = _Record()
         self.notes: list[str] = []
+        #: Calls of each factory the user named (``factories=``), by its spec.
+        self.factory_calls: dict[str, int] = {}
 
     # -- what the script sees ------------------------------------------------------------
     @property
@@ -360,6 +362,10 @@ class AutoSession:
         """Each model's name and object (None once the script dropped it)."""
         with self._mutex:
             return {name: m.module() for name, m in self._models.items()}
+
+    def uncalled(self) -> list[str]:
+        """The factories the user named that nothing has called through auto yet."""
+        return [spec for spec, n in self.factory_calls.items() if n == 0]
 
     def resident(self) -> list[str]:
         """The models loaded now."""
@@ -2033,6 +2039,28 @@ def _as_factory(session: AutoSession, *, trusted: bool = False) -> Around:
     return around
 
 
+def _counted(session: AutoSession, spec: str, around: Around) -> Around:
+    """``around``, counting the calls of the factory ``spec`` names in ``session``."""
+    session.factory_calls[spec] = 0
+
+    def counting(call: Callable[..., Any], who: Any, args: tuple, kwargs: dict) -> Any:
+        session.factory_calls[spec] += 1
+        return around(call, who, args, kwargs)
+
+    return counting
+
+
+def uncalled_note(spec: str) -> str:
+    """What to say of a factory the user named that nothing called through auto."""
+    module, _, attr = spec.partition(":")
+    return (
+        f"{spec} was never called through auto: nothing it made was staged. A script that "
+        f"imports it before auto wraps it (from {module} import {attr.split('.')[0]}, "
+        f"before the block) keeps the unwrapped function, and so does one that imports it "
+        f"from a package that re-exports it: name the module the script imports it from"
+    )
+
+
 @dataclass(frozen=True)
 class PlanSource:
     """Where a library knows the order of its models before their first use: a call whose
@@ -2215,11 +2243,13 @@ def auto(
             else:  # wrapped when the script imports it
                 waiting[module_name] = run
         for spec in factories:
-            undo.append(_wrap(*_resolve(spec), _as_factory(session)))
+            undo.append(_wrap(*_resolve(spec), _counted(session, spec, _as_factory(session))))
         yield session
     finally:
         if finder in sys.meta_path:
             sys.meta_path.remove(finder)
+        for spec in session.uncalled():
+            session._note(uncalled_note(spec))
         try:
             for step in reversed(undo):
                 step()

@@ -91,7 +91,7 @@ def _target(command: list[str]) -> tuple[str, str, list[str]] | str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..autostage import AutoError, auto
+    from ..autostage import AutoError, auto, uncalled_note
     from . import EXIT_USAGE
 
     command = command_after_dashes(
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             defaults=not args.no_defaults,
             prefetch=not args.no_prefetch,
         )
-        session.__enter__()
+        staging = session.__enter__()
     except (AutoError, ValueError, TypeError) as exc:
         sys.argv, sys.path[:] = saved_argv, saved_path
         print(f"stageload auto: error: {exc}", file=sys.stderr)
@@ -145,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:  # noqa: BLE001  the script's error, printed as python would
         traceback.print_exc()
         code = 1
+    for spec in staging.uncalled():  # (the trace gets it as a note, at exit)
+        print(f"stageload auto: warning: {uncalled_note(spec)}", file=sys.stderr)
     return code
 
 
