@@ -155,7 +155,7 @@ def test_a_file_replaced_after_the_first_read_fails_the_reload_and_names_it(sd, 
 
 
 def test_control_unchecked_the_reload_silently_gives_other_weights(sd, tmp_path, monkeypatch):
-    monkeypatch.setattr("stageload.load.refill.changed_file", lambda stamps: None)
+    monkeypatch.setattr("stageload.load.checkpoint.changed_file", lambda stamps: None)
     first, second = replaced_between_calls(sd, tmp_path)
     assert not torch.equal(first, second)
 

@@ -163,7 +163,7 @@ def test_control_a_wrong_fill_breaks_equality(
     disk after the pipeline was built (so the placeholder fills from it), differs. A file
     changed since the build now raises at the first load (test_auto_deferred): that check
     is off here."""
-    monkeypatch.setattr("stageload.diffusers.changed_file", lambda stamps: None)
+    monkeypatch.setattr("stageload.load.checkpoint.changed_file", lambda stamps: None)
     family = FAMILIES["sd"]
     path = tmp_path / "sd"
     shutil.copytree(folder(family, root), path)
@@ -217,7 +217,7 @@ def test_control_unchecked_the_first_load_reads_the_new_file(
     root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sd = folder(FAMILIES["sd"], root)
-    monkeypatch.setattr("stageload.diffusers.changed_file", lambda stamps: None)
+    monkeypatch.setattr("stageload.load.checkpoint.changed_file", lambda stamps: None)
     want = FAMILIES["sd"].load(sd)(**FAMILIES["sd"].call(0))[0]
     got = replaced_before_the_first_call(sd, tmp_path)
     assert isinstance(got, torch.Tensor) and not torch.equal(got, want)

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 from ..bell import Bell
 from ..core.events import NOTE, Event, EventSink
 from ..core.staged import StagedModels
-from ..errors import CheckpointError, StageloadError
+from ..errors import StageloadError
 from ..external import BUILD_LOCK, progress_bars_disabled
 from ..hooks.empty import mark_empty
 from ..hooks.registry import patch
 from ..hooks.release import ReleasedModuleError, release, releasing
-from ..load.checkpoint import Stamp, changed_file, file_stamps, pretrained_checkpoint
+from ..load.checkpoint import Stamp, check_unchanged, file_stamps, pretrained_checkpoint
 from ..load.loaders import BACKGROUND_READY_ATTR, rng_free
 from ..load.refill import Recipe, converted, learn, reload
 from ..load.skeleton import build_empty, can_stage, is_transformers_model, skeleton_dtype
@@ -195,15 +195,12 @@ class StagedPipeline:
             tracked.filled(skeleton, fresh)
             _placeholder.check_added(name, skeleton, tracked)
             return
-        changed = changed_file(self._stamps.get(name, {}))
-        if changed is not None:  # its own tensors came from the files as they were
-            path, how = changed
-            raise CheckpointError(
-                path,
-                f"{how} since the staged pipeline was built: {name} would load other "
-                f"weights than the ones its build read",
-                fix="restore the file, or build the staged pipeline again to use the new one",
-            )
+        check_unchanged(  # its own tensors came from the files as they were
+            self._stamps.get(name, {}),
+            f"since the staged pipeline was built: {name} would load other weights than "
+            f"the ones its build read",
+            fix="restore the file, or build the staged pipeline again to use the new one",
+        )
         loaded = _load_component(
             self._classes[name], self.path / name, self.torch_dtype, self._model_kwargs
         )

@@ -422,6 +422,15 @@ def changed_file(stamps: dict[Path, Stamp | None]) -> tuple[Path, str] | None:
     return None
 
 
+def check_unchanged(stamps: dict[Path, Stamp | None], since: str, fix: str) -> None:
+    """Raise a :class:`CheckpointError` naming the first file that is not as ``stamps``
+    found it: how it changed, then ``since`` (since when, and what a read now would do)."""
+    changed = changed_file(stamps)
+    if changed is not None:
+        path, how = changed
+        raise CheckpointError(path, f"{how} {since}", fix=fix)
+
+
 #: Bytes a content sample reads at each end of each tensor.
 _SAMPLE_BYTES = 64
 

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError
-from .checkpoint import DTYPES, Stamp, changed_file, file_stamps, read_entries
+from .checkpoint import DTYPES, Stamp, check_unchanged, file_stamps, read_entries
 from .placement import Placement
 from .weights import fill, plan, put, targets
 
@@ -118,15 +117,12 @@ def reload(
     the progress bar's, as for :func:`~stageload.load_weights`."""
     import torch
 
-    changed = changed_file(recipe.stamps)
-    if changed is not None:
-        path, how = changed
-        raise CheckpointError(
-            path,
-            f"{how} since {name or 'the model'} was first read from it: a reload would give "
-            f"other weights than the ones released",
-            fix="restore the file, or load the model again (from_pretrained) to use the new one",
-        )
+    check_unchanged(
+        recipe.stamps,
+        f"since {name or 'the model'} was first read from it: a reload would give other "
+        f"weights than the ones released",
+        fix="restore the file, or load the model again (from_pretrained) to use the new one",
+    )
     with torch.no_grad():
         for target in targets(module):
             key = _key(target, names or {})  # not `name`: that is the model's, for the bar

@@ -48,11 +48,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import CheckpointError, StageloadError
+from ..errors import StageloadError
 from ..external import non_persistent_buffers
 from ..hooks.registry import HookRegistry, ModuleHook
 from ..hooks.release import is_released, release
-from .checkpoint import Entry, changed_file, checkpoint_files, file_stamps, read_entries
+from .checkpoint import Entry, check_unchanged, checkpoint_files, file_stamps, read_entries
 from .loaders import check_build
 from .meta import build_on_meta
 from .placement import COPIED, Placement
@@ -331,15 +331,12 @@ class Stream:
         self.stats.read_seconds += seconds
 
     def _plan(self, block: _Block) -> LoadPlan:
-        changed = changed_file(self._stamps)
-        if changed is not None:  # the offsets read at build would read other bytes
-            path, how = changed
-            raise CheckpointError(
-                path,
-                f"{how} since {self.name!r} was built to stream from it: its blocks would be "
-                "read at the offsets of the file as it was",
-                fix="restore the file, or build the streamed model again",
-            )
+        check_unchanged(
+            self._stamps,
+            f"since {self.name!r} was built to stream from it: its blocks would be read at "
+            "the offsets of the file as it was",
+            fix="restore the file, or build the streamed model again",
+        )
         try:
             return plan(targets(block.module), block.entries, self.paths, strict_hint=False)
         except ValueError as exc:

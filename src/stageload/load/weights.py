@@ -29,7 +29,7 @@ from .checkpoint import (
     DTYPES,
     CheckpointError,
     Entry,
-    changed_file,
+    check_unchanged,
     checkpoint_bytes,
     checkpoint_files,
     file_stamps,
@@ -245,15 +245,12 @@ def from_safetensors(
         import torch
         from torch import nn
 
-        changed = changed_file(first) if first else None
-        if changed is not None:  # a reload would give other weights than the first load
-            path, how = changed
-            raise CheckpointError(
-                path,
-                f"{how} since this loader first read it: a reload would give other weights "
-                f"than the ones released",
-                fix="restore the file, or make a new loader (from_safetensors) to read it",
-            )
+        check_unchanged(
+            first,
+            "since this loader first read it: a reload would give other weights than the "
+            "ones released",
+            fix="restore the file, or make a new loader (from_safetensors) to read it",
+        )
         # Before the read: a change during it shows. Sampled for the stamps kept (the first).
         stamps = file_stamps(checkpoint_files(files), sampled=not first)
         with torch.device("meta"):
