@@ -50,6 +50,18 @@ def two_calls(name: str, path: Path) -> list[Any]:
     return [pipe(**family.call(seed))[0] for seed in (0, 1)]
 
 
+#: Each pipeline's plan before its first call, as auto says it: the diffusers adapter's
+#: plan. ``model_cpu_offload_seq`` alone left out the ControlNet and Kandinsky's prior, and
+#: gave AudioLDM2 none.
+PLANS = {
+    "sd-controlnet": "text_encoder -> unet+controlnet -> vae",
+    "kandinsky2.2-combined": (
+        "prior_text_encoder+prior_image_encoder -> prior_prior -> unet -> movq"
+    ),
+    "audioldm2": "text_encoder+text_encoder_2 -> unet -> vae+vocoder",
+}
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_auto_gives_eagers_outputs_and_keeps_no_component_loaded(root: Path, name: str):
     """Reference: the same ``from_pretrained`` and calls without auto, this process, one
@@ -66,6 +78,9 @@ def test_auto_gives_eagers_outputs_and_keeps_no_component_loaded(root: Path, nam
     # from_pretrained read nothing: each component was read at its first use
     first = {e.model: e.note for e in sink.events if e.kind == "load"}
     assert first and set(first.values()) == {"first use"}, first
+    if name in PLANS:  # the diffusers adapter's plan, said before the first call
+        plans = [n for n in said if "plan before" in n]
+        assert plans == [f"the plan before the first use, from {_DIFFUSERS_PLAN}: {PLANS[name]}"]
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -98,31 +113,6 @@ def test_with_room_to_load_ahead_auto_gives_eagers_outputs(root: Path, name: str
     assert same(got, want)
     said = [e.note for e in sink.events if e.kind == "note"]
     assert [n for n in said if not any(e in n for e in EXPECTED)] == []
-
-
-#: Each pipeline's plan before its first call, as auto says it: the diffusers adapter's
-#: plan. ``model_cpu_offload_seq`` alone left out the ControlNet and Kandinsky's prior, and
-#: gave AudioLDM2 none.
-PLANS = {
-    "sd-controlnet": "text_encoder -> unet+controlnet -> vae",
-    "kandinsky2.2-combined": (
-        "prior_text_encoder+prior_image_encoder -> prior_prior -> unet -> movq"
-    ),
-    "audioldm2": "text_encoder+text_encoder_2 -> unet -> vae+vocoder",
-}
-
-
-@pytest.mark.parametrize("name", list(PLANS))
-def test_the_plan_before_the_first_call_is_the_diffusers_adapters(root: Path, name: str):
-    """Control: with the offload order as the source, the note is another (or none)."""
-    path = folder(FAMILIES[name], root)
-    want = two_calls(name, path)
-    sink = ListSink()
-    with auto(budget=1, events=sink):
-        got = two_calls(name, path)
-    assert same(got, want)
-    plans = [e.note for e in sink.events if e.kind == "note" and "plan before" in e.note]
-    assert plans == [f"the plan before the first use, from {_DIFFUSERS_PLAN}: {PLANS[name]}"]
 
 
 def test_control_with_the_offload_order_alone_the_controlnet_is_not_in_the_plan(
