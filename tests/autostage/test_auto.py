@@ -259,6 +259,18 @@ def test_the_cli_says_what_it_cannot_run(tmp_path):
     assert bad.returncode == 2 and "python option '-u' is not taken" in bad.stderr
     missing = _run(["-m", "stageload", "auto", "--", "python", "nope.py"], tmp_path)
     assert missing.returncode == 2 and "no script 'nope.py'" in missing.stderr
+    # A new-user helper's: each was a traceback (a program read as source, runpy's
+    # ImportError) or a run that staged nothing and said nothing.
+    said = {
+        ("--", "/usr/bin/env", "python", "x.py"): "'/usr/bin/env' is a program, not a Python",
+        ("--", "python", "-m", "nosuchmod"): "no module named 'nosuchmod'",
+        ("--", "bash", "-c", "true"): "no script 'bash'; stageload auto runs a Python script",
+        ("--no-defaults", "--", "python", "-m", "json.tool"): "--no-defaults with no --factory",
+    }
+    for words, message in said.items():
+        done = _run(["-m", "stageload", "auto", *words], tmp_path)
+        assert done.returncode == 2 and message in done.stderr, (words, done.stderr)
+        assert "Traceback" not in done.stderr
     failing = tmp_path / "fail.py"
     failing.write_text("import sys\nsys.exit(3)\n")
     assert _run(["-m", "stageload", "auto", "--", "python", str(failing)], tmp_path).returncode == 3

@@ -69,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python SCRIPT [ARGS]")
 
 
+#: The first bytes of a compiled program: ELF (Linux), Mach-O 64-bit and universal (macOS).
+_PROGRAMS = (b"\x7fELF", b"\xcf\xfa\xed\xfe", b"\xca\xfe\xba\xbe")
+
+
 def _target(command: list[str]) -> tuple[str, str, list[str]] | str:
     """("path" or "module", what, its argv) from the command, or why it cannot run here."""
     words = list(command)
@@ -79,6 +83,12 @@ def _target(command: list[str]) -> tuple[str, str, list[str]] | str:
         if words[0] == "-m":
             if len(words) < 2:
                 return "-m needs a module name"
+            try:
+                found = importlib.util.find_spec(words[1]) is not None
+            except (ImportError, ValueError):  # a parent package that is missing, or ""
+                found = False
+            if not found:
+                return f"no module named {words[1]!r} (python -m {words[1]} would fail too)"
             return "module", words[1], [words[1], *words[2:]]
         if words[0].startswith("-"):
             return (
@@ -86,7 +96,16 @@ def _target(command: list[str]) -> tuple[str, str, list[str]] | str:
                 f"interpreter; give only the script and its arguments"
             )
     if not os.path.isfile(words[0]):
-        return f"no script {words[0]!r}"
+        return (
+            f"no script {words[0]!r}; stageload auto runs a Python script in this "
+            f"interpreter: -- python script.py [args] or -- python -m module [args]"
+        )
+    with open(words[0], "rb") as f:
+        if f.read(4) in _PROGRAMS:  # /usr/bin/env: python would read it as source
+            return (
+                f"{words[0]!r} is a program, not a Python script; stageload auto runs a "
+                f"script in this interpreter: -- python script.py [args]"
+            )
     return "path", words[0], words
 
 
@@ -100,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
     if command is None:
         return EXIT_USAGE
     target = _target(command)
+    if args.no_defaults and not args.factory:
+        target = (
+            "--no-defaults with no --factory stages nothing: name the factories to wrap "
+            "(--factory module:function), or leave out --no-defaults"
+        )
     if isinstance(target, str):
         print(f"stageload auto: error: {target}", file=sys.stderr)
         return EXIT_USAGE
