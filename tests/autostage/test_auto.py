@@ -254,6 +254,35 @@ def test_the_cli_runs_the_unmodified_script_staged_and_meters_it(folder, tmp_pat
     assert kinds.count("reload") == 6 and kinds.count("release") >= 6
 
 
+def test_the_console_script_runs_a_module_of_the_working_directory(tmp_path):
+    """``stageload auto -- python -m localmod`` through the installed ``stageload``
+    script, whose own folder is its ``sys.path[0]``: a check of the module before the run
+    refused it (a helper's review of that check, which went)."""
+    (tmp_path / "localmod.py").write_text("print('ran localmod')\n")
+    script = Path(sys.executable).with_name("stageload")
+    done = subprocess.run(
+        [str(script), "auto", "--", "python", "-m", "localmod"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "ran localmod" in done.stdout, done.stderr
+
+
+def test_keywords_that_name_no_path_are_not_anchored(tmp_path, monkeypatch):
+    """``subfolder="unet"`` beside a ``unet`` folder in the working directory became its
+    absolute path, and diffusers read another folder (a helper's review)."""
+    from stageload.autostage import _anchored_kwargs
+
+    for name in ("unet", "main", "cache"):
+        (tmp_path / name).mkdir()
+    monkeypatch.chdir(tmp_path)
+    kwargs = {"subfolder": "unet", "revision": "main", "cache_dir": "cache"}
+    assert _anchored_kwargs(kwargs) == {**kwargs, "cache_dir": str(tmp_path / "cache")}
+
+
 def test_the_cli_says_what_it_cannot_run(tmp_path):
     bad = _run(["-m", "stageload", "auto", "--", "python", "-u", "x.py"], tmp_path)
     assert bad.returncode == 2 and "python option '-u' is not taken" in bad.stderr
@@ -263,7 +292,6 @@ def test_the_cli_says_what_it_cannot_run(tmp_path):
     # ImportError) or a run that staged nothing and said nothing.
     said = {
         ("--", "/usr/bin/env", "python", "x.py"): "'/usr/bin/env' is a program, not a Python",
-        ("--", "python", "-m", "nosuchmod"): "no module named 'nosuchmod'",
         ("--", "bash", "-c", "true"): "no script 'bash'; stageload auto runs a Python script",
         ("--no-defaults", "--", "python", "-m", "json.tool"): "--no-defaults with no --factory",
     }

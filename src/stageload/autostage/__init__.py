@@ -398,8 +398,7 @@ class AutoSession:
         # Relative paths anchored now, for everything that reads them from here on: the
         # first call, its files' stamps and recipe, and each reload (a ``chdir`` since read
         # another folder's file of that name, with the stamps checking the first one).
-        args = _anchored(args)
-        kwargs = dict(zip(kwargs, _anchored(tuple(kwargs.values())), strict=True))
+        args, kwargs = _anchored(args), _anchored_kwargs(kwargs)
         key = _key(factory, args, kwargs)
         while True:
             ticket = running = None
@@ -543,8 +542,7 @@ class AutoSession:
         it calls in turn is not staged (``call`` sees this thread's depth)."""
         import torch
 
-        args = _anchored(args)
-        kwargs = dict(zip(kwargs, _anchored(tuple(kwargs.values())), strict=True))
+        args, kwargs = _anchored(args), _anchored_kwargs(kwargs)
         default = torch.get_default_dtype()
 
         def make() -> Any:
@@ -1013,7 +1011,9 @@ class AutoSession:
                     model,
                     "grad",
                     f"{model.name}: its parameters hold gradients ({graded}.grad): kept "
-                    f"loaded until they are cleared (optimizer.zero_grad())",
+                    f"loaded until they are cleared (model.zero_grad(), whose set_to_none is "
+                    f"the default; a model the script does not train: requires_grad_(False) "
+                    f"before the backward)",
                 )
             return None
         held = _held_elsewhere(module)
@@ -1208,6 +1208,7 @@ class AutoSession:
                     module = model.module()
                     if module is not None and model.state == LOADED:
                         _unhook(module)
+                self._prune()  # the records of dropped models (their factory arguments)
 
     # -- helpers -------------------------------------------------------------------------
     def _on_drop(self, name: str) -> Callable[[Any], None]:
@@ -1708,6 +1709,18 @@ def _anchored(values: tuple) -> tuple:
         return type(value)(path.absolute()) if isinstance(value, PurePath) else str(path.absolute())
 
     return tuple(anchored(v) for v in values)
+
+
+#: Keywords of ``from_pretrained`` whose values are names, not paths: a ``subfolder="unet"``
+#: anchored beside a ``unet`` folder in the working directory named another folder.
+_NOT_PATHS = frozenset({"subfolder", "variant", "revision", "device_map", "token"})
+
+
+def _anchored_kwargs(kwargs: dict) -> dict:
+    """:func:`_anchored` for keyword arguments, leaving the ones that name no path."""
+    keys = [k for k in kwargs if k not in _NOT_PATHS]
+    anchored = _anchored(tuple(kwargs[k] for k in keys))
+    return {**kwargs, **dict(zip(keys, anchored, strict=True))}
 
 
 def _suffixed(value: str | PurePath) -> Path | None:

@@ -9,7 +9,9 @@ import os
 import runpy
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .args import command_after_dashes
 
@@ -83,12 +85,6 @@ def _target(command: list[str]) -> tuple[str, str, list[str]] | str:
         if words[0] == "-m":
             if len(words) < 2:
                 return "-m needs a module name"
-            try:
-                found = importlib.util.find_spec(words[1]) is not None
-            except (ImportError, ValueError):  # a parent package that is missing, or ""
-                found = False
-            if not found:
-                return f"no module named {words[1]!r} (python -m {words[1]} would fail too)"
             return "module", words[1], [words[1], *words[2:]]
         if words[0].startswith("-"):
             return (
@@ -100,12 +96,16 @@ def _target(command: list[str]) -> tuple[str, str, list[str]] | str:
             f"no script {words[0]!r}; stageload auto runs a Python script in this "
             f"interpreter: -- python script.py [args] or -- python -m module [args]"
         )
-    with open(words[0], "rb") as f:
-        if f.read(4) in _PROGRAMS:  # /usr/bin/env: python would read it as source
-            return (
-                f"{words[0]!r} is a program, not a Python script; stageload auto runs a "
-                f"script in this interpreter: -- python script.py [args]"
-            )
+    try:
+        with open(words[0], "rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        return f"cannot read the script {words[0]!r}: {exc.strerror or exc}"
+    if head in _PROGRAMS:  # /usr/bin/env: python would read it as source
+        return (
+            f"{words[0]!r} is a program, not a Python script; stageload auto runs a "
+            f"script in this interpreter: -- python script.py [args]"
+        )
     return "path", words[0], words
 
 
@@ -169,9 +169,16 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:  # noqa: BLE001  the script's error, printed as python would
         traceback.print_exc()
         code = 1
-    for spec in staging.uncalled():  # (the trace gets it as a note, at exit)
-        print(f"stageload auto: warning: {uncalled_note(spec)}", file=sys.stderr)
+    if code == 0:  # said once the script's threads are done too (a failed run says why)
+        atexit.register(_warn_uncalled, staging, uncalled_note)
     return code
+
+
+def _warn_uncalled(staging: Any, note: Callable[[str], str]) -> None:
+    """At exit, once the script's threads are done (the interpreter joins them before it
+    runs exit handlers): the factories named with --factory that nothing called."""
+    for spec in staging.uncalled():
+        print(f"stageload auto: warning: {note(spec)}", file=sys.stderr)
 
 
 def _not_the_script(spec: str, kind: str, what: str) -> None:
