@@ -536,13 +536,12 @@ class AutoSession:
 
     def _maker(self, factory: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[[], Any]:
         """The factory call, made again at each reload (and, deferred, at the first use) as
-        the script made it: a relative path anchored to the folder it meant then (the
-        script may ``chdir`` since), under torch's default dtype then (a diffusers model
-        built after ``torch.set_default_dtype(torch.float64)`` came out float64). A factory
-        it calls in turn is not staged (``call`` sees this thread's depth)."""
+        the script made it: with its paths as :meth:`call` anchored them, under torch's
+        default dtype then (a diffusers model built after
+        ``torch.set_default_dtype(torch.float64)`` came out float64). A factory it calls in
+        turn is not staged (``call`` sees this thread's depth)."""
         import torch
 
-        args, kwargs = _anchored(args), _anchored_kwargs(kwargs)
         default = torch.get_default_dtype()
 
         def make() -> Any:
@@ -1754,8 +1753,8 @@ def _checkpoint(args: tuple, kwargs: dict) -> list[Path]:
                     continue
             elif path.name.endswith((".safetensors", INDEX_SUFFIX)) and path.is_file():
                 files = checkpoint_files(path)
-            elif _suffixed(value) is not None:
-                files = [_suffixed(value)]
+            elif (suffixed := _suffixed(value)) is not None:
+                files = [suffixed]
             else:
                 continue
         except (OSError, ValueError):  # a name too long for a path, a damaged index

@@ -415,7 +415,7 @@ def changed_file(stamps: dict[Path, Stamp | None]) -> tuple[Path, str] | None:
             continue
         if now.ino != then.ino:
             return path, "replaced"
-        how = [w for w, a, b in (("resized", then.size, now.size),) if a != b]
+        how = ["resized"] if now.size != then.size else []
         if now.mtime_ns != then.mtime_ns:
             how.append("rewritten")
         return path, " and ".join(how)
