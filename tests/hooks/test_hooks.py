@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from stageload import on_call
+from stageload.hooks.registry import ModuleHook
 
 
 class Pipeline:
@@ -81,7 +85,6 @@ def test_a_class_instead_of_an_instance_is_a_clear_error():
 def test_a_deep_copy_of_a_hooked_module_runs_its_own_forward_with_the_hooks() -> None:
     """The registry is copied with the module; the copy's forward is the copy's own."""
     import copy
-    from typing import Any
 
     torch = pytest.importorskip("torch")
 
@@ -169,3 +172,74 @@ def test_control_copied_as_the_class_attribute_an_own_attribute_is_lost(monkeypa
     monkeypatch.setattr(registry._Dispatch, "__reduce__", as_class)
     with pytest.raises(AttributeError, match="cb"):
         copies_of_patched(_WithOwn(), "cb")
+
+
+# -- a file of a hooked module ---------------------------------------------------------------------
+_LOAD_WITHOUT_STAGELOAD = """
+import sys
+
+class NoStageload:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'stageload':
+            raise ModuleNotFoundError(f"No module named {name!r}")
+
+sys.meta_path.insert(0, NoStageload())
+import torch
+m = torch.load(sys.argv[1], weights_only=False)
+torch.save(m(torch.ones(1, 2)), sys.argv[2])
+print(sorted(vars(m)))
+"""
+
+
+class _NotCopied(ModuleHook):
+    copied = False
+
+
+def saved_and_loaded_elsewhere(tmp_path: Path, own_forward: bool) -> tuple[Any, ...]:
+    """``torch.save`` of a module with a hook no copy keeps (auto's, a staged
+    component's), then ``torch.load`` in a process where stageload cannot be imported (a
+    deployment box). ``own_forward``: the module had a forward of its own (an instance
+    attribute) before the hook. Returns (the output there, here, the loader's stdout)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from stageload.hooks.registry import HookRegistry
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(2, 2)
+    if own_forward:
+        module.forward = functools.partial(torch.nn.functional.linear, weight=module.weight)
+    HookRegistry.attach(module).add("staged", _NotCopied())
+    saved, out = tmp_path / "m.pt", tmp_path / "out.pt"
+    torch.save(module, saved)
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_WITHOUT_STAGELOAD, saved, out],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-600:]
+    return torch.load(out), module(torch.ones(1, 2)), done.stdout
+
+
+@pytest.mark.parametrize("own_forward", [False, True], ids=["class-forward", "own-forward"])
+def test_a_saved_hooked_module_loads_where_stageload_is_not_installed(
+    tmp_path: Path, own_forward: bool
+) -> None:
+    """It pickled the registry and its forward wrapper: torch.load raised "No module named
+    'stageload'". A module whose hooks no copy keeps is saved as it is without them."""
+    import torch
+
+    there, here, attributes = saved_and_loaded_elsewhere(tmp_path, own_forward)
+    assert torch.equal(there, here)
+    assert "_stageload_hooks" in attributes  # as None: the key cannot be left out
+
+
+def test_control_a_registry_pickled_as_it_is_needs_stageload(tmp_path: Path, monkeypatch) -> None:
+    from stageload.hooks.registry import HookRegistry
+
+    monkeypatch.setattr(HookRegistry, "__reduce_ex__", object.__reduce_ex__)
+    with pytest.raises(AssertionError, match="No module named 'stageload"):
+        saved_and_loaded_elsewhere(tmp_path, own_forward=False)

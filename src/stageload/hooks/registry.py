@@ -34,9 +34,11 @@ that enters stages and releases); a running call sees either the old list or the
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import gc
 import inspect
+import operator
 import sys
 import threading
 import time
@@ -88,6 +90,7 @@ class ModuleHook:
 
     #: Whether a copy of the module (``copy.deepcopy``, ``torch.save``) keeps this hook.
     #: A hook that manages the module for an owner the copy does not belong to says no.
+    #: A copy that keeps none is the module as it is without stageload.
     copied = True
 
     def pre_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -153,15 +156,24 @@ class HookRegistry:
         # Bumped as a hold starts and ends: a call whose hooks ran across either asks again.
         self._epoch = 0
 
-    def __getstate__(self) -> dict[str, Any]:
-        # A copy (copy.deepcopy of a hooked module) starts with no calls in flight, and
-        # without the hooks that stay with the original.
+    def _copied_hooks(self) -> dict[str, ModuleHook]:
+        """The hooks a copy of the module keeps, once each hook prepared for the copy."""
         for hook in list(self._hooks.values()):
             hook.before_copy()  # may take hooks off (a load ends a release's): read after
+        return {k: h for k, h in self._hooks.items() if h.copied}
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # A copy (copy.deepcopy, pickling) starts with no calls in flight, and without the
+        # hooks that stay with the original. With none left it is the module as it is
+        # without stageload: None here (HookRegistry.of reads no registry) and its own
+        # forward (_HookedForward), so a file torch.save wrote loads where stageload is
+        # not installed.
+        hooks = self._copied_hooks()
+        if not hooks:
+            return type(None), ()
         state = dict(self.__dict__)
-        state.update(_running={}, _held_by=None, _epoch=0)
-        state["_hooks"] = {k: h for k, h in self._hooks.items() if h.copied}
-        return state
+        state.update(_running={}, _held_by=None, _epoch=0, _hooks=hooks)
+        return copyreg.__newobj__, (type(self),), state
 
     def called_elsewhere(self) -> bool:
         """Whether a thread other than this one has a call of the module running now."""
@@ -271,7 +283,12 @@ class _HookedForward:
         original = registry.original_forward(module)
         functools.update_wrapper(self, original)  # name, docstring, signature (__wrapped__)
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Copied with a module whose registry keeps no hook (HookRegistry.__reduce_ex__):
+        # the module's own forward, as _Dispatch gives a patched attribute.
+        registry = self.registry
+        if not registry._copied_hooks():
+            return _as_it_was(self.module, "forward", registry._own_forward)
         # The original, a method bound to the module, pickles by its name on the module:
         # ``_forward_unimplemented`` for a ModuleList, which it cannot be found by. As the
         # function and the module it binds, it pickles and copies (to the copy).
@@ -279,7 +296,7 @@ class _HookedForward:
         wrapped = state.get("__wrapped__")
         if isinstance(wrapped, types.MethodType) and wrapped.__self__ is self.module:
             state["__wrapped__"] = functools.partial(wrapped.__func__, self.module)
-        return state
+        return copyreg.__newobj__, (type(self),), state
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, registry = self.module, self.registry
@@ -656,14 +673,17 @@ class _Dispatch:
         # patch. Its own one (a partial, an instance forward) is copied with it; else the
         # class's, looked up on the new owner, whose state is being set (this attribute
         # is not in it yet), so it binds to the copy.
-        own = self.chain.own
-        if own is not _MISSING:
-            return _itself, (own,)
-        return getattr, (self.chain.owner_ref(), self.chain.attr)
+        return _as_it_was(self.chain.owner_ref(), self.chain.attr, self.chain.own)
 
 
-def _itself(value: Any) -> Any:
-    return value
+def _as_it_was(owner: Any, attr: str, own: Any) -> tuple[Any, ...]:
+    """How a copy gets ``owner.attr`` as it was before stageload replaced it: its own
+    value, else the class's looked up on the copy, whose state is being set (this
+    attribute is not in it yet), so it binds to the copy. Only standard-library callables:
+    a pickle of it loads where stageload is not installed."""
+    if own is not _MISSING:
+        return operator.itemgetter(0), ((own,),)
+    return getattr, (owner, attr)
 
 
 # Keyed by id(owner) with weak values: the chain lives in the owner's patched attribute,
