@@ -8,6 +8,7 @@ CLI test runs both in subprocesses with ``OMP_NUM_THREADS=1``.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import subprocess
@@ -29,6 +30,7 @@ from stageload.external import torch_function_off  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FACTORY = "fixtures.auto_script:load_model"
+HEADED = "fixtures.auto_script:load_headed"
 #: ``stageload auto`` with room for no model and only FACTORY wrapped, before the command.
 AUTO_NONE = [
     "-m",
@@ -121,12 +123,55 @@ def test_control_without_the_recorded_plan_lru_reloads_at_every_use(folder, monk
 
 
 def test_identical_factory_calls_share_one_model(folder):
+    """The factory draws (its model's initialisers): from the same RNG state, the second
+    call shares without running and leaves the RNG as the call would."""
     with auto(budget=10 * SIZE, factories=[FACTORY], defaults=False) as session:
+        torch.manual_seed(0)
         a = auto_script.load_model(f"{folder}/a.pt")
+        after = torch.get_rng_state()
+        torch.manual_seed(0)
         again = auto_script.load_model(f"{folder}/a.pt")
+        assert torch.equal(torch.get_rng_state(), after)
         b = auto_script.load_model(f"{folder}/b.pt")
     assert again is a and b is not a
     assert list(session.models) == ["a.pt", "b.pt"]
+
+
+def twice_from_other_states(folder: str, factory: str, staged: bool) -> tuple[Any, ...]:
+    """Two identical calls of ``factory`` (its model's initialisers draw) with no seed
+    between, then a draw. Returns (the two models, their outputs, the draw)."""
+    module, name = factory.split(":")
+    x = torch.ones(1, auto_script.WIDTH)
+    scope = auto(budget=10 * SIZE, factories=[factory], defaults=False) if staged else None
+    torch.manual_seed(0)
+    with scope or contextlib.nullcontext(), torch.no_grad():
+        make = getattr(importlib.import_module(module), name)  # auto's wrapper, in the block
+        first, second = make(f"{folder}/a.pt"), make(f"{folder}/a.pt")
+        return first, second, first(x), second(x), torch.randn(3)
+
+
+@pytest.mark.parametrize("factory", [FACTORY, HEADED], ids=["all-loaded", "random-head"])
+def test_identical_calls_from_another_rng_state_run_as_without_auto(folder, factory):
+    """The script's random stream after the second call was the first's (the factory did
+    not run), and a model with a random head (one the checkpoint lacks) got the first's
+    head. Now the factory runs; its model is shared only if it made the same weights."""
+    *got, draw = twice_from_other_states(folder, factory, staged=True)
+    *want, want_draw = twice_from_other_states(folder, factory, staged=False)
+    assert torch.equal(draw, want_draw)
+    assert all(torch.equal(g, w) for g, w in zip(got[2:], want[2:], strict=True))
+    assert (got[0] is got[1]) == (factory == FACTORY)
+
+
+@pytest.mark.parametrize("factory", [FACTORY, HEADED], ids=["all-loaded", "random-head"])
+def test_control_shared_whatever_the_state_the_stream_and_head_are_the_first_calls(
+    folder, factory, monkeypatch
+):
+    monkeypatch.setattr(stageload.autostage, "same_rng", lambda a, b: True)
+    *got, draw = twice_from_other_states(folder, factory, staged=True)
+    *want, want_draw = twice_from_other_states(folder, factory, staged=False)
+    assert got[0] is got[1] and not torch.equal(draw, want_draw)
+    if factory == HEADED:  # eager's two heads differ; the shared one's are one
+        assert torch.equal(got[2], got[3]) and not torch.equal(want[2], want[3])
 
 
 def test_a_tensor_the_script_reads_itself_loads_its_model(folder):
@@ -746,9 +791,6 @@ def test_control_without_restoring_requires_grad_the_reload_wants_gradients(fold
     monkeypatch.setattr(stageload.autostage, "_settle", lambda module, layout: real(module, {}))
     _, second, _, _ = one_then_another(folder, lambda m: m.requires_grad_(False), grad=True)
     assert second.requires_grad
-
-
-HEADED = "fixtures.auto_script:load_headed"
 
 
 def test_a_part_left_to_random_initialisation_comes_back_the_same(folder):
@@ -2010,6 +2052,7 @@ def factory_call_during_a_reload(folder: str, monkeypatch: Any) -> tuple[Any, ..
     got: list[Any] = []
     paths = [f"{folder}/{n}.safetensors" for n in auto_script.NAMES]
     with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False, events=sink) as session:
+        first_state = torch.get_rng_state()  # load_st draws: the second call starts here too
         models = [auto_script.load_st(p) for p in paths]
         made = len(auto_script.READ)
         monkeypatch.setattr(weights, "put", put)
@@ -2017,7 +2060,12 @@ def factory_call_during_a_reload(folder: str, monkeypatch: Any) -> tuple[Any, ..
             caller = threading.Thread(target=lambda: models[0](torch.ones(1, auto_script.WIDTH)))
             caller.start()
             assert inside.wait(30)  # a's reload is mid-copy
-            second = threading.Thread(target=lambda: got.append(auto_script.load_st(paths[0])))
+
+            def again() -> None:
+                torch.set_rng_state(first_state)
+                got.append(auto_script.load_st(paths[0]))
+
+            second = threading.Thread(target=again)
             second.start()
             deadline = time.monotonic() + 30
             while session.waiting == 0 and second.is_alive() and time.monotonic() < deadline:

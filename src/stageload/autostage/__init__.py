@@ -20,7 +20,10 @@ wrapped. Each model they make is the script's own object, of its own class, with
 - once the order is known, the next stage's models that reload from their files load ahead
   in a background thread, as that policy decides (:meth:`AutoSession._look_ahead`);
 - identical factory calls (same factory, same plain arguments) return one object while it
-  lives and the script has not changed it.
+  lives and the script has not changed it. A factory that drew random numbers (a model's
+  initialisers, a head its checkpoint lacks) is shared only when called with the global
+  RNG as it was at that model's call, and leaves it as that call did; from another state
+  it would draw other values, so it makes a new model, as without auto.
 
 What auto cannot stage it says once (``notes``, and a ``note`` event) and keeps loaded: a
 model used from two threads at once, one the script changed since its load (weights or
@@ -71,7 +74,7 @@ from ..core.events import (
 from ..core.outer import outer_trace
 from ..core.plan import Plan
 from ..core.policy import FurthestNextUse, Timings
-from ..core.rng import RngState, capture_rng, preserved_rng, restore_rng
+from ..core.rng import RngState, capture_rng, preserved_rng, restore_rng, same_rng
 from ..errors import StageloadError
 from ..external import (
     from_pretrained_dtype,
@@ -189,6 +192,9 @@ class _Model:
     #: Conversions the script made (``.to``, ``.half``: the function ``_apply`` was given)
     #: before the first load: replayed on it, in order.
     pending: list[Callable[[Any], Any]] = field(default_factory=list)
+    #: The global RNG before and after the factory call, when it drew: an identical call
+    #: shares the model only from the same state (and leaves the RNG as the call would).
+    drew: tuple[RngState, RngState] | None = None
     #: Its files as they were at the factory call, before a deferred first load: the
     #: script gets what the call would have read then, or an error, never other weights.
     stamps: dict[Path, Any] = field(default_factory=dict)
@@ -400,8 +406,10 @@ class AutoSession:
         # another folder's file of that name, with the stamps checking the first one).
         args, kwargs = _anchored(args), _anchored_kwargs(kwargs)
         key = _key(factory, args, kwargs)
+        waited = False  # for the same call in another thread: its result is this one's
+        twin = None  # a model of a factory that drew, to compare the call's result with
         while True:
-            ticket = running = None
+            ticket = running = twin = None
             with self._mutex:
                 self._prune()
                 known = self._shared.get(key) if key is not None else None
@@ -415,7 +423,17 @@ class AutoSession:
                     else:
                         changed = _changed(known)
                         if changed is None and _as_made(known) == known.made:
-                            return module
+                            if known.drew is None or waited:
+                                return module
+                            before, after = known.drew
+                            if same_rng(capture_rng(), before):
+                                restore_rng(after)  # where the call would have left it
+                                return module
+                            # Its factory draws other values from here: it runs, as
+                            # without auto (the random stream moves as it would), and
+                            # _make shares ``known`` only if it made the same weights
+                            # (not another random head).
+                            twin = known
                         if changed is not None:  # (an EMA copy, a student): a new one
                             why = f"changed by the script since its load ({changed})"
                             self._pin(known, why, changed=True)
@@ -434,11 +452,12 @@ class AutoSession:
                     ticket.acquire(timeout=bell.RECHECK)
                 else:  # another thread makes the same model: take its result
                     running.wait()
+                    waited = True
             finally:
                 with self._mutex:
                     self.waiting -= 1
         try:
-            return self._make(factory, name, args, kwargs, key, trusted)
+            return self._make(factory, name, args, kwargs, key, trusted, twin)
         finally:
             if key is not None:
                 with self._mutex:
@@ -452,12 +471,20 @@ class AutoSession:
         kwargs: dict,
         key: Any,
         trusted: bool,
+        twin: _Model | None = None,
     ) -> Any:
+        """Make the model of one factory call. ``twin``: the model an identical call made
+        from another RNG state, returned in place of the new one if that has the same
+        weights (its three samples a tensor)."""
         make = self._maker(factory, args, kwargs)
         if trusted and isinstance(factory, _Bound):
             rng = capture_rng()  # before the build: the first load replays the call from it
             early = _stand_in(factory.cls, args, kwargs, rng)
             if early is not None:
+                # A stand-in's weights are its files': the same as its twin's.
+                shared = self._same_as(twin, rng, early, compare=False)
+                if shared is not None:
+                    return shared
                 return self._defer(early, factory, rng, name, args, kwargs, key)
         # Room before it loads: for its size from its files' headers when its arguments
         # name them (a larger model than any before would otherwise load on top of the
@@ -469,7 +496,11 @@ class AutoSession:
         rng = capture_rng()
         start = time.perf_counter()
         obj = make()
+        after = capture_rng()
         from torch import nn
+
+        if isinstance(obj, nn.Module) and (shared := self._same_as(twin, rng, obj)) is not None:
+            return shared
 
         if not isinstance(obj, nn.Module):
             self._note(
@@ -487,6 +518,7 @@ class AutoSession:
             model.placed = {n: address for n, (_, _, address) in model.seen.items()}
             model.made = _as_made(model, obj)
             model.inference = any(t.is_inference() for _, t in named_tensors(obj))
+            model.drew = None if same_rng(rng, after) else (rng, after)
             if isinstance(recipe, str):
                 self._through_factory(model, recipe)
             else:
@@ -508,6 +540,23 @@ class AutoSession:
                 self._pin(model, "contains the staged model " + ", ".join(inner))
         self._make_room(model.size, model.name, keep=model)  # the others it leaves no room for
         return obj
+
+    def _same_as(
+        self, twin: _Model | None, rng: RngState, made: nn.Module, *, compare: bool = True
+    ) -> Any:
+        """``twin``'s module, if ``made`` (the same factory call's new result, dropped
+        then) has its weights (``compare``: else they are the files'); it then shares from
+        the RNG state of this call on."""
+        shared = twin.module() if twin is not None else None
+        if shared is None or twin is None:
+            return None
+        if compare and (
+            _as_made(twin, made) != twin.made or _same(_samples(made), twin.samples) is not None
+        ):
+            return None  # another random head: a model of its own
+        with self._mutex:
+            twin.drew = (rng, capture_rng())
+        return shared
 
     def _new(
         self,
@@ -571,6 +620,7 @@ class AutoSession:
         makes to it afterwards is not the model's)."""
         import torch
 
+        after = capture_rng()  # a diffusers stand-in draws as its from_pretrained does
         kwargs = copy.deepcopy(kwargs)
         make = self._maker(factory, args, kwargs)
         size = _file_bytes(factory, args, kwargs)
@@ -590,6 +640,7 @@ class AutoSession:
                 grad=torch.is_grad_enabled(),
             )
             model.stamps = stamps
+            model.drew = None if same_rng(rng, after) else (rng, after)
             self._add(obj, model, key)
         with releasing(collect=False):  # its computed buffers: the load makes them again
             release(obj, name=model.name, wait=False)  # the hook's released() marks them

@@ -54,6 +54,23 @@ def restore_rng(state: RngState) -> None:
         torch.mps.set_rng_state(state.mps)
 
 
+def same_rng(a: RngState, b: RngState) -> bool:
+    """Whether two captures hold the same states: no generator drew between them."""
+    import torch
+
+    if not torch.equal(a.cpu, b.cpu) or a.python != b.python:
+        return False
+    for x, y in ((a.cuda, b.cuda), (a.mps, b.mps)):  # None: not started then
+        if x is not None and y is not None and not all(map(torch.equal, _listed(x), _listed(y))):
+            return False
+    if a.numpy is None or b.numpy is None:
+        return True
+    return all(
+        bool((x == y).all()) if hasattr(x, "shape") else x == y
+        for x, y in zip(a.numpy, b.numpy, strict=True)
+    )
+
+
 @contextmanager
 def preserved_rng() -> Iterator[None]:
     """Restore every global random generator to its state before the block.
@@ -68,6 +85,10 @@ def preserved_rng() -> Iterator[None]:
         yield
     finally:
         restore_rng(state)
+
+
+def _listed(state: Any) -> list[Any]:
+    return state if isinstance(state, list) else [state]
 
 
 def _mps_available(torch) -> bool:  # type: ignore[no-untyped-def]
