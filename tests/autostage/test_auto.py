@@ -1700,6 +1700,36 @@ def test_control_answering_meta_the_input_goes_to_meta_and_the_call_fails(st_fol
         placed_by_a_released_parameter(st_folder)
 
 
+def moved_to_meta(folder: str) -> tuple[Any, ...]:
+    """Room for one model: ``a`` out, ``b`` loaded; the script moves both to ``meta``
+    (dropping their weights) and calls them, then makes ``c``. Returns (the outputs'
+    devices, the notes, what the session stages at the end)."""
+    paths = [f"{folder}/{n}.safetensors" for n in auto_script.NAMES]
+    x = torch.ones(1, auto_script.WIDTH)
+    with torch.no_grad(), auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False) as s:
+        a, b = (auto_script.load_st(p) for p in paths[:2])
+        devices = [m.to("meta")(x.to("meta")).device.type for m in (a, b)]
+        auto_script.load_st(paths[2])(x)
+        return devices, s.notes, list(s.models)
+
+
+def test_a_model_the_script_moves_to_meta_is_its_own_from_then_on(st_folder):
+    """As without auto: its calls give meta outputs (a released one's first call raised
+    "the reload ... left 'layers.0.weight' empty: its factory made a model without that
+    tensor")."""
+    devices, notes, staged = moved_to_meta(st_folder)
+    assert devices == ["meta", "meta"] and staged == ["c.safetensors"]
+    assert notes == [
+        f"{n}.safetensors: moved to meta by the script: not staged from here on" for n in "ab"
+    ]
+
+
+def test_control_a_move_to_meta_taken_as_a_conversion_fails_the_reload(st_folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage, "_to_meta", lambda fn: False)
+    with pytest.raises(stageload.StageloadError, match="made a model without"):
+        moved_to_meta(st_folder)
+
+
 def after_a_chdir(folder: str, factory: str, suffix: str) -> tuple[Any, Any]:
     """Room for one model: ``a`` and ``b`` made from relative paths (``st/a`` plus
     ``suffix``), ``a`` called, ``b`` called, then the script changes to a folder that has

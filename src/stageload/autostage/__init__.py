@@ -83,7 +83,7 @@ from ..external import (
     tensor_version,
     torch_function_off,
 )
-from ..hooks.empty import mark_empty, own_attributes
+from ..hooks.empty import mark_empty, own_attributes, unmark_empty
 from ..hooks.registry import Hold, HookRegistry, ModuleHook, end_hold, patch, try_hold
 from ..hooks.release import is_released, release, releasing, storage_sizes, unmark_released
 from ..hooks.share import call_key
@@ -1274,6 +1274,22 @@ class AutoSession:
                 for key in [k for k, m in self._shared.items() if m is model]:
                     del self._shared[key]
 
+    def give_up(self, model: _Model, module: nn.Module, why: str) -> None:
+        """Stop staging ``model``, said once: the script takes it over as it is (its
+        released tensors plain meta ones, as a model on meta is without auto)."""
+        self.settled(model)
+        with self._mutex:
+            if self._models.get(model.name) is not model:
+                return
+            del self._models[model.name]
+            for key in [k for k, m in self._shared.items() if m is model]:
+                del self._shared[key]
+            _unhook(module)
+            unmark_empty(module)
+            for part in module.modules():
+                unmark_released(part)
+            self._note(f"{model.name}: {why}: not staged from here on")
+
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
@@ -1631,6 +1647,9 @@ def _settled_first(inner: Callable[..., Any]) -> Callable[..., Any]:
         if isinstance(hook, _Hook):
             session, model = hook.session, hook.model
             whole = len(args) == 1 and not kwargs  # _apply(fn, recurse=False): a part only
+            if whole and model.module() is module and _to_meta(args[0]):
+                session.give_up(model, module, "moved to meta by the script")
+                return inner(module, *args, **kwargs)
             if whole and session.convert_released(model, module, args[0], inner):
                 return module
             session.settled(model)  # then released, maybe: taken as such
@@ -1643,6 +1662,18 @@ def _settled_first(inner: Callable[..., Any]) -> Callable[..., Any]:
         return inner(module, *args, **kwargs)
 
     return _apply
+
+
+def _to_meta(fn: Callable[[Any], Any]) -> bool:
+    """Whether the conversion ``fn`` (``_apply``'s) moves tensors to ``meta``
+    (``model.to("meta")``: the script drops the weights)."""
+    import torch
+
+    try:
+        with torch_function_off():
+            return fn(torch.zeros(1)).is_meta
+    except Exception:  # what it raises on the weights it raises there, as eager does
+        return False
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

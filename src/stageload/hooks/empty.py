@@ -158,6 +158,14 @@ def mark_empty(module: nn.Module, owner: Filler) -> None:
                 torch.utils.swap_tensors(t, twin)
 
 
+def unmark_empty(module: nn.Module) -> None:
+    """Make ``module``'s empty tensors plain meta tensors again: their use no longer asks
+    an owner to fill them (a module its owner gave up)."""
+    with torch_function_off():
+        for t in _tensors(module):
+            t.__dict__.pop(_OWNER_KEY, None)
+
+
 def _tensors(module: nn.Module) -> list[Any]:
     """Each parameter and buffer of ``module`` once, tied ones included once."""
     seen: dict[int, Any] = {}
