@@ -310,3 +310,43 @@ def test_pixal3d_streams_and_refills_place_as_the_port(
     want = residues(_port_model(stub, "shape_slat_decoder", port))
     problems += [f"decoder.{p}" for p in differences(refilled, want)]
     verdict(rule, problems)
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(12, 6)
+        self.head = nn.Linear(6, 12, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def tied_loaded_mapped(tmp_path: Path) -> tuple[nn.Module, Path]:
+    """A model with tied weights, ``load_weights`` with ``placement=MAPPED`` from a file
+    whose tensor sits 8 bytes past a cache line, then ``safetensors.save_model``. Returns
+    (the model, the file it saved)."""
+    from safetensors.torch import save_model
+
+    source = _Tied()
+    path = tmp_path / "tied.safetensors"
+    save_file({"embed.weight": source.embed.weight.detach().clone()}, path)
+    with torch.device("meta"):
+        model = _Tied()
+    load_weights(model, path, placement=MAPPED, progress=False)
+    assert model.head.weight is model.embed.weight and misalignment(model.embed.weight) != 0
+    save_model(model, tmp_path / "saved.safetensors")
+    return model, tmp_path / "saved.safetensors"
+
+
+def test_a_placed_tensor_has_a_storage_of_its_own_that_save_model_takes(tmp_path: Path) -> None:
+    """It was a view into a storage 64 bytes larger: ``save_model`` refused the tied
+    weights ("None is covering the entire storage"), and ``torch.save`` wrote the padding."""
+    model, saved = tied_loaded_mapped(tmp_path)
+    weight = model.embed.weight
+    assert weight.untyped_storage().nbytes() == weight.nbytes and weight.storage_offset() == 0
+    assert torch.equal(load_file(saved)["embed.weight"], weight)
+
+
+def test_control_a_view_into_a_larger_storage_cannot_be_saved(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(torch, "from_dlpack", lambda t: t)
+    with pytest.raises(RuntimeError, match="covering the entire storage"):
+        tied_loaded_mapped(tmp_path)
