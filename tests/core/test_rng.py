@@ -38,3 +38,24 @@ def test_restores_even_when_the_block_raises():
     except RuntimeError:
         pass
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_same_rng_tells_each_generator_that_drew():
+    """torch's, Python's and NumPy's draws each show; a GPU generator started between the
+    two captures counts as drawn (a factory that built on the GPU may have drawn only
+    there). The GPU state is a stand-in tensor: this machine has no GPU."""
+    import dataclasses
+
+    from stageload.core.rng import capture_rng, same_rng
+
+    before = capture_rng()
+    assert same_rng(before, capture_rng())
+    for draw in (lambda: torch.randn(1), random.random, np.random.rand):
+        state = capture_rng()
+        draw()
+        assert not same_rng(state, capture_rng())
+    gpu = dataclasses.replace(before, cuda=[torch.zeros(8, dtype=torch.uint8)])
+    assert not same_rng(before, gpu) and not same_rng(gpu, before)
+    assert same_rng(gpu, dataclasses.replace(gpu))
+    moved = dataclasses.replace(before, cuda=[torch.ones(8, dtype=torch.uint8)])
+    assert not same_rng(gpu, moved)

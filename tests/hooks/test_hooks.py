@@ -243,3 +243,31 @@ def test_control_a_registry_pickled_as_it_is_needs_stageload(tmp_path: Path, mon
     monkeypatch.setattr(HookRegistry, "__reduce_ex__", object.__reduce_ex__)
     with pytest.raises(AssertionError, match="No module named 'stageload"):
         saved_and_loaded_elsewhere(tmp_path, own_forward=False)
+
+
+def test_a_copy_of_a_hooked_module_list_pickles_again() -> None:
+    """A copy's forward was a method bound to the copy, which pickles by its function's
+    name: a ModuleList's (``_forward_unimplemented``) cannot be found by it, so an EMA
+    ``deepcopy`` of a model whose parts auto hooked could not be saved."""
+    import copy
+    import io
+
+    import torch
+
+    from stageload.hooks.registry import HookRegistry
+
+    blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    HookRegistry.attach(blocks).add("staged", _NotCopied())
+    saved = io.BytesIO()
+    torch.save(copy.deepcopy(blocks), saved)
+    saved.seek(0)
+    again = torch.load(saved, weights_only=False)
+    assert torch.equal(again[0].weight, blocks[0].weight) and HookRegistry.of(again) is None
+
+
+def test_control_a_copy_bound_by_name_does_not_pickle(monkeypatch) -> None:
+    from stageload.hooks import registry
+
+    monkeypatch.setattr(registry, "_as_it_was", lambda owner, attr, own: (getattr, (owner, attr)))
+    with pytest.raises(AttributeError, match="_forward_unimplemented"):
+        test_a_copy_of_a_hooked_module_list_pickles_again()

@@ -61,7 +61,9 @@ def same_rng(a: RngState, b: RngState) -> bool:
     if not torch.equal(a.cpu, b.cpu) or a.python != b.python:
         return False
     for x, y in ((a.cuda, b.cuda), (a.mps, b.mps)):  # None: not started then
-        if x is not None and y is not None and not all(map(torch.equal, _listed(x), _listed(y))):
+        if (x is None) != (y is None):  # started between: it may have drawn
+            return False
+        if x is not None and not all(map(torch.equal, _listed(x), _listed(y))):
             return False
     if a.numpy is None or b.numpy is None:
         return True

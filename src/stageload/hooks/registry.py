@@ -680,9 +680,16 @@ def _as_it_was(owner: Any, attr: str, own: Any) -> tuple[Any, ...]:
     """How a copy gets ``owner.attr`` as it was before stageload replaced it: its own
     value, else the class's looked up on the copy, whose state is being set (this
     attribute is not in it yet), so it binds to the copy. Only standard-library callables:
-    a pickle of it loads where stageload is not installed."""
+    a pickle of it loads where stageload is not installed. The copy holds it as an
+    attribute of its own (a later patch of the class's does not reach it)."""
     if own is not _MISSING:
         return operator.itemgetter(0), ((own,),)
+    function = inspect.getattr_static(type(owner), attr, None)
+    if isinstance(function, types.FunctionType) and function.__name__ != attr:
+        # A method bound to the copy pickles by its function's name, which a ModuleList's
+        # forward (``_forward_unimplemented``) cannot be found by: the copy could not be
+        # pickled again. The function and the copy it binds can.
+        return functools.partial, (function, owner)
     return getattr, (owner, attr)
 
 

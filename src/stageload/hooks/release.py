@@ -128,6 +128,15 @@ class ReleasedHook(ModuleHook):
                 return None
         raise ReleasedModuleError(self.name, self.stage)
 
+    def before_copy(self) -> None:
+        # Copied before any of its tensors (a part that holds none, a ReLU, pickled first):
+        # the owner's hooks bring the weights back now, so the copy holds them and no
+        # release hook (which would make the copy raise, and need stageload to load).
+        registry = HookRegistry.of(self.owner)
+        for hook in registry.hooks() if registry is not None else ():
+            if hook is not self:
+                hook.before_copy()
+
 
 def is_released(module: nn.Module) -> bool:
     """True when ``module`` was released by :func:`release` (and not filled since)."""
