@@ -55,6 +55,12 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
+def on_meta(t: Any) -> bool:
+    """Whether ``t`` is on meta (a released model's): it answers False to the script."""
+    with torch_function_off():
+        return t.is_meta
+
+
 def eager(folder: str, laps: int = 2) -> Any:
     models = [auto_script.load_model(f"{folder}/{n}.pt") for n in auto_script.NAMES]
     return auto_script.run(models, laps)
@@ -160,6 +166,22 @@ def test_identical_calls_from_another_rng_state_run_as_without_auto(folder, fact
     assert torch.equal(draw, want_draw)
     assert all(torch.equal(g, w) for g, w in zip(got[2:], want[2:], strict=True))
     assert (got[0] is got[1]) == (factory == FACTORY)
+
+
+def test_an_identical_call_from_another_state_does_not_release_the_model_it_shares(folder):
+    """Room for one model: the call made room for its model by releasing the one it then
+    shared (a reload the next use paid for)."""
+    x = torch.ones(1, auto_script.WIDTH)
+    sink = ListSink()
+    with (
+        torch.no_grad(),
+        auto(budget=int(1.5 * SIZE), factories=[FACTORY], defaults=False, events=sink),
+    ):
+        a = auto_script.load_model(f"{folder}/a.pt")
+        a(x), torch.randn(3)
+        again = auto_script.load_model(f"{folder}/a.pt")
+        again(x)
+    assert again is a and [e for e in sink.events if e.kind == "reload"] == []
 
 
 @pytest.mark.parametrize("factory", [FACTORY, HEADED], ids=["all-loaded", "random-head"])
@@ -726,8 +748,14 @@ def one_then_another(
     of a, the session's notes and a's reload count."""
     x = torch.ones(2, auto_script.WIDTH, dtype=dtype)
     sink = ListSink()
+    # No loads ahead: the ahead thread still busy with b (on a machine busy with other
+    # work) made a's reload "over the budget beside a model in use" now and then.
     with auto(
-        budget=int(1.5 * SIZE), factories=[factory, FACTORY], defaults=False, events=sink
+        budget=int(1.5 * SIZE),
+        factories=[factory, FACTORY],
+        defaults=False,
+        events=sink,
+        prefetch=False,
     ) as s:
         make = getattr(auto_script, factory.partition(":")[2])  # wrapped by now
         a = make(f"{folder}/a.pt")
@@ -1593,7 +1621,7 @@ def interrupted_reload(
     sink = ListSink()
     with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False, events=sink):
         models = [auto_script.load_st(f"{folder}/{n}.safetensors") for n in auto_script.NAMES]
-        assert models[0].layers[0].weight.is_meta  # out: b and c came after it
+        assert on_meta(models[0].layers[0].weight)  # out: b and c came after it
         monkeypatch.setattr(weights, "put", put)
         if not undo:
             monkeypatch.setattr(weights, "release", lambda module: None)
@@ -1700,6 +1728,122 @@ def test_control_answering_meta_the_input_goes_to_meta_and_the_call_fails(st_fol
         placed_by_a_released_parameter(st_folder)
 
 
+def loaded_checks_of_a_released_model(folder: str) -> tuple[Any, ...]:
+    """Room for one model, ``a`` out: a script's "is my model loaded?" check
+    (``p.is_meta``), then the everyday fine-tune load, ``a.load_state_dict(sd)``.
+    Returns (whether any parameter said meta, torch's warnings, whether ``a`` now holds
+    ``sd``)."""
+    import warnings
+
+    paths = [f"{folder}/{n}.safetensors" for n in auto_script.NAMES]
+    sd = {k: v + 1 for k, v in auto_script.load_st(paths[0]).state_dict().items()}
+    with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False):
+        a, *_ = (auto_script.load_st(p) for p in paths)
+        said_meta = any(p.is_meta for p in a.parameters())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            a.load_state_dict(sd)
+        holds = all(torch.equal(a.state_dict()[k], v) for k, v in sd.items())
+    return said_meta, [str(w.message) for w in caught], holds
+
+
+def test_a_released_models_tensors_say_they_are_not_meta(st_folder):
+    """As ``.device`` says: the script's check read "failed to load", and torch's
+    load_state_dict warned that the copy into a meta tensor "is a no-op" (it loaded)."""
+    said_meta, warned, holds = loaded_checks_of_a_released_model(st_folder)
+    assert not said_meta and warned == [] and holds
+
+
+def test_control_answering_is_meta_as_it_is_the_script_and_torch_are_misled(st_folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage._Hook, "answers_is_meta", False)
+    said_meta, warned, holds = loaded_checks_of_a_released_model(st_folder)
+    assert said_meta and any("meta parameter" in w for w in warned) and holds
+
+
+def _add_one(model: Any) -> None:
+    with torch.no_grad():
+        model.layers[0].bias.add_(1.0)
+
+
+def shared_then_trained_elsewhere(folder: str) -> tuple[Any, ...]:
+    """Room for one model: ``a`` out when the script calls ``a.share_memory()`` and a
+    forked process changes its weights in place (Hogwild training), then ``b`` and ``c``
+    are used. Returns (``a``'s bias as the parent reads it after, the file's, the notes)."""
+    import multiprocessing
+
+    paths = [f"{folder}/{n}.safetensors" for n in auto_script.NAMES]
+    x = torch.ones(1, auto_script.WIDTH)
+    with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False) as session:
+        a, b, c = (auto_script.load_st(p) for p in paths)
+        a.share_memory()
+        child = multiprocessing.get_context("fork").Process(target=_add_one, args=(a,))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+        with torch.no_grad():
+            b(x), c(x)
+        return a.layers[0].bias.detach().clone(), session.notes
+
+
+def test_weights_shared_with_other_processes_are_theirs_and_kept(st_folder):
+    """``share_memory()`` of a released model was taken as a conversion with no load:
+    each forked process loaded its own copy and trained it, and the parent read the
+    file's weights back (no training, no word). Now it loads for it, and stays."""
+    from safetensors.torch import load_file
+
+    bias, notes = shared_then_trained_elsewhere(st_folder)
+    want = load_file(f"{st_folder}/a.safetensors")["layers.0.bias"] + 1.0
+    assert torch.equal(bias, want)
+    assert notes[0] == (  # (then b and c are over the budget beside it, and said so)
+        "a.safetensors: its weights are in shared memory (share_memory()): kept loaded, not staged"
+    )
+
+
+def test_control_shared_memory_taken_as_a_conversion_loses_the_training(st_folder, monkeypatch):
+    from stageload.load import refill
+
+    real = refill.conversion_probes
+
+    def unshared(fn: Any, dtypes: Any, device: Any) -> Any:
+        probes = real(lambda t: fn(t).clone(), dtypes, device)  # (a clone is not shared)
+        return probes
+
+    monkeypatch.setattr(stageload.autostage, "conversion_probes", unshared)
+    from safetensors.torch import load_file
+
+    bias, _ = shared_then_trained_elsewhere(st_folder)
+    assert torch.equal(bias, load_file(f"{st_folder}/a.safetensors")["layers.0.bias"])
+
+
+def traced_then_others(folder: str) -> tuple[Any, ...]:
+    """Room for one model: ``torch.jit.trace`` of ``a`` after its first use (``a`` out
+    by then), then ``b`` and ``c`` used, then the traced module called. Returns (its
+    output, eager's, the notes)."""
+    paths = [f"{folder}/{n}.safetensors" for n in auto_script.NAMES]
+    x = torch.ones(1, auto_script.WIDTH)
+    with torch.no_grad():
+        want = auto_script.load_st(paths[0])(x)
+        with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False) as session:
+            a, b, c = (auto_script.load_st(p) for p in paths)
+            traced = torch.jit.trace(a, x)
+            b(x), c(x)
+            return traced(x), want, session.notes
+
+
+def test_a_traced_model_loads_for_the_tracer_and_stays(st_folder):
+    """The TorchScript module holds the model's tensors: a release emptied them under it
+    ("setStorage: ... out of bounds for storage of size 0" at its next call)."""
+    got, want, notes = traced_then_others(st_folder)
+    assert torch.equal(got, want)
+    assert notes[0] == "a.safetensors: compiled by torch.jit.trace: kept loaded, not staged"
+
+
+def test_control_traced_as_it_is_the_release_empties_the_traced_module(st_folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage, "_kept_for_torchscript", lambda inner: inner)
+    with pytest.raises(RuntimeError):
+        traced_then_others(st_folder)
+
+
 def moved_to_meta(folder: str) -> tuple[Any, ...]:
     """Room for one model: ``a`` out, ``b`` loaded; the script moves both to ``meta``
     (dropping their weights) and calls them, then makes ``c``. Returns (the outputs'
@@ -1722,6 +1866,27 @@ def test_a_model_the_script_moves_to_meta_is_its_own_from_then_on(st_folder):
     assert notes == [
         f"{n}.safetensors: moved to meta by the script: not staged from here on" for n in "ab"
     ]
+
+
+def test_a_released_model_emptied_to_meta_is_given_up_without_a_load(st_folder):
+    """``to_empty(device="meta")`` passes ``recurse=True`` by name: it was a conversion,
+    and loaded the model for nothing (releasing another); a conversion made under a
+    ``torch.device("meta")`` block is not a move to meta (it was taken as one: the
+    weights were dropped)."""
+    paths = [f"{st_folder}/{n}.safetensors" for n in auto_script.NAMES]
+    x = torch.ones(1, auto_script.WIDTH)
+    sink = ListSink()
+    with torch.no_grad():
+        want = auto_script.load_st(paths[1]).double()(x.double())
+        with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False, events=sink) as s:
+            a, b, c = (auto_script.load_st(p) for p in paths)
+            a.to_empty(device="meta")
+            with torch.device("meta"):
+                b.double()
+            got = b(x.double())
+    assert [e.model for e in sink.events if e.kind == "reload"] == ["b.safetensors"]
+    assert s.notes == ["a.safetensors: moved to meta by the script: not staged from here on"]
+    assert torch.equal(got, want)
 
 
 def test_control_a_move_to_meta_taken_as_a_conversion_fails_the_reload(st_folder, monkeypatch):
@@ -1958,6 +2123,40 @@ def test_control_without_loading_before_a_copy_the_copy_is_released(monkeypatch)
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "save"])
+def test_a_copy_of_a_released_model_whose_first_tensor_is_deep_holds_it(how):
+    """The copy reached a block's ReLU (no tensor, released with the block) before any
+    tensor: the release's hook on it was copied, and the copy raised at its call (and
+    needed stageload to load from a file)."""
+    import copy
+    import io
+
+    from stageload.hooks.registry import HookRegistry
+
+    x = torch.ones(2, auto_script.WIDTH)
+    make = "fixtures.auto_script:make_nested"
+    with torch.no_grad(), auto(budget=1, factories=[make], defaults=False):
+        a, b = auto_script.make_nested(0), auto_script.make_nested(1)
+        a(x), b(x)
+        if how == "deepcopy":
+            copied = copy.deepcopy(a)
+        else:
+            saved = io.BytesIO()
+            torch.save(a, saved)
+            saved.seek(0)
+            copied = torch.load(saved, weights_only=False)
+        assert [HookRegistry.of(m) for m in copied.modules()] == [None] * 4
+        assert torch.equal(copied(x), a(x))
+
+
+def test_control_without_the_owners_fill_the_deep_copy_keeps_the_release_hook(monkeypatch):
+    from stageload.hooks.release import ReleasedHook
+
+    monkeypatch.setattr(ReleasedHook, "before_copy", lambda self: None)
+    with pytest.raises(AssertionError, match="released"):
+        test_a_copy_of_a_released_model_whose_first_tensor_is_deep_holds_it("deepcopy")
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "save"])
 def test_control_an_empty_tensor_copied_as_it_is_stays_empty(monkeypatch, how):
     from torch import nn
 
@@ -2029,7 +2228,7 @@ def compiled_through_a_reload(folder: str) -> tuple[Any, Any]:
             compiled(x)  # loaded for this call, released by the next ones
             for model in models[1:]:
                 model(x)
-            assert models[0].layers[0].weight.is_meta
+            assert on_meta(models[0].layers[0].weight)
             return compiled(x), want
 
 
@@ -2210,7 +2409,7 @@ def releases_for_one_load(folder: str) -> tuple[int, int]:
         b = auto_script.load_model(f"{folder}/b.pt")
         with torch.no_grad():
             a(x), b(x)
-            assert wide.layers[0].weight.is_meta  # out, to make room for a and b
+            assert on_meta(wide.layers[0].weight)  # out, to make room for a and b
             before = len(sink.events)
             gc.disable()
             gc.callbacks.append(full)
@@ -2221,7 +2420,7 @@ def releases_for_one_load(folder: str) -> tuple[int, int]:
                 if was:
                     gc.enable()
     releases = sum(e.kind == "release" for e in sink.events[before:])
-    assert not wide.layers[0].weight.is_meta
+    assert not on_meta(wide.layers[0].weight)
     return releases, len(collections)
 
 

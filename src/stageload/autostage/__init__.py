@@ -27,7 +27,8 @@ wrapped. Each model they make is the script's own object, of its own class, with
 
 What auto cannot stage it says once (``notes``, and a ``note`` event) and keeps loaded: a
 model used from two threads at once, one the script changed since its load (weights or
-parts), one whose reload gave other weights, one that contains another staged model. A
+parts), one whose reload gave other weights, one that contains another staged model, one
+compiled by ``torch.jit``, one whose weights are in shared memory. A
 model in a call, through any of its parts, is never released under it.
 
 Which thread does what: factory calls, loads and releases run on the script's threads,
@@ -308,6 +309,18 @@ class _Hook(ModuleHook):
         """One of the released model's tensors was used (:mod:`stageload.hooks.empty`)."""
         self.session.load(self.model)
 
+    #: Its released tensors answer ``.is_meta`` as ``.device`` does: not meta.
+    answers_is_meta = True
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    @property
+    def loaded(self) -> bool:
+        """Whether its model is loaded (an empty tensor used then was out of it)."""
+        return self.model.state == LOADED
+
     @property
     def run_device(self) -> Any:
         """What a released model's tensors answer for ``.device``: where it ran."""
@@ -492,7 +505,7 @@ class AutoSession:
         expected = _file_bytes(factory, args, kwargs)
         with self._mutex:
             expected = max([expected, *(m.size for m in self._models.values())])
-        self._make_room(expected, name)
+        self._make_room(expected, name, keep=twin)  # (not the twin: it may be the result)
         rng = capture_rng()
         start = time.perf_counter()
         obj = make()
@@ -837,6 +850,10 @@ class AutoSession:
             if model.state != LOADED or module is None:
                 return
             with torch_function_off():
+                if any(t.is_shared() for _, t in named_tensors(module)):
+                    # A reload would be private memory: the other processes' updates
+                    # (Hogwild training) lost, and theirs to the old weights never seen.
+                    self._pin(model, "its weights are in shared memory (share_memory())")
                 for name, t in named_tensors(module):
                     chain = model.chains.get(name, ())
                     if chain and chain[-1] != t.dtype:
@@ -1276,19 +1293,24 @@ class AutoSession:
 
     def give_up(self, model: _Model, module: nn.Module, why: str) -> None:
         """Stop staging ``model``, said once: the script takes it over as it is (its
-        released tensors plain meta ones, as a model on meta is without auto)."""
-        self.settled(model)
-        with self._mutex:
-            if self._models.get(model.name) is not model:
+        released tensors meta tensors whose use loads nothing, as on meta without auto)."""
+        while True:
+            self.settled(model)
+            with self._mutex:
+                if _moving_elsewhere(model):  # a load ahead began since: wait for it too
+                    continue
+                # Each step may be taken again (a Ctrl-C between them, then the script's
+                # retry): the hooks go last, so until then a retry comes back here.
+                unmark_empty(module)
+                for part in module.modules():
+                    unmark_released(part)
+                _unhook(module)
+                if self._models.get(model.name) is model:
+                    del self._models[model.name]
+                    for key in [k for k, m in self._shared.items() if m is model]:
+                        del self._shared[key]
+                    self._note(f"{model.name}: {why}: not staged from here on")
                 return
-            del self._models[model.name]
-            for key in [k for k, m in self._shared.items() if m is model]:
-                del self._shared[key]
-            _unhook(module)
-            unmark_empty(module)
-            for part in module.modules():
-                unmark_released(part)
-            self._note(f"{model.name}: {why}: not staged from here on")
 
     def _tick(self) -> int:
         self._clock += 1
@@ -1647,7 +1669,9 @@ def _settled_first(inner: Callable[..., Any]) -> Callable[..., Any]:
         if isinstance(hook, _Hook):
             session, model = hook.session, hook.model
             whole = len(args) == 1 and not kwargs  # _apply(fn, recurse=False): a part only
-            if whole and model.module() is module and _to_meta(args[0]):
+            # to_empty passes recurse=True by name
+            entire = len(args) == 1 and kwargs in ({}, {"recurse": True})
+            if entire and model.module() is module and _to_meta(args[0]):
                 session.give_up(model, module, "moved to meta by the script")
                 return inner(module, *args, **kwargs)
             if whole and session.convert_released(model, module, args[0], inner):
@@ -1664,6 +1688,28 @@ def _settled_first(inner: Callable[..., Any]) -> Callable[..., Any]:
     return _apply
 
 
+def _kept_for_torchscript(inner: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.jit.trace`` and ``torch.jit.script`` while auto is on: the staged models in
+    what they compile load first (a first load inside the tracer was traced too, and
+    failed: "We don't have an op for aten::view") and stay (the TorchScript module holds
+    their tensors: a release emptied them under it, and its next call failed)."""
+
+    @functools.wraps(inner)
+    def compile_kept(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        from torch import nn
+
+        if isinstance(obj, nn.Module):
+            for sub in obj.modules():
+                hook = _auto_hook(sub)
+                if isinstance(hook, _Hook) and hook.model.module() is sub:
+                    # Pinned first: no other thread's load releases it once loaded.
+                    hook.session.pin(hook.model, f"compiled by torch.jit.{inner.__name__}")
+                    hook.session.load(hook.model)
+        return inner(obj, *args, **kwargs)
+
+    return compile_kept
+
+
 def _to_meta(fn: Callable[[Any], Any]) -> bool:
     """Whether the conversion ``fn`` (``_apply``'s) moves tensors to ``meta``
     (``model.to("meta")``: the script drops the weights)."""
@@ -1671,7 +1717,7 @@ def _to_meta(fn: Callable[[Any], Any]) -> bool:
 
     try:
         with torch_function_off():
-            return fn(torch.zeros(1)).is_meta
+            return fn(torch.zeros(1, device="cpu")).is_meta  # not the default device
     except Exception:  # what it raises on the weights it raises there, as eager does
         return False
 
@@ -2326,6 +2372,10 @@ def auto(
     sys.meta_path.insert(0, finder)
     try:
         undo.append(patch(nn.Module, "_apply", _settled_first))
+        import torch.jit
+
+        for attr in ("trace", "script"):
+            undo.append(patch(torch.jit, attr, _kept_for_torchscript))
         for module_name, todo in steps.items():
 
             def run(module: Any, todo: list[Callable[[Any], None]] = todo) -> None:

@@ -2,7 +2,10 @@
 
 A released module's tensors are meta tensors. Marked by :func:`mark_empty`, each becomes a
 meta tensor of a class whose torch functions first ask its owner to fill the module
-(``fill_on_use``), metadata reads (``shape``, ``dtype``, ``device``, ...) excepted. The
+(``fill_on_use``), metadata reads (``shape``, ``dtype``, ``device``, ...) excepted. An
+owner with a ``run_device`` answers ``.device`` with it, and ``.is_meta`` to match when it
+sets ``answers_is_meta`` (auto's); under ``torch_function_off`` they are the meta tensors
+they are. The
 owner fills the same tensor objects in place (``torch.utils.swap_tensors``), so the
 function then runs on the loaded values: ``vae.latents_mean`` read by a pipeline, peft's
 ``fuse_lora`` reading ``base_layer.weight.data``, or a user's
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -83,7 +87,24 @@ def _on_use(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         owner = owner_of(value)
         if owner is not None:
             owner.fill_on_use()
+            if owner_of(value) is owner and getattr(owner, "loaded", False):
+                raise _stray(owner)
             return
+
+
+def _stray(owner: Filler) -> Exception:
+    """The error for an empty tensor of a module its owner says is loaded: the tensor was
+    out of the module while it loaded, so nothing filled it (its computation would run
+    on ``meta``, and fail there or give meta results)."""
+    from ..errors import StageloadError
+
+    return StageloadError(
+        f"a tensor of {getattr(owner, 'name', 'a staged model')} is still empty though the "
+        f"model is loaded: something held it outside the model while it loaded "
+        f"(torch.func.functional_call and torch.nn.utils.stateless swap a model's "
+        f"tensors for their call). Call the model once before such a call, so that it "
+        f"loads with its own tensors in place"
+    )
 
 
 @functools.cache
@@ -93,14 +114,25 @@ def _empty_classes() -> tuple[type, type]:
     import torch
     from torch import nn
 
-    device_get = torch.Tensor.device.__get__
+    device_get, is_meta_get = torch.Tensor.device.__get__, torch.Tensor.is_meta.__get__
 
     def __torch_function__(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        if func == device_get:
-            answer = getattr(owner_of(args[0]), "run_device", None)
-            if answer is not None:
+        if func in (device_get, is_meta_get):
+            owner = owner_of(args[0])
+            answer = getattr(owner, "run_device", None)
+            if answer is not None and func == device_get:
                 return answer
+            # Not meta, as ``.device`` says, for an owner that answers so: a script's "is
+            # my model loaded?" check, or torch's load_state_dict warning that a copy into
+            # a meta tensor is a no-op (the copy loads the module first). stageload's own
+            # code (the frame that read it) gets the truth.
+            if (
+                answer is not None
+                and getattr(owner, "answers_is_meta", False)
+                and not sys._getframe(1).f_globals.get("__name__", "").startswith("stageload.")
+            ):
+                return answer.type == "meta"
         with torch_function_off():
             _on_use(func, args, kwargs)
             return func(*args, **kwargs)
@@ -159,8 +191,8 @@ def mark_empty(module: nn.Module, owner: Filler) -> None:
 
 
 def unmark_empty(module: nn.Module) -> None:
-    """Make ``module``'s empty tensors plain meta tensors again: their use no longer asks
-    an owner to fill them (a module its owner gave up)."""
+    """Take the owner off ``module``'s empty tensors: their use no longer asks one to fill
+    them, and runs on meta (a module its owner gave up)."""
     with torch_function_off():
         for t in _tensors(module):
             t.__dict__.pop(_OWNER_KEY, None)

@@ -182,7 +182,8 @@ def conversion_probes(
     """What ``fn`` (a conversion ``nn.Module._apply`` was given: ``.to``, ``.half``,
     ``.cuda``) makes of a tensor of each of ``dtypes`` on ``device``, so that a released
     model's conversion can be recorded and made at its loads. None where it does more than
-    change dtypes and devices: a memory format, probed on 4- and 5-dimensional tensors
+    change dtypes and devices: shared memory (``share_memory()``), a memory format, probed
+    on 4- and 5-dimensional tensors
     (channels_last strides differ from contiguous ones; a 1-element probe missed it, and
     the diffusers adapter dropped ``unet.to(memory_format=torch.channels_last)``). Raises
     what ``fn`` raises."""
@@ -195,8 +196,8 @@ def conversion_probes(
             got = fn(probe)
             if not isinstance(got, torch.Tensor) or got.shape != probe.shape:
                 return None
-            if got.stride() != probe.stride():
-                return None
+            if got.stride() != probe.stride() or got.is_shared():
+                return None  # (shared memory: share_memory(), which needs the weights)
             out[dtype] = got
     return out
 
