@@ -374,6 +374,16 @@ def test_the_cli_says_what_it_cannot_run(tmp_path):
     plain = _run(["where.py"], tmp_path)
     staged = _run(["-m", "stageload", "auto", "--", "python", "where.py"], tmp_path)
     assert staged.stdout == plain.stdout == f"{tmp_path / 'where.py'}\n"
+    # A folder runs its __main__.py, as python runs it (it was "no script 'app'").
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text("import helper\nprint(helper.X)\n")
+    (tmp_path / "app" / "helper.py").write_text("X = 42\n")
+    plain = _run(["app"], tmp_path)
+    staged = _run(["-m", "stageload", "auto", "--", "python", "app"], tmp_path)
+    assert staged.returncode == plain.returncode == 0 and staged.stdout == plain.stdout == "42\n"
+    (tmp_path / "empty").mkdir()
+    empty = _run(["-m", "stageload", "auto", "--", "python", "empty"], tmp_path)
+    assert empty.returncode == 2 and "no __main__.py in the folder 'empty'" in empty.stderr
 
 
 def test_a_script_chaining_three_transformers_models_equals_eager(tmp_path):

@@ -26,9 +26,10 @@ and the next models load ahead in a background thread while the current one comp
 (those that reload from their files). Seeded scripts give the results they give without
 it, bit for bit.
 
-The command is a Python script or module: 'python script.py ARGS', 'script.py ARGS' or
-'python -m module ARGS'. Other python options are not taken (the script runs in this
-interpreter). Under 'stageload meter', the loads and releases go into the trace.
+The command is a Python script or module: 'python script.py ARGS', 'script.py ARGS',
+'python folder ARGS' (its __main__.py) or 'python -m module ARGS'. Other python
+options are not taken (the script runs in this interpreter). Under 'stageload meter',
+the loads and releases go into the trace.
 
 Examples:
   stageload auto -- python generate.py --prompt "a cat"
@@ -91,6 +92,10 @@ def _target(command: list[str]) -> tuple[str, str, list[str]] | str:
                 f"python option {words[0]!r} is not taken: the script runs in this "
                 f"interpreter; give only the script and its arguments"
             )
+    if os.path.isdir(words[0]):  # as python runs a folder: its __main__.py
+        if not os.path.isfile(os.path.join(words[0], "__main__.py")):
+            return f"no __main__.py in the folder {words[0]!r} (python runs that one)"
+        return "path", words[0], words
     if not os.path.isfile(words[0]):
         return (
             f"no script {words[0]!r}; stageload auto runs a Python script in this "
@@ -134,7 +139,11 @@ def run(args: argparse.Namespace) -> int:
     # command's own, so a factory in the script's package imports from there.
     sys.argv = argv
     if not sys.flags.safe_path:  # python -P adds no folder: sys.path[0] is PYTHONPATH's
-        sys.path[0] = os.path.dirname(os.path.abspath(what)) if kind == "path" else os.getcwd()
+        where = os.path.abspath(what)
+        if kind == "module":
+            sys.path[0] = os.getcwd()
+        else:  # a folder run by its __main__.py: the folder itself
+            sys.path[0] = where if os.path.isdir(where) else os.path.dirname(where)
     try:
         for spec in args.factory:
             _not_the_script(spec, kind, what)
