@@ -2086,13 +2086,24 @@ def test_control_a_copied_hook_holds_the_sessions_lock_and_cannot_be_pickled(
         copies_of_models(st_folder)
 
 
+def copied_as(model: Any, how: str) -> Any:
+    """``copy.deepcopy(model)``, or (``how="save"``) ``torch.save`` then ``torch.load``."""
+    import copy
+    import io
+
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    saved.seek(0)
+    return torch.load(saved, weights_only=False)
+
+
 def copy_of_a_released_model(own: bool, how: str = "deepcopy") -> tuple[Any, ...]:
     """Room for one model: a copy of ``a`` (``copy.deepcopy``, or ``torch.save`` then
     ``torch.load``), released by ``b``'s use, whose first child holds no tensor (``own``:
     and which has a tensor of its own, which the copy reaches first). Returns (the copy's
     output, the original's, the copy's tensor classes and hooks)."""
-    import copy
-    import io
 
     from stageload.hooks.registry import HookRegistry
 
@@ -2101,13 +2112,7 @@ def copy_of_a_released_model(own: bool, how: str = "deepcopy") -> tuple[Any, ...
     with torch.no_grad(), auto(budget=1, factories=[make], defaults=False):
         a, b = auto_script.make_quiet_first(0, own), auto_script.make_quiet_first(1, own)
         a(x), b(x)
-        if how == "deepcopy":
-            copied = copy.deepcopy(a)
-        else:
-            saved = io.BytesIO()
-            torch.save(a, saved)
-            saved.seek(0)
-            copied = torch.load(saved, weights_only=False)
+        copied = copied_as(a, how)
         kinds = {type(t).__name__ for t in copied.parameters()}
         registries = [HookRegistry.of(m) for m in copied.modules()]
         hooks = {type(h).__name__ for r in registries if r is not None for h in r.hooks()}
@@ -2137,8 +2142,6 @@ def test_a_copy_of_a_released_model_whose_first_tensor_is_deep_holds_it(how):
     """The copy reached a block's ReLU (no tensor, released with the block) before any
     tensor: the release's hook on it was copied, and the copy raised at its call (and
     needed stageload to load from a file)."""
-    import copy
-    import io
 
     from stageload.hooks.registry import HookRegistry
 
@@ -2147,13 +2150,7 @@ def test_a_copy_of_a_released_model_whose_first_tensor_is_deep_holds_it(how):
     with torch.no_grad(), auto(budget=1, factories=[make], defaults=False):
         a, b = auto_script.make_nested(0), auto_script.make_nested(1)
         a(x), b(x)
-        if how == "deepcopy":
-            copied = copy.deepcopy(a)
-        else:
-            saved = io.BytesIO()
-            torch.save(a, saved)
-            saved.seek(0)
-            copied = torch.load(saved, weights_only=False)
+        copied = copied_as(a, how)
         assert [HookRegistry.of(m) for m in copied.modules()] == [None] * 4
         assert torch.equal(copied(x), a(x))
 
