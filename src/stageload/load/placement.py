@@ -94,11 +94,7 @@ def empty_at(shape: tuple[int, ...], dtype: torch.dtype, misalign: int) -> torch
     """A fresh CPU tensor whose address is ``misalign`` mod :data:`ALIGN`.
 
     0 (or a residue the dtype cannot start at) is a plain ``torch.empty``, which torch's
-    allocator aligns to 64; otherwise it is carved out of an allocation 64 bytes larger,
-    with a storage of its own that covers it exactly, as a tensor of the file's mmap has
-    (a view into the larger storage made ``safetensors.save_model`` refuse tied weights,
-    "None is covering the entire storage", and ``torch.save`` write the padding). The
-    storage cannot be resized: a release drops it with its last view.
+    allocator aligns to 64; otherwise a view into 64 spare bytes more.
     """
     import torch
 
@@ -110,8 +106,7 @@ def empty_at(shape: tuple[int, ...], dtype: torch.dtype, misalign: int) -> torch
         nbytes *= d
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     shift = (misalign - raw.data_ptr()) % ALIGN
-    exact = torch.from_dlpack(raw[shift : shift + nbytes])  # keeps ``raw`` alive
-    return exact.view(dtype).view(shape)
+    return raw[shift : shift + nbytes].view(dtype).view(shape)
 
 
 #: torch dtype name -> safetensors code.
