@@ -1825,33 +1825,39 @@ def test_control_shared_memory_taken_as_a_conversion_loses_the_training(st_folde
     assert torch.equal(bias, load_file(f"{st_folder}/a.safetensors")["layers.0.bias"])
 
 
-def traced_then_others(folder: str) -> tuple[Any, ...]:
-    """Room for one model: ``torch.jit.trace`` of ``a`` after its first use (``a`` out
-    by then), then ``b`` and ``c`` used, then the traced module called. Returns (its
-    output, eager's, the notes)."""
+def traced_then_others(folder: str, part: bool) -> tuple[Any, ...]:
+    """Room for one model: ``torch.jit.trace`` of ``a`` (``part``: of its ``layers``),
+    ``a`` out by then, then ``b`` and ``c`` used, then the traced module called. Returns
+    (its output, eager's, the notes)."""
     paths = [f"{folder}/{n}.safetensors" for n in auto_script.NAMES]
     x = torch.ones(1, auto_script.WIDTH)
     with torch.no_grad():
-        want = auto_script.load_st(paths[0])(x)
+        eager = auto_script.load_st(paths[0])
+        want = (eager.layers if part else eager)(x)
         with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False) as session:
             a, b, c = (auto_script.load_st(p) for p in paths)
-            traced = torch.jit.trace(a, x)
+            traced = torch.jit.trace(a.layers if part else a, x)
             b(x), c(x)
             return traced(x), want, session.notes
 
 
-def test_a_traced_model_loads_for_the_tracer_and_stays(st_folder):
+@pytest.mark.parametrize("part", [False, True], ids=["model", "part"])
+def test_a_traced_model_loads_for_the_tracer_and_stays(st_folder, part):
     """The TorchScript module holds the model's tensors: a release emptied them under it
-    ("setStorage: ... out of bounds for storage of size 0" at its next call)."""
-    got, want, notes = traced_then_others(st_folder)
+    ("setStorage: ... out of bounds for storage of size 0" at its next call), and a load
+    inside the tracer was traced too."""
+    got, want, notes = traced_then_others(st_folder, part)
     assert torch.equal(got, want)
     assert notes[0] == "a.safetensors: compiled by torch.jit.trace: kept loaded, not staged"
 
 
-def test_control_traced_as_it_is_the_release_empties_the_traced_module(st_folder, monkeypatch):
+@pytest.mark.parametrize("part", [False, True], ids=["model", "part"])
+def test_control_traced_as_it_is_the_release_empties_the_traced_module(
+    st_folder, monkeypatch, part
+):
     monkeypatch.setattr(stageload.autostage, "_kept_for_torchscript", lambda inner: inner)
     with pytest.raises(RuntimeError):
-        traced_then_others(st_folder)
+        traced_then_others(st_folder, part)
 
 
 def moved_to_meta(folder: str) -> tuple[Any, ...]:

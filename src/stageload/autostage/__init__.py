@@ -1698,13 +1698,19 @@ def _kept_for_torchscript(inner: Callable[..., Any]) -> Callable[..., Any]:
     def compile_kept(obj: Any, *args: Any, **kwargs: Any) -> Any:
         from torch import nn
 
-        if isinstance(obj, nn.Module):
-            for sub in obj.modules():
-                hook = _auto_hook(sub)
-                if isinstance(hook, _Hook) and hook.model.module() is sub:
+        if isinstance(obj, nn.Module) and _ACTIVE:
+            session = _ACTIVE[0]
+            parts = {id(sub) for sub in obj.modules()}
+            with session._mutex:
+                models = list(session._models.values())
+            for model in models:  # the staged models in it, and the one it is a part of
+                module = model.module()
+                if module is not None and (
+                    id(module) in parts or any(sub is obj for sub in module.modules())
+                ):
                     # Pinned first: no other thread's load releases it once loaded.
-                    hook.session.pin(hook.model, f"compiled by torch.jit.{inner.__name__}")
-                    hook.session.load(hook.model)
+                    session.pin(model, f"compiled by torch.jit.{inner.__name__}")
+                    session.load(model)
         return inner(obj, *args, **kwargs)
 
     return compile_kept

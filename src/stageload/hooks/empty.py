@@ -100,10 +100,11 @@ def _stray(owner: Filler) -> Exception:
 
     return StageloadError(
         f"a tensor of {getattr(owner, 'name', 'a staged model')} is still empty though the "
-        f"model is loaded: something held it outside the model while it loaded "
-        f"(torch.func.functional_call and torch.nn.utils.stateless swap a model's "
-        f"tensors for their call). Call the model once before such a call, so that it "
-        f"loads with its own tensors in place"
+        f"model is loaded: it was not in the model when it loaded. Either a call held it "
+        f"outside (torch.func.functional_call and torch.nn.utils.stateless swap a model's "
+        f"tensors for their call: call the model once before such a call), or the script "
+        f"kept it across a release with a weak reference to it, which the load cannot "
+        f"fill in place (read the tensor from the model again after its call)"
     )
 
 
