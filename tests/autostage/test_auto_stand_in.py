@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
 import stageload.autostage  # noqa: E402
+import stageload.hooks.empty  # noqa: E402
 import stageload.load.refill  # noqa: E402
 import stageload.load.skeleton  # noqa: E402
 from stageload import ListSink  # noqa: E402
@@ -312,6 +313,43 @@ def test_what_from_pretrained_sets_beside_the_weights_is_there_after_the_first_u
     assert model.name_or_path == eager.name_or_path
     assert model.config.hidden_dropout_prob == eager.config.hidden_dropout_prob
     assert set(vars(eager)) <= set(vars(model))
+
+
+def frozen_then_called(path: Path) -> tuple[list[Any], Any, bool, bool]:
+    """A BERT made by ``from_pretrained`` under ``auto(budget=1)``, frozen by the
+    parameter setter (a teacher in a training script), then called. Returns the loads
+    before the call, its output, whether any parameter wants a gradient after it, and
+    whether the output does."""
+    from transformers import BertModel
+
+    sink = ListSink()
+    with auto(budget=1, events=sink):
+        model = BertModel.from_pretrained(path)
+        for p in model.parameters():
+            p.requires_grad = False
+        before = [e.model for e in sink.events if e.kind in ("load", "reload")]
+        out = model(torch.tensor([[1, 2, 3]])).last_hidden_state
+        wants = any(p.requires_grad for p in model.parameters())
+    return before, out, wants, out.requires_grad
+
+
+def test_freezing_a_model_before_its_first_use_reads_nothing_and_holds(bert):
+    from transformers import BertModel
+
+    eager = BertModel.from_pretrained(bert)
+    for p in eager.parameters():
+        p.requires_grad = False
+    want = eager(torch.tensor([[1, 2, 3]])).last_hidden_state
+    before, got, wants, out_wants = frozen_then_called(bert)
+    assert before == []
+    assert torch.equal(got, want) and not wants and not out_wants and not want.requires_grad
+
+
+def test_control_the_setter_taken_for_a_use_reads_the_model(bert, monkeypatch):
+    without = stageload.hooks.empty._metadata() - {torch.Tensor.requires_grad.__set__}
+    monkeypatch.setattr(stageload.hooks.empty, "_metadata", lambda: without)
+    before, *_ = frozen_then_called(bert)
+    assert len(before) == 1
 
 
 def test_the_config_says_the_dtype_from_pretrained_gave(bert):

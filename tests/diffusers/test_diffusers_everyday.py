@@ -356,6 +356,61 @@ def test_control_without_loading_on_use_an_edit_of_an_unloaded_component_is_lost
     assert not torch.equal(image(pipe), image(ref))
 
 
+def freeze(pipe: Any, how: str) -> None:
+    """A training script's first lines: the pipeline's models take no gradients."""
+    for part in (pipe.unet, pipe.text_encoder):
+        if how == "method":
+            part.requires_grad_(False)
+        else:
+            for p in part.parameters():
+                p.requires_grad = False
+
+
+def frozen_through_calls(path: Path, how: str) -> tuple[list[Any], list[tuple[bool, bool]]]:
+    """A staged pipeline frozen before its first call (``how``), then called twice.
+    Returns the loads before the first call, and (any of the UNet's parameters wanting a
+    gradient, any of the VAE's) after each call."""
+    pipe = staged(path)
+    freeze(pipe, how)
+    before = pipe.stageload.models.loaded()
+    wants = []
+    for _ in range(2):
+        image(pipe)
+        wants.append(
+            tuple(any(p.requires_grad for p in m.parameters()) for m in (pipe.unet, pipe.vae))
+        )
+    return before, wants
+
+
+@pytest.mark.parametrize("how", ["method", "setter"])
+def test_a_pipeline_frozen_before_its_first_call_stays_frozen_and_loads_nothing(
+    path: Path, how: str
+) -> None:
+    ref = eager(path)
+    freeze(ref, how)
+    want = [any(p.requires_grad for p in m.parameters()) for m in (ref.unet, ref.vae)]
+    before, wants = frozen_through_calls(path, how)
+    assert before == []  # setting a flag reads no weights
+    assert [list(w) for w in wants] == [want, want] == [[False, True], [False, True]]
+
+
+@pytest.mark.parametrize(
+    "undone", ["fill", "setter"], ids=["the-flag-left-to-the-load", "the-setter-loading"]
+)
+def test_control_a_freeze_before_the_first_call_is_lost_or_loads(
+    path: Path, monkeypatch: pytest.MonkeyPatch, undone: str
+) -> None:
+    if undone == "fill":  # the load's own flags win
+        monkeypatch.setattr(_placeholder, "_frozen", lambda skeleton: set())
+        _, wants = frozen_through_calls(path, "method")
+        assert wants[0][0]
+    else:  # the setter not taken for metadata: it reads the component
+        without = stageload.hooks.empty._metadata() - {torch.Tensor.requires_grad.__set__}
+        monkeypatch.setattr(stageload.hooks.empty, "_metadata", lambda: without)
+        before, _ = frozen_through_calls(path, "setter")
+        assert before != []
+
+
 @pytest.fixture(scope="module")
 def adapter(path: Path) -> dict[str, torch.Tensor]:
     pytest.importorskip("peft")

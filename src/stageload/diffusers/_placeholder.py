@@ -518,6 +518,7 @@ def fill(skeleton: nn.Module, loaded: nn.Module, tracked: Tracked) -> nn.Module:
             f"checkpoint's class changed since the pipeline was built"
         )
     fresh = tracked.empty(skeleton)
+    frozen = _frozen(skeleton)  # the loaded tensors come with their own flag
 
     def missing(name: str) -> TypeError:
         return TypeError(
@@ -535,8 +536,17 @@ def fill(skeleton: nn.Module, loaded: nn.Module, tracked: Tracked) -> nn.Module:
         )
         for sub in skeleton.modules():
             unmark_released(sub)  # live again
+        for name, t in skeleton.named_parameters():
+            if name in frozen:
+                t.requires_grad_(False)
     tracked.filled(skeleton, fresh)
     return skeleton
+
+
+def _frozen(skeleton: nn.Module) -> set[str]:
+    """The empty parameters the script took gradients from while the component was not
+    loaded (``unet.requires_grad_(False)``, the first line of a training script)."""
+    return {n for n, t in skeleton.named_parameters() if t.is_meta and not t.requires_grad}
 
 
 def check_added(name: str, skeleton: nn.Module, tracked: Tracked) -> None:

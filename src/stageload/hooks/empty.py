@@ -60,6 +60,9 @@ def _metadata() -> frozenset[Any]:
             continue
         out.add(attr.__get__ if hasattr(attr, "__set__") or not callable(attr) else attr)
         out.add(getattr(torch.Tensor, name) if callable(getattr(torch.Tensor, name)) else attr)
+    # ``p.requires_grad = False`` (freezing a model) sets a flag, as ``requires_grad_`` does:
+    # loading for it read every model a script froze before its first use.
+    out.add(torch.Tensor.requires_grad.__set__)
     return frozenset(out)
 
 
