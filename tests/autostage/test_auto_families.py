@@ -253,3 +253,36 @@ def test_control_factories_run_at_once_fail(root: Path, monkeypatch: pytest.Monk
         if broken:
             break
     assert broken
+
+
+def img2img_plans(root: Path) -> tuple[list[Any], list[Any], Any]:
+    """Stable Diffusion img2img (``vae.encode`` of the input image before the unet) under a
+    budget for the unet beside the vae, two calls. Returns eager's outputs, auto's, and
+    auto's plan after the first call."""
+    family = FAMILIES["sd-img2img"]
+    path = folder(family, root)
+    want = two_calls("sd-img2img", path)
+    with auto(budget=350_000, prefetch=False) as session:  # unet 268 kB + vae 61 kB
+        pipe = family.load(path)
+        pipe.set_progress_bar_config(disable=True)
+        got = [pipe(**family.call(0))[0]]
+        plan = session.record.plan
+        got.append(pipe(**family.call(1))[0])
+    return want, got, plan
+
+
+def test_img2img_keeps_the_plan_it_started_with_its_vae_joining_the_first_stage(root: Path):
+    """The offload order lists the vae last; img2img uses it first too. It joins the
+    current stage, as the diffusers adapter's bridge, and the plan holds through the
+    first call (dropped, the first two calls ran on least-recently-used alone)."""
+    want, got, plan = img2img_plans(root)
+    assert same(got, want)
+    assert plan == {"text_encoder": ("text_encoder", "vae"), "unet": ("unet",), "vae": ("vae",)}
+
+
+def test_control_a_use_before_its_stage_drops_the_plan(root: Path, monkeypatch: pytest.MonkeyPatch):
+    import stageload.autostage as autostage
+
+    monkeypatch.setattr(autostage._Record, "_later", lambda self, name: False)
+    _, _, plan = img2img_plans(root)
+    assert plan is None

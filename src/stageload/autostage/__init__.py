@@ -218,29 +218,47 @@ class _Record:
 
     def seed(self, plan: Plan) -> None:
         """A plan known before the models' first use (a plan source: diffusers' offload
-        order, Pixal3D's stages): followed from its first stage, forgotten at the first
-        use of a model it lists out of its order."""
+        order, Pixal3D's stages): followed from its first stage. A model it lists for a
+        later stage, used early, joins the current stage; a use out of its order otherwise
+        forgets it."""
         self.plan, self.stage, self.seeded = plan, plan.order[-1], True
 
-    def add(self, name: str) -> None:
+    def add(self, name: str) -> bool:
+        """Record a use of ``name``; whether it begins a new span of the plan (another
+        stage of it, or a use with no plan)."""
+        plan, stage = self.plan, self.stage
         if self.uses and self.uses[-1] == name:
-            return
+            return plan is None
         self.uses.append(name)
         del self.uses[:-USES_KEPT]
+        joined = False
         if self.plan is not None and self.stage is not None:
             after = self.plan.next_stage(self.stage)
             if name in self.plan[after] and name not in self.plan[self.stage]:
                 self.stage = after
+            elif name not in self.plan[self.stage] and self.seeded and self._later(name):
+                # Used before its stage (img2img's vae.encode before the unet): the plan
+                # holds, the model with the current stage's, as the diffusers adapter's
+                # refine bridges it (dropping the plan left the first two calls to LRU).
+                stages = dict(self.plan.items())
+                stages[self.stage] = (*stages[self.stage], name)
+                self.plan, joined = Plan(stages), True
             elif name not in self.plan[self.stage] and (
                 not self.seeded or self.plan.listed(name)  # unlisted: MoGe, before the run
             ):
                 self.plan = self.stage = None  # off the cycle: learn it again
                 self.seeded = False
-            if self.plan is not None and not self.seeded:
-                return
-        # Also while a source's plan is followed: a lap learned from the uses has a stage
-        # per use, finer than a source's stages, and replaces it.
-        self._learn()
+        if self.plan is None or self.seeded:
+            # Also while a source's plan is followed: a lap learned from the uses has a
+            # stage per use, finer than a source's stages, and replaces it.
+            self._learn()
+        return plan is None or (self.plan is not plan and not joined) or self.stage != stage
+
+    def _later(self, name: str) -> bool:
+        """Whether the plan lists ``name`` in a stage after the current one, this lap."""
+        assert self.plan is not None and self.stage is not None
+        at = self.plan.index(self.stage)
+        return any(name in self.plan[s] for s in self.plan.order[at + 1 :])
 
     def _learn(self) -> None:
         """The shortest lap that ends with the use before this one and starts with the same
@@ -671,10 +689,9 @@ class AutoSession:
                 return
             record, now = self.record, time.perf_counter()
             plan, stage = record.plan, record.stage
-            record.add(model.name)
             # The plan's stage, not the model, bounds the spans and the loads ahead: a
             # source's stage may list several models (Pixal3D's).
-            span = plan is None or record.plan is not plan or record.stage != stage
+            span = record.add(model.name)
             # As StagedModels.enter: a load ahead ends before the next stage starts (it is
             # for that stage), so the trace and the cost model's spans see it there.
             me = threading.current_thread()
