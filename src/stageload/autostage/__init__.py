@@ -438,8 +438,8 @@ class AutoSession:
         args, kwargs = _anchored(args), _anchored_kwargs(kwargs)
         key = _key(factory, args, kwargs)
         waited = False  # for the same call in another thread: its result is this one's
-        twin = None  # a model of a factory that drew, to compare the call's result with
         while True:
+            # twin: a model of a factory that drew, to compare the call's result with
             ticket = running = twin = None
             with self._mutex:
                 self._prune()
@@ -771,6 +771,20 @@ class AutoSession:
         """Keep ``model`` loaded from now on, and say why once."""
         with self._mutex:
             self._pin(model, why)
+
+    def keep_loaded(self, obj: nn.Module, why: str) -> None:
+        """Load the staged models in ``obj``, and the one it is a part of, and keep them
+        loaded from now on (``why``)."""
+        parts = {id(sub) for sub in obj.modules()}
+        with self._mutex:
+            models = list(self._models.values())
+        for model in models:
+            module = model.module()
+            if module is not None and (
+                id(module) in parts or any(sub is obj for sub in module.modules())
+            ):
+                self.pin(model, why)  # first: no other thread's load releases it once loaded
+                self.load(model)
 
     def seed(self, stages: Iterable[Iterable[Any]], source: str) -> None:
         """The order a plan source gives, before the first use: its stages in order, each
@@ -1303,10 +1317,15 @@ class AutoSession:
 
     def _prune(self) -> None:
         while self._dead:
-            model = self._models.pop(self._dead.pop(), None)
+            model = self._models.get(self._dead.pop())
             if model is not None:
-                for key in [k for k, m in self._shared.items() if m is model]:
-                    del self._shared[key]
+                self._forget(model)
+
+    def _forget(self, model: _Model) -> None:
+        """Under the lock: no record of ``model`` from here on, nor of its factory calls."""
+        del self._models[model.name]
+        for key in [k for k, m in self._shared.items() if m is model]:
+            del self._shared[key]
 
     def give_up(self, model: _Model, module: nn.Module, why: str) -> None:
         """Stop staging ``model``, said once: the script takes it over as it is (its
@@ -1323,9 +1342,7 @@ class AutoSession:
                     unmark_released(part)
                 _unhook(module)
                 if self._models.get(model.name) is model:
-                    del self._models[model.name]
-                    for key in [k for k, m in self._shared.items() if m is model]:
-                        del self._shared[key]
+                    self._forget(model)
                     self._note(f"{model.name}: {why}: not staged from here on")
                 return
 
@@ -1716,18 +1733,7 @@ def _kept_for_torchscript(inner: Callable[..., Any]) -> Callable[..., Any]:
         from torch import nn
 
         if isinstance(obj, nn.Module) and _ACTIVE:
-            session = _ACTIVE[0]
-            parts = {id(sub) for sub in obj.modules()}
-            with session._mutex:
-                models = list(session._models.values())
-            for model in models:  # the staged models in it, and the one it is a part of
-                module = model.module()
-                if module is not None and (
-                    id(module) in parts or any(sub is obj for sub in module.modules())
-                ):
-                    # Pinned first: no other thread's load releases it once loaded.
-                    session.pin(model, f"compiled by torch.jit.{inner.__name__}")
-                    session.load(model)
+            _ACTIVE[0].keep_loaded(obj, f"compiled by torch.jit.{inner.__name__}")
         return inner(obj, *args, **kwargs)
 
     return compile_kept

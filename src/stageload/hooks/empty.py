@@ -33,7 +33,12 @@ class Filler(Protocol):
     """What an empty tensor asks: fill your module now (its tensors, in place). An owner
     may also have a ``run_device``: where its module runs, which the empty tensors then
     answer for ``.device`` (``x.to(next(model.parameters()).device)``, the everyday way
-    to place inputs, would otherwise put them on ``meta``)."""
+    to place inputs, would otherwise put them on ``meta``); and ``loaded``, whether its
+    module is loaded: an empty tensor used then was out of the module when it loaded,
+    which is an error (:func:`_stray`) rather than a load that fills nothing."""
+
+    #: The module's name, for errors.
+    name: str
 
     def fill_on_use(self) -> None: ...
 
@@ -102,7 +107,7 @@ def _stray(owner: Filler) -> Exception:
     from ..errors import StageloadError
 
     return StageloadError(
-        f"a tensor of {getattr(owner, 'name', 'a staged model')} is still empty though the "
+        f"a tensor of {owner.name} is still empty though the "
         f"model is loaded: it was not in the model when it loaded. Either a call held it "
         f"outside (torch.func.functional_call and torch.nn.utils.stateless swap a model's "
         f"tensors for their call: call the model once before such a call), or the script "
