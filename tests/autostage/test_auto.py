@@ -321,6 +321,23 @@ def test_the_cli_runs_the_unmodified_script_staged_and_meters_it(folder, tmp_pat
     assert kinds.count("reload") == 6 and kinds.count("release") >= 6
 
 
+def test_the_cli_says_on_stderr_what_it_keeps_loaded(folder, tmp_path):
+    """Outside ``stageload meter`` the notes had no reader: a run that saved no memory
+    said nothing. Each note once, as it is found; none after the script's end."""
+    script = str(Path(auto_script.__file__).with_name("auto_main.py"))
+    done = _run(
+        [
+            "-m", "stageload", "auto", "--budget", "1", "--no-defaults", "--factory", FACTORY,
+            "--", "python", script, folder, str(tmp_path / "auto.pt"),
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("stageload auto: ")]
+    assert said and all("over the budget of 1 B; loaded anyway" in line for line in said), said
+    assert len(said) == len(set(said))
+
+
 def test_the_console_script_runs_a_module_of_the_working_directory(tmp_path):
     """``stageload auto -- python -m localmod`` through the installed ``stageload``
     script, whose own folder is its ``sys.path[0]``: a check of the module before the run
@@ -2012,6 +2029,25 @@ def test_a_named_factory_nothing_called_is_said_at_the_end(st_folder, imported_f
     if said:
         assert said[0].startswith(f"{ST} was never called")
         assert "from fixtures.auto_script import load_st" in said[0]
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "def f():\n    raise ValueError('deep')\nf()\n",
+        "import sys\nsys.excepthook = lambda t, v, tb: print('mine:', t.__name__, v)\n"
+        "raise RuntimeError('x')\n",
+    ],
+    ids=["traceback", "own-excepthook"],
+)
+def test_a_scripts_error_is_printed_as_python_prints_it(tmp_path, source):
+    """From the script's first frame (not this command's and runpy's), through the
+    script's own ``sys.excepthook`` if it set one (rich's, a logger's: it was skipped)."""
+    (tmp_path / "s.py").write_text(source)
+    plain = _run(["s.py"], tmp_path)
+    staged_run = _run(["-m", "stageload", "auto", "--", "python", "s.py"], tmp_path)
+    assert staged_run.returncode == plain.returncode == 1
+    assert (staged_run.stdout, staged_run.stderr) == (plain.stdout, plain.stderr)
 
 
 def test_the_cli_warns_of_a_factory_a_package_re_exports(tmp_path):

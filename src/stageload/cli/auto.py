@@ -8,7 +8,6 @@ import importlib.util
 import os
 import runpy
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,8 +27,9 @@ it, bit for bit.
 
 The command is a Python script or module: 'python script.py ARGS', 'script.py ARGS',
 'python folder ARGS' (its __main__.py) or 'python -m module ARGS'. Other python
-options are not taken (the script runs in this interpreter). Under 'stageload meter',
-the loads and releases go into the trace.
+options are not taken (the script runs in this interpreter). What auto cannot stage it
+says on stderr as it finds it, one line each ('stageload auto: ...': a model kept loaded,
+and why); under 'stageload meter', the loads and releases go into the trace too.
 
 Examples:
   stageload auto -- python generate.py --prompt "a cat"
@@ -147,11 +147,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         for spec in args.factory:
             _not_the_script(spec, kind, what)
+        said = _SaidOnStderr()
         session = auto(
             budget=args.budget,
             factories=args.factory,
             defaults=not args.no_defaults,
             prefetch=not args.no_prefetch,
+            events=said,
         )
         staging = session.__enter__()
     except (AutoError, ValueError, TypeError) as exc:
@@ -173,14 +175,41 @@ def run(args: argparse.Namespace) -> int:
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
     except KeyboardInterrupt:
-        traceback.print_exc()
+        _print_error()
         code = 130
     except BaseException:  # noqa: BLE001  the script's error, printed as python would
-        traceback.print_exc()
+        _print_error()
         code = 1
+    said.on = False  # the end of the block's notes: the warning below, or the error above
     if code == 0:  # said once the script's threads are done too (a failed run says why)
         atexit.register(_warn_uncalled, staging, uncalled_note)
     return code
+
+
+class _SaidOnStderr:
+    """auto's notes on stderr while the script runs, each once as auto says it: a model it
+    keeps loaded and why (run without torch.no_grad(), over the budget alone, changed by
+    the script). Without them a script that saved no memory said nothing, outside
+    'stageload meter'. Any thread may emit (loads ahead)."""
+
+    def __init__(self) -> None:
+        self.on = True
+
+    def emit(self, event: Any) -> None:
+        if self.on and event.kind == "note" and event.note:
+            print(f"stageload auto: {event.note}", file=sys.stderr, flush=True)
+
+
+def _print_error() -> None:
+    """The exception being handled, as python prints a script's: through ``sys.excepthook``
+    (the script's own, if it set one: rich's, a logger's), from the script's first frame
+    (without this command's and runpy's)."""
+    kind, value, tb = sys.exc_info()
+    while tb is not None and tb.tb_frame.f_globals.get("__name__") != "__main__":
+        tb = tb.tb_next
+    if value is not None:  # the default hook prints the exception's own traceback
+        value.__traceback__ = tb
+    sys.excepthook(kind, value, tb)  # type: ignore[arg-type]
 
 
 def _warn_uncalled(staging: Any, note: Callable[[str], str]) -> None:
