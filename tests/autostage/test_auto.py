@@ -355,6 +355,21 @@ def test_the_console_script_runs_a_module_of_the_working_directory(tmp_path):
     assert done.returncode == 0 and "ran localmod" in done.stdout, done.stderr
 
 
+def test_the_cli_says_which_interpreter_runs_the_script(tmp_path):
+    """``-- /usr/bin/python3 x.py`` from a virtual environment ran in the environment's
+    python, with its packages, without a word (helper-43). A python of this one's folder
+    is this one."""
+    (tmp_path / "bin").mkdir()
+    other = tmp_path / "bin" / "python3"
+    other.symlink_to(sys.executable)
+    (tmp_path / "ok.py").write_text("print('ran')\n")
+    for python, warned in ((str(other), True), (sys.executable, False)):
+        done = _run(["-m", "stageload", "auto", "--", python, "ok.py"], tmp_path)
+        assert done.returncode == 0 and done.stdout == "ran\n", done.stderr
+        said = f"the script runs in this interpreter, {sys.executable}, not {other}"
+        assert (said in done.stderr) is warned, done.stderr
+
+
 def test_keywords_that_name_no_path_are_not_anchored(tmp_path, monkeypatch):
     """``subfolder="unet"`` beside a ``unet`` folder in the working directory became its
     absolute path, and diffusers read another folder (a helper's review)."""
@@ -376,9 +391,12 @@ def test_the_cli_says_what_it_cannot_run(tmp_path):
     # ImportError) or a run that staged nothing and said nothing.
     said = {
         ("--", "/usr/bin/env", "python", "x.py"): "'/usr/bin/env' is a program, not a Python",
-        ("--", "bash", "-c", "true"): "no script 'bash'; stageload auto runs a Python script",
+        ("--", "bash", "-c", "true"): "'bash' is a program, not python; stageload auto runs",
+        # helper-43's: a shell script was read as Python (a SyntaxError)
+        ("--", "run.sh"): "'run.sh' starts with '#!/bin/sh': not a Python script",
         ("--no-defaults", "--", "python", "-m", "json.tool"): "--no-defaults with no --factory",
     }
+    (tmp_path / "run.sh").write_text("#!/bin/sh\necho hello\n")
     for words, message in said.items():
         done = _run(["-m", "stageload", "auto", *words], tmp_path)
         assert done.returncode == 2 and message in done.stderr, (words, done.stderr)

@@ -7,6 +7,7 @@ import atexit
 import importlib.util
 import os
 import runpy
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -97,21 +98,45 @@ def _target(command: list[str]) -> tuple[str, str, list[str]] | str:
             return f"no __main__.py in the folder {words[0]!r} (python runs that one)"
         return "path", words[0], words
     if not os.path.isfile(words[0]):
+        if shutil.which(words[0]) is not None:  # -- bash run.sh
+            return (
+                f"{words[0]!r} is a program, not python; stageload auto runs a Python "
+                f"script in this interpreter: -- python script.py [args]"
+            )
         return (
             f"no script {words[0]!r}; stageload auto runs a Python script in this "
             f"interpreter: -- python script.py [args] or -- python -m module [args]"
         )
     try:
         with open(words[0], "rb") as f:
-            head = f.read(4)
+            head = f.readline(256)
     except OSError as exc:
         return f"cannot read the script {words[0]!r}: {exc.strerror or exc}"
-    if head in _PROGRAMS:  # /usr/bin/env: python would read it as source
+    if head[:4] in _PROGRAMS:  # /usr/bin/env: python would read it as source
         return (
             f"{words[0]!r} is a program, not a Python script; stageload auto runs a "
             f"script in this interpreter: -- python script.py [args]"
         )
+    if head.startswith(b"#!") and b"python" not in head:  # a shell script, run as Python
+        return (
+            f"{words[0]!r} starts with {head.decode(errors='replace').strip()!r}: not a "
+            f"Python script; stageload auto runs a script in this interpreter: "
+            f"-- python script.py [args]"
+        )
     return "path", words[0], words
+
+
+def _other_python(word: str) -> str | None:
+    """The interpreter the command names, where it is not this one's (another folder:
+    the system's python, another virtual environment): the script runs in this one."""
+    if not Path(word).name.startswith("python") or word.endswith(".py"):
+        return None
+    named = shutil.which(word)
+    if named is None or os.path.dirname(os.path.abspath(named)) == os.path.dirname(
+        os.path.abspath(sys.executable)
+    ):
+        return None
+    return named
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,6 +158,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"stageload auto: error: {target}", file=sys.stderr)
         return EXIT_USAGE
     kind, what, argv = target
+    other = _other_python(command[0])
+    if other is not None:  # its packages may differ: say which one runs it
+        print(
+            f"stageload auto: warning: the script runs in this interpreter, "
+            f"{sys.executable}, not {other}",
+            file=sys.stderr,
+        )
     saved_argv, saved_path = sys.argv, list(sys.path)
     # As python sets them for the script, before the factories are looked up: sys.path[0]
     # is the script's folder (or the working directory for -m), in place of this
