@@ -207,3 +207,12 @@ def storage_use_count(storage: Any) -> int:
     import torch
 
     return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+def tensor_use_count(tensor: Any) -> int:
+    """How many references hold ``tensor``'s TensorImpl in torch's C++ core: one for its
+    Python object, one per autograd node that saved it for a backward still to come (a
+    LayerNorm's or a convolution's weight, saved as it is, no view: the storage count
+    misses it) and per gradient accumulator of a graph alive. torch's private
+    ``Tensor._use_count``."""
+    return int(tensor._use_count())

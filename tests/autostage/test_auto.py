@@ -759,10 +759,11 @@ def test_the_same_factory_call_from_two_threads_makes_one_model(folder):
 
 
 PART_CALL = "import sys; from fixtures import auto_script; print(auto_script.call_through_a_part(sys.argv[1]))"  # noqa: E501
-# The view the call holds would also keep the model (``_held_elsewhere``): both checks off.
+# The view the call holds, and its graph, would also keep the model (``_held_elsewhere``,
+# ``_saved_for_backward``): every check off.
 BROKEN = (
     "import stageload.autostage as a; a._busy = lambda model: False; "
-    "a._held_elsewhere = lambda module: None; " + PART_CALL
+    "a._held_elsewhere = a._saved_for_backward = lambda module: None; " + PART_CALL
 )
 
 
@@ -1353,7 +1354,8 @@ CALLS_ONLY = (
     "            f = f.f_back\n"
     "    return False\n"
     "a._busy = busy\n"
-    "a._held_elsewhere = lambda module: None\n"  # the method's view would keep it too
+    # the method's view, and the graph of its output, would keep it too
+    "a._held_elsewhere = a._saved_for_backward = lambda module: None\n"
 ) + METHOD_CALL
 
 
@@ -1535,7 +1537,10 @@ def test_a_view_the_script_keeps_keeps_its_model_loaded_while_it_lives(folder, t
 
 
 def test_control_without_the_check_the_view_reads_freed_memory(folder, tmp_path):
-    code = "import stageload.autostage as a; a._held_elsewhere = lambda m: None\n" + VIEW_KEPT
+    code = (
+        "import stageload.autostage as a\n"
+        "a._held_elsewhere = a._saved_for_backward = lambda m: None\n" + VIEW_KEPT
+    )
     done = _run(["-c", code, folder], tmp_path)
     assert done.returncode != 0 or done.stdout.split()[0] != "True"
 

@@ -284,3 +284,18 @@ def test_module_call_code_is_on_the_stack_of_a_module_call():
     Probe()(torch.zeros(1))
     Probe().forward(torch.zeros(1))  # control: a direct forward() is not a module call
     assert seen == [True, False]
+
+
+def test_a_tensor_saved_for_backward_as_it_is_counts_in_its_use_count() -> None:
+    """What ``stageload.auto`` reads to keep a model whose weights a graph saved (a
+    LayerNorm's weight: no view, so its storage count does not move)."""
+    norm = nn.LayerNorm(4)
+    assert external.tensor_use_count(norm.weight) == 1
+    out = norm(torch.ones(2, 4, requires_grad=True))
+    storage = norm.weight.untyped_storage()
+    assert external.tensor_use_count(norm.weight) > 1
+    assert external.storage_use_count(storage) == 2  # the weight and this object only
+    out.sum().backward()
+    assert external.tensor_use_count(norm.weight) > 1  # the graph is alive, out holds it
+    del out
+    assert external.tensor_use_count(norm.weight) == 1

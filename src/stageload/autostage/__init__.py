@@ -81,6 +81,7 @@ from ..external import (
     from_pretrained_dtype,
     library_model,
     storage_use_count,
+    tensor_use_count,
     tensor_version,
     torch_function_off,
 )
@@ -1128,7 +1129,22 @@ class AutoSession:
         # Chosen and held in one step: a call that starts now waits for the release (then
         # reloads), instead of being waited for by it.
         hold = try_hold(module.modules())
-        return None if hold is None else _Victim(model, hold)
+        if hold is None:
+            return None
+        saved = _saved_for_backward(module)  # asked in the hold: no call saves more now
+        if saved is not None:
+            end_hold(hold)
+            if say:
+                self._say(
+                    model,
+                    "saved",
+                    f"{model.name}: {saved} is saved for a backward still to come (an "
+                    f"output's autograd graph; freed, that backward failed or crashed the "
+                    f"interpreter): kept loaded until the graph is gone. Calls that need no "
+                    f"gradients: under torch.no_grad()",
+                )
+            return None
+        return _Victim(model, hold)
 
     def _run_ahead(self, models: list[_Model], purpose: str) -> None:
         """The load-ahead thread: load ``models``, marked ``loading`` for it, in turn."""
@@ -1548,6 +1564,27 @@ def _held_elsewhere(module: nn.Module) -> str | None:
         for name, tensors, storage in counts.values():
             if storage.nbytes() and storage_use_count(storage) > tensors + 1:
                 return name
+    return None
+
+
+def _saved_for_backward(module: nn.Module) -> str | None:
+    """The first tensor of ``module`` that an autograd graph saved as it is for a backward
+    still to come, or None. A view it saved counts in the storage (:func:`_held_elsewhere`);
+    the tensor itself only in its TensorImpl's references: one from its Python object, one
+    from its gradient accumulator while a graph has one (which only adds to ``.grad``: held
+    here for the count, it is that one), and one per node that saved it."""
+    import torch
+
+    # Out of inference mode, with gradients on: where the view has the accumulator's edge
+    # (a release asked inside the script's inference_mode() or no_grad()).
+    with torch_function_off(), torch.inference_mode(False), torch.enable_grad():
+        for name, t in named_tensors(module):
+            if t.is_meta or t.is_inference():
+                continue
+            accumulator = t.view_as(t).grad_fn.next_functions[0][0] if t.requires_grad else None
+            if tensor_use_count(t) > 1 + (accumulator is not None):
+                return name
+            del accumulator
     return None
 
 
