@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import json
 import os
 import subprocess
@@ -336,6 +337,22 @@ def test_the_cli_says_on_stderr_what_it_keeps_loaded(folder, tmp_path):
     said = [line for line in done.stderr.splitlines() if line.startswith("stageload auto: ")]
     assert said and all("over the budget of 1 B; loaded anyway" in line for line in said), said
     assert len(said) == len(set(said))
+
+
+def test_a_stderr_nobody_reads_stops_the_notes_not_the_script(monkeypatch):
+    """``stageload auto ... 2>&1 | head``: a note written to the closed pipe raised
+    BrokenPipeError inside auto's load or release, and ended the run."""
+    from stageload.cli.auto import _SaidOnStderr
+    from stageload.core.events import NOTE, Event
+
+    class Closed(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stderr", Closed())
+    said = _SaidOnStderr()
+    said.emit(Event(NOTE, note="a.pt: kept loaded"))  # no error
+    assert not said.on  # nothing more is tried
 
 
 def test_the_console_script_runs_a_module_of_the_working_directory(tmp_path):

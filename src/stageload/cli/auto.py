@@ -222,14 +222,19 @@ class _SaidOnStderr:
     """auto's notes on stderr while the script runs, each once as auto says it: a model it
     keeps loaded and why (run without torch.no_grad(), over the budget alone, changed by
     the script). Without them a script that saved no memory said nothing, outside
-    'stageload meter'. Any thread may emit (loads ahead)."""
+    'stageload meter'. Any thread may emit (loads ahead). A stderr nobody reads any more
+    (``2>&1 | head``) stops the notes, not the script: auto emits inside its loads and
+    releases, where an error would have ended the run."""
 
     def __init__(self) -> None:
         self.on = True
 
     def emit(self, event: Any) -> None:
         if self.on and event.kind == "note" and event.note:
-            print(f"stageload auto: {event.note}", file=sys.stderr, flush=True)
+            try:
+                print(f"stageload auto: {event.note}", file=sys.stderr, flush=True)
+            except (OSError, ValueError):  # a closed pipe or file: the script goes on
+                self.on = False
 
 
 def _print_error() -> None:
