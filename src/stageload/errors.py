@@ -41,3 +41,21 @@ class CheckpointError(StageloadError, ValueError):
         self.tensor = tensor
         fix = fix or "the file is damaged or incomplete, download or save it again"
         super().__init__(f"{self.path}: {problem}; {fix}")
+
+
+def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` at the first frame outside stageload and torch: the script's line
+    that led to it (``models.enter("decode")``, a pipeline's call), not a line of ours.
+    The warnings filter then shows it once per such line, and points where to change."""
+    import os
+    import sys
+    import warnings
+
+    ours = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    theirs = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__ or ""))
+    frame, level = sys._getframe(1), 2  # level 2: warn_caller's caller
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(
+        (ours, theirs + os.sep) if "torch" in sys.modules else ours
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

@@ -479,6 +479,45 @@ def test_control_answering_meta_textual_inversion_fails(
         image(pipe, prompt="a <cat-toy> on a chair")
 
 
+def training_step(pipe: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of textual inversion as diffusers' example trains it: the token embeddings
+    trained, the text encoder, UNet and VAE frozen, the loss backward through the UNet and
+    the text encoder. Returns (loss, the embeddings' gradient)."""
+    torch.manual_seed(0)
+    for part in (pipe.unet, pipe.vae, pipe.text_encoder):
+        part.requires_grad_(False)
+    embeddings = pipe.text_encoder.get_input_embeddings().weight
+    embeddings.requires_grad_(True)
+    tokenizer = pipe.tokenizer
+    ids = tokenizer(["a <cat-toy>"], padding="max_length", return_tensors="pt").input_ids
+    hidden = pipe.text_encoder(ids)[0]
+    latents = torch.randn(1, pipe.unet.config.in_channels, 8, 8)
+    noise = pipe.unet(latents, torch.tensor([10]), encoder_hidden_states=hidden).sample
+    loss = noise.pow(2).mean()
+    loss.backward()
+    return loss.detach(), embeddings.grad
+
+
+def test_a_training_step_through_a_released_text_encoder_is_refused_and_said(
+    path: Path,
+) -> None:
+    """keep=() releases the text encoder when the UNet loads, under the graph that saved
+    its weights: the backward is refused (autograd's own check), where it read the freed
+    weights. The control, the same release without the refusal, is in
+    tests/hooks/test_release_autograd.py."""
+    with (
+        pytest.warns(UserWarning, match="model 'text_encoder' was released while an autograd"),
+        pytest.raises(RuntimeError, match="modified by an inplace operation"),
+    ):
+        training_step(staged(path))
+
+
+def test_a_training_step_with_the_text_encoder_kept_equals_eager(path: Path) -> None:
+    want = training_step(eager(path))
+    got = training_step(staged_pipeline(SD.cls, path, keep=("text_encoder",)))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # -- schedulers, callbacks, VAE tiling ------------------------------------------------------------
 @pytest.mark.parametrize("warm", [False, True], ids=["unloaded", "after-a-call"])
 def test_a_dtype_round_trip_keeps_its_rounding(path: Path, warm: bool) -> None:

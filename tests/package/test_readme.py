@@ -15,6 +15,7 @@ import re
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,20 @@ def run_example(code: str, namespace: dict | None = None) -> str:
 def test_readme_example_runs_and_prints_what_the_readme_shows():
     example = blocks("python")[0]
     shown = next(b for b in blocks("") if b.startswith("model 'encoder' was released"))
-    assert run_example(example).strip() == shown.strip()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert run_example(example).strip() == shown.strip()
+    assert not said, [str(w.message) for w in said]  # a newcomer's first run warns of nothing
+
+
+def test_control_the_example_with_gradients_on_warns_of_the_graph_it_cuts():
+    example = blocks("python")[0]
+    broken = example.replace("with models, torch.no_grad():", "with models:", 1)
+    assert broken != example
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        run_example(broken)
+    assert any("an autograd graph held" in str(w.message) for w in said)
 
 
 def test_control_the_example_check_fails_when_the_code_no_longer_does_what_is_shown():

@@ -81,13 +81,19 @@ from ..external import (
     from_pretrained_dtype,
     library_model,
     storage_use_count,
-    tensor_use_count,
     tensor_version,
     torch_function_off,
 )
 from ..hooks.empty import mark_empty, own_attributes, unmark_empty
 from ..hooks.registry import Hold, HookRegistry, ModuleHook, end_hold, patch, try_hold
-from ..hooks.release import is_released, release, releasing, storage_sizes, unmark_released
+from ..hooks.release import (
+    held_by_autograd,
+    is_released,
+    release,
+    releasing,
+    storage_sizes,
+    unmark_released,
+)
 from ..hooks.share import call_key
 from ..load.checkpoint import (
     INDEX_SUFFIX,
@@ -1568,24 +1574,12 @@ def _held_elsewhere(module: nn.Module) -> str | None:
 
 
 def _saved_for_backward(module: nn.Module) -> str | None:
-    """The first tensor of ``module`` that an autograd graph saved as it is for a backward
-    still to come, or None. A view it saved counts in the storage (:func:`_held_elsewhere`);
-    the tensor itself only in its TensorImpl's references: one from its Python object, one
-    from its gradient accumulator while a graph has one (which only adds to ``.grad``: held
-    here for the count, it is that one), and one per node that saved it."""
-    import torch
-
-    # Out of inference mode, with gradients on: where the view has the accumulator's edge
-    # (a release asked inside the script's inference_mode() or no_grad()).
-    with torch_function_off(), torch.inference_mode(False), torch.enable_grad():
-        for name, t in named_tensors(module):
-            if t.is_meta or t.is_inference():
-                continue
-            accumulator = t.view_as(t).grad_fn.next_functions[0][0] if t.requires_grad else None
-            if tensor_use_count(t) > 1 + (accumulator is not None):
-                return name
-            del accumulator
-    return None
+    """The first tensor of ``module`` that autograd holds as it is (:func:`held_by_autograd`:
+    a graph saved it for a backward still to come), or None. A release would leave its
+    memory to the graph, and a reload would hold it twice. A view it saved counts in the
+    storage too (:func:`_held_elsewhere`)."""
+    with torch_function_off():
+        return next((name for name, t in named_tensors(module) if held_by_autograd(t)), None)
 
 
 def _only_its_views_hold(base: Any) -> bool:

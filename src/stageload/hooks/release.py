@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-from ..errors import StageloadError
+from ..errors import StageloadError, warn_caller
+from ..external import tensor_use_count, torch_function_off
 from .registry import HookRegistry, ModuleHook, end_hold, hold_calls, in_call, new_hold
 
 #: The name of the hook :func:`release` adds to every module it empties.
@@ -94,7 +95,8 @@ def module_bytes(module: nn.Module, *, exclude: Iterable[nn.Module] = ()) -> int
 
 def held_elsewhere(module: nn.Module, others: Mapping[str, nn.Module]) -> str | None:
     """Why releasing ``module`` beside ``others`` frees less than it holds: how much of its
-    storage the named modules still hold (a shared backbone, a submodule), or None."""
+    storage the named modules still hold (a shared backbone, a submodule), and how much
+    autograd holds (:func:`held_by_autograd`), or None."""
     from ..units import format_size
 
     mine = storage_sizes(module)
@@ -105,10 +107,74 @@ def held_elsewhere(module: nn.Module, others: Mapping[str, nn.Module]) -> str | 
         if common:
             holders.append(repr(name))
             shared |= common
-    if not shared:
-        return None
-    kept = format_size(sum(mine[key] for key in shared))
-    return f"{kept} of its weights stay, still held by {', '.join(holders)}"
+    graph = _autograd_held(module, shared)[1]
+    said = []
+    if shared:
+        kept = format_size(sum(mine[key] for key in shared))
+        said.append(f"{kept} of its weights stay, still held by {', '.join(holders)}")
+    if graph:
+        said.append(_autograd_note(format_size(graph)))
+    return "; ".join(said) or None
+
+
+def _autograd_note(size: str) -> str:
+    """What a release of weights autograd holds (:func:`held_by_autograd`) did, and the way
+    out: said in the release's warning and in a staged release's note."""
+    return (
+        f"an autograd graph held {size} of its weights (an output computed with gradients "
+        f"on, or a view of them): a backward through that graph now raises ('modified by an "
+        f"inplace operation'). Inference: call it under torch.no_grad(); training through "
+        f"it: keep it loaded until the backward"
+    )
+
+
+def held_by_autograd(t: torch.Tensor, *, slots: int = 0) -> bool:
+    """Whether autograd holds the tensor ``t`` itself, beyond its Python object: a graph
+    that saved it for a backward still to come (a LayerNorm's or a convolution's weight),
+    or a view made from it with autograd on (a Linear's ``weight.t()``, which a graph
+    saves; a slice the script keeps). Emptied in place, its memory would be read freed by
+    that holder: the backward failed ('weight of shape [0]') or crashed the interpreter,
+    and so did a read of the view.
+
+    Read from the TensorImpl's references (``Tensor._use_count``): one from its Python
+    object, one from its gradient accumulator while it has one (which only adds to
+    ``.grad``: held here for the count, it is that one), ``slots`` more from C++ objects
+    that hold it as their own (a TorchScript module's attribute), and one per holder."""
+    import torch
+
+    if t.is_meta or t.is_inference():  # inference tensors record no views, no graph
+        return False
+    if tensor_use_count(t) <= 1 + slots:  # the common case, with no accumulator made
+        return False
+    # Out of inference mode, with gradients on: where the view has the accumulator's edge
+    # (asked inside the script's inference_mode() or no_grad()).
+    with torch_function_off(), torch.inference_mode(False), torch.enable_grad():
+        accumulator = t.view_as(t).grad_fn.next_functions[0][0] if t.requires_grad else None
+        return tensor_use_count(t) > 1 + slots + (accumulator is not None)
+
+
+def _autograd_held(
+    module: nn.Module, skip: Iterable[tuple[str, int]] = (), kept: Iterable[int] = ()
+) -> tuple[list[torch.Tensor], int]:
+    """The tensors of ``module`` (on no storage in ``skip``, of no submodule whose id is in
+    ``kept``) that autograd holds (:func:`held_by_autograd`), and the bytes of their
+    storages."""
+    import torch
+
+    skip, kept = set(skip), set(kept)
+    held: list[torch.Tensor] = []
+    sizes: dict[tuple[str, int], int] = {}
+    for sub in module.modules():
+        if id(sub) in kept:
+            continue
+        # A TorchScript module's C++ object holds its tensors too; a release replaces them.
+        slots = int(isinstance(sub, torch.jit.ScriptModule))
+        for t in _own_tensors(sub):
+            if t.is_meta or _storage_key(t) in skip or not held_by_autograd(t, slots=slots):
+                continue
+            held.append(t)
+            sizes[_storage_key(t)] = t.untyped_storage().nbytes()
+    return held, sum(sizes.values())
 
 
 class ReleasedHook(ModuleHook):
@@ -218,6 +284,11 @@ def release(
     A Ctrl-C (any interrupt) during a release is raised once the release is done: a
     module is released whole, never left half on ``meta``.
 
+    Weights an autograd graph holds (an output computed with gradients on, whose backward
+    is still to come; :func:`held_by_autograd`) are freed all the same, and get a new
+    version first: a backward through that graph raises autograd's own error instead of
+    reading freed memory, and a ``UserWarning`` says which model and the way out.
+
     Dead reference cycles are collected once afterwards (``gc.collect()``): once per
     :func:`releasing` block instead inside one, and not at all from inside a hooked
     module's call (a streamed block released after its forward: a forward must not pay a
@@ -257,6 +328,12 @@ def release(
         _batch.released = True
     elif not in_call():
         collect_garbage()
+    if done.cut:
+        from ..units import format_size
+
+        what = f"model {name!r}" if name else "a module"
+        note = _autograd_note(format_size(done.cut))
+        warn_caller(f"{what} was released while {note}")
     if interrupt is not None:
         raise interrupt
     return sum(done.freed.values())
@@ -274,6 +351,9 @@ class _Progress:
     #: Old tensor id -> (the old tensor, kept so its id stays its own; its meta twin).
     replaced: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     storages: list[Any] = field(default_factory=list)
+    #: The bytes of the storages autograd held (:func:`held_by_autograd`), found and cut
+    #: loose by the first pass, before any storage is emptied.
+    cut: int | None = None
 
 
 def to_the_end(step: Callable[[], None]) -> BaseException | None:
@@ -320,6 +400,8 @@ def _release(
     retained = {
         id(t) for hook in (registry.hooks() if registry else ()) for t in hook.retain(module)
     }
+    if done.cut is None:  # before any storage is emptied: a tensor tied to it may be held
+        done.cut = _cut_from_autograd(module, kept_storage, kept_modules)
     freed, replaced = done.freed, done.replaced
     with torch.no_grad():
         for sub in module.modules():
@@ -354,6 +436,23 @@ def _release(
             HookRegistry.attach(sub).add(RELEASED, ReleasedHook(name, stage, module), replace=True)
     for hook in registry.hooks() if registry is not None else ():
         hook.released(module)  # after the tensors went: a staged placeholder marks them
+
+
+def _cut_from_autograd(
+    module: nn.Module, kept_storage: set[tuple[str, int]], kept_modules: set[int]
+) -> int:
+    """Make a backward that needs ``module``'s weights raise instead of reading them freed:
+    each tensor autograd holds (:func:`held_by_autograd`) gets a new version, so the graph
+    that saved it (or a view of it) fails autograd's own check when it unpacks it, before
+    any kernel reads the memory. Freed under it, a backward failed deep in a kernel
+    ('weight of shape [0]') or crashed the interpreter (a convolution's). Returns the bytes
+    of the storages so held."""
+    import torch
+
+    held, nbytes = _autograd_held(module, kept_storage, kept_modules)
+    for t in held:  # a view shares its base's version: the graph that saved it sees this
+        torch.autograd.graph.increment_version(t)
+    return nbytes
 
 
 def _to_meta(sub: nn.Module, key: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

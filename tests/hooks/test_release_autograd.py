@@ -1,0 +1,184 @@
+"""release() of weights an autograd graph still holds: the memory comes back, and a backward
+through that graph raises autograd's own error, never reads the freed memory.
+
+The scripts people write: textual inversion (a frozen text encoder, the embeddings it
+reads trained, the encoder released at the next stage), a frozen critic mid-graph, and
+inference that forgot ``torch.no_grad()``. Freed under the graph, the backward failed deep
+in a kernel or crashed the interpreter; the controls run without the version bump, in a
+subprocess, since that may be a segmentation fault."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from stageload import ListSink, StagedModels, release
+from stageload.hooks.release import held_by_autograd, module_bytes
+
+INPLACE = "modified by an inplace operation"
+
+
+def encoder() -> nn.Module:
+    """A frozen encoder whose weights a graph saves as they are (LayerNorm) and as views
+    (a Linear's ``weight.t()``)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32)).requires_grad_(
+        False
+    )
+
+
+def conv() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).requires_grad_(False)
+
+
+def embedding_input() -> torch.Tensor:
+    return nn.Parameter(torch.randn(4, 32, generator=torch.Generator().manual_seed(1)))
+
+
+def image_input() -> torch.Tensor:
+    return torch.randn(1, 3, 12, 12, generator=torch.Generator().manual_seed(1)).requires_grad_()
+
+
+CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
+    "layernorm-linear": (encoder, embedding_input),
+    "conv-batchnorm": (conv, image_input),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_backward_through_released_weights_raises_instead_of_reading_them(case):
+    build, make_input = CASES[case]
+    model, x = build(), make_input()
+    size = module_bytes(model)
+    out = model(x)
+    with pytest.warns(UserWarning, match=r"model 'enc' was released while an autograd graph"):
+        freed = release(model, name="enc")
+    assert freed == size  # the memory comes back, graph or not
+    with pytest.raises(RuntimeError, match=INPLACE):
+        out.sum().backward()
+
+
+CONTROL = """
+import torch
+from torch import nn
+import stageload.hooks.release as r
+from stageload import release
+r._cut_from_autograd = lambda module, kept_storage, kept_modules: 0  # the bump undone
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).requires_grad_(False)
+x = torch.randn(1, 3, 12, 12).requires_grad_()
+out = model(x)
+release(model)
+out.sum().backward()
+print("ran", float(x.grad.abs().sum()))
+"""
+
+
+def test_control_without_the_bump_the_backward_reads_the_freed_weights():
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CONTROL)], capture_output=True, text=True
+    )
+    # Here: a segmentation fault (rc -11), or a kernel's error, or a gradient from freed
+    # memory; never autograd's clean refusal.
+    assert INPLACE not in proc.stderr, proc.stderr
+    assert proc.returncode != 0 or proc.stdout.startswith("ran"), proc.stderr
+
+
+def test_calls_under_no_grad_or_inference_mode_release_without_a_word():
+    model = encoder()
+    for mode in (torch.no_grad, torch.inference_mode):
+        model = encoder()
+        with mode():
+            out = model(embedding_input())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            release(model)
+        del out
+
+
+def test_training_the_model_itself_is_not_taken_for_a_held_weight():
+    """A trained Linear whose input needs no gradient: the graph keeps its gradient
+    accumulator and the input, not the weight. Nothing to warn of; the backward is refused
+    by torch itself (``swap_tensors`` marks the accumulator of a tensor it swapped)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    out = model(torch.randn(2, 8))
+    assert not held_by_autograd(model.weight)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        release(model)
+    with pytest.raises(RuntimeError, match="poisoned by swap_tensors"):
+        out.sum().backward()
+
+
+def test_a_view_the_script_keeps_counts_as_held_and_its_weight_as_not_once_dropped():
+    model = nn.Linear(8, 8)
+    view = model.weight[0:2]
+    assert held_by_autograd(model.weight)
+    del view
+    assert not held_by_autograd(model.weight)
+
+
+def textual_inversion(models: StagedModels) -> torch.Tensor:
+    """One step: the trained embeddings through the frozen encoder (stage 'encode'), a
+    head (stage 'denoise'), backward."""
+    torch.manual_seed(2)
+    embeddings = embedding_input()
+    models.enter("encode")
+    hidden = models["encoder"](embeddings)
+    models.enter("denoise")
+    models["head"](hidden).pow(2).mean().backward()
+    return embeddings.grad
+
+
+def loaders() -> dict[str, Callable[[], nn.Module]]:
+    def head() -> nn.Module:
+        torch.manual_seed(3)
+        return nn.Linear(32, 1)
+
+    return {"encoder": encoder, "head": head}
+
+
+def test_a_staged_step_that_releases_the_encoder_says_so_and_the_backward_refuses():
+    sink = ListSink()
+    stages = {"encode": ["encoder"], "denoise": ["head"]}
+    models = StagedModels(loaders(), stages=stages, events=sink)
+    with (
+        pytest.warns(UserWarning, match="model 'encoder' was released while"),
+        pytest.raises(RuntimeError, match=INPLACE),
+    ):
+        textual_inversion(models)
+    (note,) = [e.note for e in sink.events if e.kind == "release" and e.model == "encoder"]
+    assert "an autograd graph held" in note and "keep it loaded" in note
+
+
+def test_kept_loaded_through_the_backward_the_staged_step_equals_eager():
+    eager = {name: load() for name, load in loaders().items()}
+    want = textual_inversion(_Eager(eager))
+    stages = {"encode": ["encoder"], "denoise": ["encoder", "head"]}  # the way out
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = textual_inversion(StagedModels(loaders(), stages=stages))
+    assert torch.equal(got, want)
+
+
+class _Eager:
+    """The models built up front: what textual_inversion asks of StagedModels."""
+
+    def __init__(self, models: dict[str, nn.Module]) -> None:
+        self.models = models
+
+    def enter(self, stage: str) -> None:
+        pass
+
+    def __getitem__(self, name: str) -> Any:
+        return self.models[name]
