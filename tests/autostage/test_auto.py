@@ -12,6 +12,7 @@ import importlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -1324,7 +1325,7 @@ def test_the_cli_refuses_a_factory_in_the_script_itself(tmp_path):
     assert "is in the script itself" in done.stderr
 
 
-def test_the_cli_waits_for_the_scripts_threads_and_exits_130_on_ctrl_c(folder, tmp_path):
+def test_the_cli_waits_for_the_scripts_threads_and_ends_by_sigint_on_ctrl_c(folder, tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(
         "import sys, threading, torch\n"
@@ -1338,8 +1339,42 @@ def test_the_cli_waits_for_the_scripts_threads_and_exits_130_on_ctrl_c(folder, t
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("late ")
     interrupted = tmp_path / "intr.py"
+    interrupted.write_text(
+        "import atexit\natexit.register(print, 'atexit')\nraise KeyboardInterrupt\n"
+    )
+    plain = _run([str(interrupted)], tmp_path)
+    done = _run([*AUTO_NONE, "python", str(interrupted)], tmp_path)
+    # As python ends: killed by SIGINT (a shell loop stops), once its atexit handlers ran.
+    assert plain.returncode == done.returncode == -signal.SIGINT
+    assert plain.stdout == done.stdout == "atexit\n"
+    assert done.stderr.endswith("KeyboardInterrupt\n"), done.stderr
+
+
+@pytest.mark.parametrize("budget", ["2TB", "1G"])
+def test_a_budget_over_this_machines_memory_is_said(tmp_path, budget):
+    """``--budget 2TB`` on a machine of a few GiB: memory runs out first, so nothing is
+    released for the budget; said in one line, and the script runs. 1G (the control) is
+    not said."""
+    script = tmp_path / "s.py"
+    script.write_text("print('ran')\n")
+    args = [*AUTO_NONE[:3], "--budget", budget, "--no-defaults", "--factory", FACTORY, "--"]
+    done = _run([*args, "python", str(script)], tmp_path)
+    assert done.returncode == 0 and done.stdout == "ran\n", done.stderr
+    said = "is more than the" in done.stderr
+    assert said == (budget == "2TB"), done.stderr
+
+
+def test_control_without_entry_the_script_ctrl_c_is_a_plain_130(tmp_path):
+    """``main`` returns 130 (for callers in the process), which only ``entry`` turns into
+    the signal; a script's own ``exit(130)`` stays a code."""
+    interrupted = tmp_path / "intr.py"
     interrupted.write_text("raise KeyboardInterrupt\n")
-    assert _run([*AUTO_NONE, "python", str(interrupted)], tmp_path).returncode == 130
+    args = [*AUTO_NONE[2:], "python", str(interrupted)]
+    code = f"import sys; from stageload.cli import main; sys.exit(main({args!r}))"
+    assert _run(["-c", code], tmp_path).returncode == 130
+    exits = tmp_path / "exits.py"
+    exits.write_text("raise SystemExit(130)\n")
+    assert _run([*AUTO_NONE, "python", str(exits)], tmp_path).returncode == 130
 
 
 def test_a_factory_module_that_imports_transformers_leaves_the_defaults_wrapped(tmp_path):

@@ -29,6 +29,17 @@ COMMANDS: dict[str, str] = {
 #: Exit code for bad command-line usage, as argparse uses.
 EXIT_USAGE = 2
 
+
+class Interrupted(int):
+    """The exit code (130) of a script that ``stageload auto`` ran and Ctrl-C ended:
+    :func:`entry` then ends the process by SIGINT, as python does for it. A shell loop
+    (``for f in *.py; do stageload auto -- python "$f"; done``) stops at a Ctrl-C only for a
+    child the signal killed; an exit code of 130 let it run the next one."""
+
+
+#: The one instance: what ``stageload auto`` returns for its script's Ctrl-C.
+INTERRUPTED = Interrupted(130)
+
 # Commands whose output is the point, with what it is called in an error: a reader that
 # went away (`stageload report | head`) took what it wanted, so a broken pipe is a success
 # for them and for them only; any other failure to write it is an error (exit 1).
@@ -94,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args._name in _OUTPUT_COMMANDS:
         sys.stdout = CheckedStream(stdout)  # type: ignore[assignment]
     try:
-        code = int(args._run(args))
+        code = args._run(args)
+        code = code if isinstance(code, Interrupted) else int(code)
         if args._name in _OUTPUT_COMMANDS:
             sys.stdout.flush()  # a full disk fails here, not in the interpreter's last flush
         return code
@@ -123,5 +135,18 @@ def _stdout_to_devnull() -> None:
     os.close(devnull)
 
 
+def entry() -> None:
+    """The ``stageload`` command: :func:`main`, exiting as python would. A script that
+    ``stageload auto`` ran and Ctrl-C ended ends this process by SIGINT, after the atexit
+    handlers (its error already printed): the parent sees what it sees of ``python``."""
+    code = main()
+    if isinstance(code, Interrupted):
+        # An unhandled KeyboardInterrupt makes the interpreter end by the signal itself,
+        # once finalized (CPython since 3.8).
+        sys.excepthook = lambda *exc: None
+        raise KeyboardInterrupt
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -40,7 +40,8 @@ Examples:
 A --factory must be importable without running the script: a function defined in the
 script itself is refused (move it to a module the script imports).
 
-Exit codes: the script's own (SystemExit), 1 if it raised, 130 on Ctrl-C, 2 for bad usage.
+Exit codes: the script's own (SystemExit), 1 if it raised, 2 for bad usage; on Ctrl-C, the
+process ends by SIGINT, as python's does (a shell says 130).
 """
 
 
@@ -141,6 +142,7 @@ def _other_python(word: str) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from ..autostage import AutoError, auto, uncalled_note
+    from ..memory.budget import over_memory, parse_budget
     from . import EXIT_USAGE
 
     command = command_after_dashes(
@@ -180,6 +182,9 @@ def run(args: argparse.Namespace) -> int:
         for spec in args.factory:
             _not_the_script(spec, kind, what)
         said = _SaidOnStderr()
+        over = over_memory(parse_budget(args.budget)) if args.budget is not None else None
+        if over is not None:
+            print(f"stageload auto: warning: {over}", file=sys.stderr)
         session = auto(
             budget=args.budget,
             factories=args.factory,
@@ -207,8 +212,10 @@ def run(args: argparse.Namespace) -> int:
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
     except KeyboardInterrupt:
+        from . import INTERRUPTED
+
         _print_error()
-        code = 130
+        code = INTERRUPTED
     except BaseException:  # noqa: BLE001  the script's error, printed as python would
         _print_error()
         code = 1

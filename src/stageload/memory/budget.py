@@ -71,3 +71,19 @@ def parse_budget(value: int | str) -> int:
     if budget <= 0:
         raise ValueError(f"invalid budget {value!r}: it must be more than 0 bytes, e.g. '12G'")
     return budget
+
+
+def over_memory(budget: int) -> str | None:
+    """Why ``budget`` (bytes) means nothing here, or None: it is more than the memory this
+    process may use (the machine's, or its memory cgroup's limit when lower), so memory
+    runs out before the budget does (``--budget 2TB`` on a 24 GiB machine)."""
+    from ..memory import read_system
+    from ..units import format_size
+
+    total = read_system().total
+    if total is None or budget <= total:
+        return None
+    return (
+        f"the budget, {format_size(budget)}, is more than the {format_size(total)} of memory "
+        f"this process may use: memory runs out before anything is released for the budget"
+    )
