@@ -79,7 +79,14 @@ def learn(
         planned = plan(found, entries, files, names=names, unused_ok=True)
     except ValueError as exc:
         listed = [line.strip() for line in str(exc).splitlines() if line.startswith("  ")]
-        return "its tensors differ from the checkpoint's (renamed on load?): " + "; ".join(listed)
+        # Not a fault: transformers adds a prefix to a base model's names when it loads
+        # one into a model with a head (BERT's checkpoint into a classifier) and makes
+        # the head new; a loader may rename or reshape as it likes.
+        return (
+            "the checkpoint does not hold its tensors as the loader made them (names mapped "
+            "or layers made new on load, as a checkpoint without a head loaded with one): "
+            + "; ".join(listed)
+        )
     for target, entry in planned.reads:
         tensor = target.tensor
         probe = entry.nbytes if whole else _PROBE
