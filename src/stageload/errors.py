@@ -51,11 +51,11 @@ def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
     import sys
     import warnings
 
-    ours = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    theirs = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__ or ""))
+    skipped = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.__file__:
+        skipped.append(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
     frame, level = sys._getframe(1), 2  # level 2: warn_caller's caller
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(
-        (ours, theirs + os.sep) if "torch" in sys.modules else ours
-    ):
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(tuple(skipped)):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

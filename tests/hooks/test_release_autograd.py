@@ -161,6 +161,20 @@ def test_a_staged_step_that_releases_the_encoder_says_so_and_the_backward_refuse
     assert "an autograd graph held" in note and "keep it loaded" in note
 
 
+def test_the_warning_points_at_the_scripts_line_once_per_line():
+    """At ``models.enter(...)`` in the script (this file), not in stageload: the filter
+    shows it once per line, where the script can change it."""
+    models = StagedModels(loaders(), stages={"encode": ["encoder"], "denoise": ["head"]})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            models.enter("encode")
+            hidden = models["encoder"](embedding_input())
+            models.enter("denoise")  # the line said
+        del hidden
+    assert len(said) == 1 and said[0].filename == __file__, [(w.filename, w.lineno) for w in said]
+
+
 def test_kept_loaded_through_the_backward_the_staged_step_equals_eager():
     eager = {name: load() for name, load in loaders().items()}
     want = textual_inversion(_Eager(eager))
