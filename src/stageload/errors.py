@@ -44,18 +44,25 @@ class CheckpointError(StageloadError, ValueError):
 
 
 def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` at the first frame outside stageload and torch: the script's line
-    that led to it (``models.enter("decode")``, a pipeline's call), not a line of ours.
-    The warnings filter then shows it once per such line, and points where to change."""
+    """``warnings.warn`` at the first frame outside stageload and the libraries it works
+    under (torch, diffusers, transformers, accelerate, peft): the script's line that led to
+    it (``models.enter("decode")``, ``pipe(...)``), not a line of ours or a pipeline's. The
+    warnings filter then shows it once per such line, where the script can change it."""
     import os
     import sys
     import warnings
 
     skipped = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.__file__:
-        skipped.append(os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    for name in _LIBRARIES:
+        library = sys.modules.get(name)
+        where = getattr(library, "__file__", None)
+        if where:
+            skipped.append(os.path.dirname(os.path.abspath(where)) + os.sep)
     frame, level = sys._getframe(1), 2  # level 2: warn_caller's caller
     while frame.f_back is not None and frame.f_code.co_filename.startswith(tuple(skipped)):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
+
+
+#: The packages whose frames :func:`warn_caller` looks past (those imported).
+_LIBRARIES = ("torch", "diffusers", "transformers", "accelerate", "peft")

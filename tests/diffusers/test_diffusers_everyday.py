@@ -14,6 +14,7 @@ import _thread
 import contextlib
 import gc
 import threading
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -516,6 +517,71 @@ def test_a_training_step_with_the_text_encoder_kept_equals_eager(path: Path) -> 
     want = training_step(eager(path))
     got = training_step(staged_pipeline(SD.cls, path, keep=("text_encoder",)))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def accumulated(pipe: Any) -> dict[str, torch.Tensor]:
+    """Full fine-tuning of the UNet with two micro-batches per optimizer step, the VAE
+    encoding the second one's images in between (as ``train_text_to_image`` does): on a
+    staged pipeline, the VAE's stage releases the UNet between the two backward passes.
+    Returns the accumulated gradients."""
+    torch.manual_seed(0)
+    unet = pipe.unet
+    unet.requires_grad_(True)
+    hidden = torch.randn(1, 77, pipe.text_encoder.config.hidden_size)
+    for _ in range(2):
+        with torch.no_grad():
+            latents = pipe.vae.encode(torch.rand(1, 3, 32, 32)).latent_dist.mean
+        unet(latents, 10, encoder_hidden_states=hidden).sample.pow(2).mean().backward()
+    return {n: p.grad for n, p in unet.named_parameters() if p.grad is not None}
+
+
+def test_gradients_accumulated_across_a_release_are_kept(path: Path) -> None:
+    """Before the optimizer's first step nothing in the UNet had changed, so its release
+    dropped every tensor, gradients included: the step then used the second micro-batch's
+    alone (helper-46), silently."""
+    want, got = accumulated(eager(path)), accumulated(staged(path))
+    assert want.keys() == got.keys()
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_control_a_release_that_keeps_no_gradient_loses_the_first_micro_batch(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = _placeholder.Tracked.retain
+
+    def without_gradients(self: Any, module: Any) -> list[Any]:
+        grads = {}
+        for p in module.parameters():
+            grads[p], p.grad = p.grad, None
+        try:
+            return real(self, module)
+        finally:
+            for p, g in grads.items():
+                p.grad = g
+
+    monkeypatch.setattr(_placeholder.Tracked, "retain", without_gradients)
+    want, got = accumulated(eager(path)), accumulated(staged(path))
+    assert not all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_prompt_embeddings_made_with_gradients_on_warn_at_the_scripts_call(path: Path) -> None:
+    """``encode_prompt`` outside ``torch.no_grad()``, then the pipeline with the
+    embeddings: the text encoder's release frees its weights under the embeddings' graph.
+    One warning, at this file's ``pipe(...)`` line (not diffusers'), and images equal."""
+    ref, pipe = eager(path), staged(path)
+
+    def run(p: Any) -> list[torch.Tensor]:
+        args = {k: v for k, v in SD.call(0).items() if k != "prompt"}
+        embeds, negative = p.encode_prompt("a cat", "cpu", 1, True)
+        return [p(prompt_embeds=embeds, negative_prompt_embeds=negative, **args)[0]]
+
+    want = run(ref)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("default")
+        got = run(pipe)
+    assert torch.equal(got[0], want[0])
+    where = [(w.filename, str(w.message)[:40]) for w in said if "autograd" in str(w.message)]
+    assert [f for f, _ in where] == [__file__], where
 
 
 # -- schedulers, callbacks, VAE tiling ------------------------------------------------------------

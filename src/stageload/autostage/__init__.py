@@ -50,6 +50,7 @@ import functools
 import importlib
 import importlib.abc
 import inspect
+import itertools
 import os
 import sys
 import threading
@@ -80,6 +81,7 @@ from ..errors import StageloadError
 from ..external import (
     from_pretrained_dtype,
     library_model,
+    own_tensor_tables,
     storage_use_count,
     tensor_version,
     torch_function_off,
@@ -1144,10 +1146,10 @@ class AutoSession:
                 self._say(
                     model,
                     "saved",
-                    f"{model.name}: {saved} is saved for a backward still to come (an "
-                    f"output's autograd graph; freed, that backward failed or crashed the "
-                    f"interpreter): kept loaded until the graph is gone. Calls that need no "
-                    f"gradients: under torch.no_grad()",
+                    f"{model.name}: {saved} is held by an autograd graph whose backward is "
+                    f"still to come (saved for it, or to receive its gradient; freed, that "
+                    f"backward failed or crashed the interpreter): kept loaded until the "
+                    f"graph is gone. Calls that need no gradients: under torch.no_grad()",
                 )
             return None
         return _Victim(model, hold)
@@ -1575,11 +1577,19 @@ def _held_elsewhere(module: nn.Module) -> str | None:
 
 def _saved_for_backward(module: nn.Module) -> str | None:
     """The first tensor of ``module`` that autograd holds as it is (:func:`held_by_autograd`:
-    a graph saved it for a backward still to come), or None. A release would leave its
-    memory to the graph, and a reload would hold it twice. A view it saved counts in the
-    storage too (:func:`_held_elsewhere`)."""
+    a graph saved it for a backward still to come, or will accumulate a gradient into it),
+    or None. A release would cut that backward off, and a reload would hold it twice. A
+    view it saved counts in the storage too (:func:`_held_elsewhere`)."""
+    import torch
+
     with torch_function_off():
-        return next((name for name, t in named_tensors(module) if held_by_autograd(t)), None)
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            # A TorchScript module's C++ object holds its tensors too (not a graph).
+            slots = int(isinstance(sub, torch.jit.ScriptModule))
+            for key, t in itertools.chain(*(table.items() for table in own_tensor_tables(sub))):
+                if t is not None and held_by_autograd(t, slots=slots):
+                    return f"{prefix}.{key}" if prefix else key
+    return None
 
 
 def _only_its_views_hold(base: Any) -> bool:

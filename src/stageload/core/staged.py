@@ -144,6 +144,14 @@ def _changed(then: dict[str, Any], now: dict[str, Any]) -> str | None:
     return None
 
 
+def _graded(module: nn.Module) -> str | None:
+    """The first parameter of ``module`` holding a gradient (``.grad``), said as a change a
+    release drops: the reload is the loader's model, without it (a gradient accumulated
+    before the optimizer's step is lost)."""
+    name = next((n for n, p in module.named_parameters() if p.grad is not None), None)
+    return None if name is None else f"gradients accumulated in {name}.grad"
+
+
 class _Doomed:
     """A model taken out of the registry (no longer handed out), to be released by the
     thread that took it out, once no lock is held."""
@@ -598,7 +606,7 @@ class StagedModels(Mapping[str, "nn.Module"]):
             loaded = self._as_loaded.get(name)
         changed = None
         if loaded is not None and loaded[0]() is module:  # not a later load's
-            changed = _changed(loaded[1], _fingerprint(module))
+            changed = _changed(loaded[1], _fingerprint(module)) or _graded(module)
         with self._lock:  # said at the reload, unless the loader fills this object again
             if changed is not None:
                 self._dropped[name] = (weakref.ref(module), changed)

@@ -475,12 +475,15 @@ class Tracked:
                 )
 
     def retain(self, module: nn.Module) -> list[torch.Tensor]:
-        """The tensors a release must leave in memory: those the checkpoint cannot give back."""
+        """The tensors a release must leave in memory: those the checkpoint cannot give back,
+        and those holding a gradient (a release between two backward passes of one
+        optimizer step dropped the first's, silently: full fine-tuning with gradient
+        accumulation, before its first step)."""
         kept: dict[int, torch.Tensor] = {}
         for name, t in named_tensors(module):
             if t.is_meta or id(t) in kept:
                 continue
-            if self.key(name, t) is None or self.changed(t):
+            if self.key(name, t) is None or self.changed(t) or t.grad is not None:
                 kept[id(t)] = t
         return list(kept.values())
 

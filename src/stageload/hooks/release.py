@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 from ..errors import StageloadError, warn_caller
-from ..external import tensor_use_count, torch_function_off
+from ..external import tensor_use_count
 from .registry import HookRegistry, ModuleHook, end_hold, hold_calls, in_call, new_hold
 
 #: The name of the hook :func:`release` adds to every module it empties.
@@ -107,7 +107,7 @@ def held_elsewhere(module: nn.Module, others: Mapping[str, nn.Module]) -> str | 
         if common:
             holders.append(repr(name))
             shared |= common
-    graph = _autograd_held(module, shared)[1]
+    graph = _autograd_held(module, shared)
     said = []
     if shared:
         kept = format_size(sum(mine[key] for key in shared))
@@ -122,59 +122,66 @@ def _autograd_note(size: str) -> str:
     out: said in the release's warning and in a staged release's note."""
     return (
         f"an autograd graph held {size} of its weights (an output computed with gradients "
-        f"on, or a view of them): a backward through that graph now raises ('modified by an "
-        f"inplace operation'). Inference: call it under torch.no_grad(); training through "
-        f"it: keep it loaded until the backward"
+        f"on, or a view of them): a backward through that graph now raises an error. "
+        f"Inference: call it under torch.no_grad(); training through it or of it: keep it "
+        f"loaded until the optimizer's step"
     )
 
 
 def held_by_autograd(t: torch.Tensor, *, slots: int = 0) -> bool:
     """Whether autograd holds the tensor ``t`` itself, beyond its Python object: a graph
     that saved it for a backward still to come (a LayerNorm's or a convolution's weight),
-    or a view made from it with autograd on (a Linear's ``weight.t()``, which a graph
-    saves; a slice the script keeps). Emptied in place, its memory would be read freed by
-    that holder: the backward failed ('weight of shape [0]') or crashed the interpreter,
-    and so did a read of the view.
+    a graph that will accumulate a gradient into it (its accumulator holds it), or a view
+    made from it with autograd on (a Linear's ``weight.t()``, which a graph saves; a slice
+    the script keeps). Freed, its memory would be read by that holder: the backward failed
+    deep in a kernel ('weight of shape [0]') or crashed the interpreter, and so did a read
+    of the view.
 
     Read from the TensorImpl's references (``Tensor._use_count``): one from its Python
-    object, one from its gradient accumulator while it has one (which only adds to
-    ``.grad``: held here for the count, it is that one), ``slots`` more from C++ objects
-    that hold it as their own (a TorchScript module's attribute), and one per holder."""
-    import torch
-
+    object, ``slots`` more from C++ objects that hold it as their own (a TorchScript
+    module's attribute), and one per holder."""
     if t.is_meta or t.is_inference():  # inference tensors record no views, no graph
         return False
-    if tensor_use_count(t) <= 1 + slots:  # the common case, with no accumulator made
-        return False
-    # Out of inference mode, with gradients on: where the view has the accumulator's edge
-    # (asked inside the script's inference_mode() or no_grad()).
-    with torch_function_off(), torch.inference_mode(False), torch.enable_grad():
-        accumulator = t.view_as(t).grad_fn.next_functions[0][0] if t.requires_grad else None
-        return tensor_use_count(t) > 1 + slots + (accumulator is not None)
+    return tensor_use_count(t) > 1 + slots
 
 
-def _autograd_held(
+def _retained(module: nn.Module) -> set[int]:
+    """The ids of the tensors ``module``'s hooks keep through a release
+    (:meth:`~stageload.hooks.registry.ModuleHook.retain`)."""
+    registry = HookRegistry.of(module)
+    return {id(t) for hook in (registry.hooks() if registry else ()) for t in hook.retain(module)}
+
+
+def _to_release(
     module: nn.Module, skip: Iterable[tuple[str, int]] = (), kept: Iterable[int] = ()
-) -> tuple[list[torch.Tensor], int]:
-    """The tensors of ``module`` (on no storage in ``skip``, of no submodule whose id is in
-    ``kept``) that autograd holds (:func:`held_by_autograd`), and the bytes of their
-    storages."""
+) -> Iterator[tuple[torch.Tensor, int]]:
+    """Each tensor a release of ``module`` takes (not on meta, not retained, on no storage
+    in ``skip``, of no submodule whose id is in ``kept``), with the references C++ objects
+    hold on it as their own (``slots`` of :func:`held_by_autograd`)."""
     import torch
 
-    skip, kept = set(skip), set(kept)
-    held: list[torch.Tensor] = []
-    sizes: dict[tuple[str, int], int] = {}
+    skip, kept, retained = set(skip), set(kept), _retained(module)
     for sub in module.modules():
         if id(sub) in kept:
             continue
         # A TorchScript module's C++ object holds its tensors too; a release replaces them.
         slots = int(isinstance(sub, torch.jit.ScriptModule))
         for t in _own_tensors(sub):
-            if t.is_meta or _storage_key(t) in skip or not held_by_autograd(t, slots=slots):
-                continue
-            held.append(t)
-            sizes[_storage_key(t)] = t.untyped_storage().nbytes()
-    return held, sum(sizes.values())
+            if not t.is_meta and id(t) not in retained and _storage_key(t) not in skip:
+                yield t, slots
+
+
+def _autograd_held(
+    module: nn.Module, skip: Iterable[tuple[str, int]] = (), kept: Iterable[int] = ()
+) -> int:
+    """The bytes of the storages a release of ``module`` frees (as :func:`_to_release`)
+    with a tensor autograd holds (:func:`held_by_autograd`)."""
+    sizes = {
+        _storage_key(t): t.untyped_storage().nbytes()
+        for t, slots in _to_release(module, skip, kept)
+        if held_by_autograd(t, slots=slots)
+    }
+    return sum(sizes.values())
 
 
 class ReleasedHook(ModuleHook):
@@ -328,14 +335,14 @@ def release(
         _batch.released = True
     elif not in_call():
         collect_garbage()
-    if done.cut:
+    if interrupt is not None:
+        raise interrupt
+    if done.cut:  # last: a warning the script made an error (-W error) finds it released
         from ..units import format_size
 
         what = f"model {name!r}" if name else "a module"
         note = _autograd_note(format_size(done.cut))
         warn_caller(f"{what} was released while {note}")
-    if interrupt is not None:
-        raise interrupt
     return sum(done.freed.values())
 
 
@@ -397,11 +404,9 @@ def _release(
                 kept_storage.add(_storage_key(t))
 
     registry = HookRegistry.of(module)
-    retained = {
-        id(t) for hook in (registry.hooks() if registry else ()) for t in hook.retain(module)
-    }
+    retained = _retained(module)
     if done.cut is None:  # before any storage is emptied: a tensor tied to it may be held
-        done.cut = _cut_from_autograd(module, kept_storage, kept_modules)
+        _cut_from_autograd(module, kept_storage, kept_modules, done)
     freed, replaced = done.freed, done.replaced
     with torch.no_grad():
         for sub in module.modules():
@@ -439,20 +444,25 @@ def _release(
 
 
 def _cut_from_autograd(
-    module: nn.Module, kept_storage: set[tuple[str, int]], kept_modules: set[int]
-) -> int:
-    """Make a backward that needs ``module``'s weights raise instead of reading them freed:
-    each tensor autograd holds (:func:`held_by_autograd`) gets a new version, so the graph
-    that saved it (or a view of it) fails autograd's own check when it unpacks it, before
-    any kernel reads the memory. Freed under it, a backward failed deep in a kernel
-    ('weight of shape [0]') or crashed the interpreter (a convolution's). Returns the bytes
-    of the storages so held."""
+    module: nn.Module, kept_storage: set[tuple[str, int]], kept_modules: set[int], done: _Progress
+) -> None:
+    """Make a backward that needs ``module``'s weights raise instead of reading them freed.
+
+    Each tensor the release takes gets a new version: a graph that saved it, a view of it
+    or a ``.detach()`` alias (they share its version) fails autograd's own check when it
+    unpacks it, before any kernel reads the memory. Freed under it, a backward failed deep
+    in a kernel ('weight of shape [0]') or crashed the interpreter (a convolution's).
+    Nothing else reads a released tensor's version: the module holds new meta tensors.
+    Records in ``done`` the bytes autograd held (:func:`held_by_autograd`), for the warning.
+    """
     import torch
 
-    held, nbytes = _autograd_held(module, kept_storage, kept_modules)
-    for t in held:  # a view shares its base's version: the graph that saved it sees this
+    held: dict[tuple[str, int], int] = {}
+    for t, slots in _to_release(module, kept_storage, kept_modules):
+        if held_by_autograd(t, slots=slots):
+            held[_storage_key(t)] = t.untyped_storage().nbytes()
         torch.autograd.graph.increment_version(t)
-    return nbytes
+    done.cut = sum(held.values())
 
 
 def _to_meta(sub: nn.Module, key: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
