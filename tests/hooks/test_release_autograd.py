@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from stageload import ListSink, StagedModels, release
+from stageload.hooks.registry import HookRegistry, ModuleHook
 from stageload.hooks.release import held_by_autograd, module_bytes
 
 INPLACE = "modified by an inplace operation"
@@ -230,3 +231,43 @@ def test_gradients_a_staged_release_drops_are_said_at_the_reload():
         head = models["head"]
     assert head.weight.grad is None
     assert any("gradients accumulated in weight.grad" in (e.note or "") for e in sink.events)
+
+
+class _Keeps(ModuleHook):
+    """Keeps the tensors it is given through a release, as the diffusers adapter keeps a
+    user's edit of a staged component."""
+
+    def __init__(self, *kept: torch.Tensor) -> None:
+        self.kept = kept
+
+    def retain(self, module: nn.Module) -> list[torch.Tensor]:
+        return list(self.kept)
+
+
+def test_what_a_hook_keeps_through_a_release_still_serves_the_backward():
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(32).requires_grad_(False)
+    x = embedding_input()
+    norm(x).pow(2).sum().backward()
+    want, x.grad = x.grad, None
+    HookRegistry.attach(norm).add("keeps", _Keeps(norm.weight, norm.bias))
+    out = norm(x)
+    release(norm)
+    assert not norm.weight.is_meta  # kept
+    out.pow(2).sum().backward()  # the kept weights' versions are as the graph saved them
+    assert torch.equal(x.grad, want)
+
+
+def test_control_kept_tensors_taken_for_released_ones_refuse_the_backward(monkeypatch):
+    import stageload.hooks.release as release_module
+
+    def every_parameter(module: nn.Module, *_: Any) -> Any:  # the kept ones included
+        return ((t, 0) for t in module.parameters())
+
+    monkeypatch.setattr(release_module, "_to_release", every_parameter)
+    norm = nn.LayerNorm(32).requires_grad_(False)
+    HookRegistry.attach(norm).add("keeps", _Keeps(norm.weight, norm.bias))
+    out = norm(embedding_input())
+    release(norm)
+    with pytest.raises(RuntimeError, match=INPLACE):
+        out.pow(2).sum().backward()
