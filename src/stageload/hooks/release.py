@@ -448,12 +448,13 @@ def _cut_from_autograd(
 ) -> None:
     """Make a backward that needs ``module``'s weights raise instead of reading them freed.
 
-    Each tensor the release takes gets a new version: a graph that saved it, a view of it
-    or a ``.detach()`` alias (they share its version) fails autograd's own check when it
-    unpacks it, before any kernel reads the memory. Freed under it, a backward failed deep
-    in a kernel ('weight of shape [0]') or crashed the interpreter (a convolution's).
-    Nothing else reads a released tensor's version: the module holds new meta tensors.
-    Records in ``done`` the bytes autograd held (:func:`held_by_autograd`), for the warning.
+    Each tensor the release takes that autograd holds (:func:`held_by_autograd`) gets a new
+    version: a graph that saved it or a view of it (which shares its version) fails
+    autograd's own check when it unpacks it, before any kernel reads the memory. Freed
+    under it, a backward failed deep in a kernel ('weight of shape [0]') or crashed the
+    interpreter (a convolution's). Only those: the diffusers adapter reads the versions
+    of the tensors it tracks (a tensor another module ties to is tracked as one), and a
+    new version is an edit to it. Records in ``done`` the bytes so held, for the warning.
     """
     import torch
 
@@ -461,7 +462,7 @@ def _cut_from_autograd(
     for t, slots in _to_release(module, kept_storage, kept_modules):
         if held_by_autograd(t, slots=slots):
             held[_storage_key(t)] = t.untyped_storage().nbytes()
-        torch.autograd.graph.increment_version(t)
+            torch.autograd.graph.increment_version(t)
     done.cut = sum(held.values())
 
 
