@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import functools
 import platform
-import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from datetime import date
 from pathlib import Path
 
 import torch
+from release_gc import pairs  # (beside this script) the same pairs, medians and ratios
 from torch import nn
 
 import stageload.hooks.release as release_module
@@ -71,20 +71,6 @@ def time_release(build: Callable[[], nn.Module], width: int, graph: bool, cut: b
         release_module._cut_from_autograd = saved
     del out
     return seconds
-
-
-def pairs(fn: Callable[[bool], float], n: int) -> tuple[float, float, float]:
-    """Median seconds with the cut, without, and the median per-pair ratio."""
-    with_, without, ratios = [], [], []
-    for i in range(n):
-        if i % 2:
-            b, a = fn(False), fn(True)
-        else:
-            a, b = fn(True), fn(False)
-        with_.append(a)
-        without.append(b)
-        ratios.append(a / b)
-    return statistics.median(with_), statistics.median(without), statistics.median(ratios)
 
 
 def main() -> None:
