@@ -499,3 +499,38 @@ def test_control_a_cited_log_is_found():
         "cost.log",
         "bench/results/load/warm-recheck.log",
     ]
+
+
+# -- CI's load check ---------------------------------------------------------------------
+
+
+def load_check_tests(text: str) -> list[str]:
+    """The tests .ci/run's load check names (``LOAD_TESTS``), ``$AUTO`` expanded."""
+    auto = re.search(r"^AUTO=(\S+)$", text, re.M)
+    block = re.search(r"^LOAD_TESTS=\((.*?)^\)", text, re.M | re.S)
+    assert auto and block, "LOAD_TESTS or AUTO not found in .ci/run"
+    return [w.replace("$AUTO", auto.group(1)) for w in shlex.split(block.group(1))]
+
+
+def missing_tests(names: list[str]) -> list[str]:
+    """The names whose file, or whose test in that file, does not exist."""
+
+    def exists(name: str) -> bool:
+        path, _, test = name.partition("::")
+        file = ROOT / path
+        return file.is_file() and (not test or f"def {test}(" in file.read_text())
+
+    return [name for name in names if not exists(name)]
+
+
+def test_the_ci_load_check_names_tests_that_exist():
+    """A renamed test left the load check a pytest usage error ("not found"): CI failed."""
+    names = load_check_tests((ROOT / ".ci" / "run").read_text())
+    assert len(names) > 10 and not missing_tests(names), missing_tests(names)
+
+
+def test_control_a_renamed_test_is_missing():
+    text = (ROOT / ".ci" / "run").read_text()
+    renamed = text.replace("ends_by_sigint_on_ctrl_c", "exits_130_on_ctrl_c")
+    assert renamed != text
+    assert missing_tests(load_check_tests(renamed))
