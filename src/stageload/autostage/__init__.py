@@ -118,6 +118,10 @@ if TYPE_CHECKING:
 
 __all__ = ["AutoError", "AutoSession", "auto", "DEFAULT_FACTORIES", "PLAN_SOURCES", "PlanSource"]
 
+#: Builds what a factory's call (its arguments, its keywords) returns, its weights on
+#: ``meta``; None where it cannot build it the same.
+StandIn = Callable[[tuple, dict], "nn.Module | None"]
+
 #: The factories wrapped unless told otherwise: ``module:Class.method``.
 DEFAULT_FACTORIES = (
     "diffusers.models.modeling_utils:ModelMixin.from_pretrained",
@@ -363,8 +367,12 @@ class AutoSession:
         events: EventSink | None = None,
         *,
         prefetch: bool = True,
+        stages: bool = True,
     ) -> None:
         self.budget = parse_budget("auto" if budget is None else budget)
+        #: Emit a ``stage`` event at each change of model, named after it; False where
+        #: the caller marks stages of its own (an adapter's, a measure's).
+        self.stages = stages
         #: Load the next stage's models ahead, in a background thread, once the order is
         #: known: what the adapters' policy says (:class:`~stageload.FurthestNextUse`).
         self.prefetch = prefetch
@@ -433,12 +441,15 @@ class AutoSession:
         kwargs: dict,
         *,
         trusted: bool = False,
+        stand_in: StandIn | None = None,
     ) -> Any:
         """Run one factory call for the script: share, make, hook. ``trusted``: a library's
         ``from_pretrained``, whose weights are the file's unless converted whole, so a
         reload's recipe checks the first 4 KiB of each tensor (as the diffusers adapter
         does); a factory the user names may change a weight anywhere after reading it, so
-        every byte is compared."""
+        every byte is compared. ``stand_in``: builds what the call returns with its weights
+        on ``meta`` (:data:`STAND_INS`), read at its first use instead (a library's
+        ``from_pretrained`` has its own: :func:`stageload.load.skeleton.stand_in`)."""
         if getattr(self._making, "depth", 0):  # a factory inside a factory, or a reload
             return factory(*args, **kwargs)
         # Relative paths anchored now, for everything that reads them from here on: the
@@ -497,7 +508,7 @@ class AutoSession:
                 with self._mutex:
                     self.waiting -= 1
         try:
-            return self._make(factory, name, args, kwargs, key, trusted, twin)
+            return self._make(factory, name, args, kwargs, key, trusted, twin, stand_in)
         finally:
             if key is not None:
                 with self._mutex:
@@ -512,20 +523,23 @@ class AutoSession:
         key: Any,
         trusted: bool,
         twin: _Model | None = None,
+        stand_in: StandIn | None = None,
     ) -> Any:
         """Make the model of one factory call. ``twin``: the model an identical call made
         from another RNG state, returned in place of the new one if that has the same
         weights (its three samples a tensor)."""
         make = self._maker(factory, args, kwargs)
-        if trusted and isinstance(factory, _Bound):
+        if stand_in is None and trusted and isinstance(factory, _Bound):
+            stand_in = functools.partial(_library_stand_in, factory.cls)
+        if stand_in is not None:
             rng = capture_rng()  # before the build: the first load replays the call from it
-            early = _stand_in(factory.cls, args, kwargs, rng)
+            early = _stand_in(stand_in, args, kwargs, rng)
             if early is not None:
                 # A stand-in's weights are its files': the same as its twin's.
                 shared = self._same_as(twin, rng, early, compare=False)
                 if shared is not None:
                     return shared
-                return self._defer(early, factory, rng, name, args, kwargs, key)
+                return self._defer(early, factory, rng, name, args, kwargs, key, trusted)
         # Room before it loads: for its size from its files' headers when its arguments
         # name them (a larger model than any before would otherwise load on top of the
         # others: SD3's transformer after its T5), and for the largest model seen.
@@ -652,6 +666,7 @@ class AutoSession:
         args: tuple,
         kwargs: dict,
         key: Any,
+        trusted: bool,
     ) -> nn.Module:
         """Stage ``obj``, a stand-in for what ``factory(*args, **kwargs)`` loads, as
         released: its first use loads it, so it is read once (not here and again at that
@@ -675,7 +690,7 @@ class AutoSession:
                 state=RELEASED,
                 loads=0,
                 device=torch.device("cpu"),
-                first=lambda module: _learn(module, args, kwargs, whole=False),
+                first=lambda module: _learn(module, args, kwargs, whole=not trusted),
                 inference=torch.is_inference_mode_enabled(),
                 grad=torch.is_grad_enabled(),
             )
@@ -721,7 +736,8 @@ class AutoSession:
         if span:
             self._timings.start = time.perf_counter()
         self._stage, self._driver = model.name, threading.get_ident()
-        self._emit(Event(STAGE, stage=model.name))
+        if self.stages:
+            self._emit(Event(STAGE, stage=model.name))
         return model.state == LOADED
 
     def convert_released(
@@ -1982,25 +1998,38 @@ def _refill(
     return True
 
 
-def _stand_in(cls: type, args: tuple, kwargs: dict, rng: RngState) -> nn.Module | None:
-    """A model of ``cls`` with its weights on ``meta``, in place of what
-    ``cls.from_pretrained(*args, **kwargs)`` loads (:func:`stageload.load.skeleton.stand_in`),
-    or None to load it now (an argument it does not know, a head the checkpoint lacks, a
-    config it cannot build). The global RNG moves as ``from_pretrained``'s would (``rng``:
-    its state before): a build that drew where ``from_pretrained`` will draw again (the
-    call loads it now) or would not have drawn (a transformers model) gives it back."""
+def _stand_in(build: StandIn, args: tuple, kwargs: dict, rng: RngState) -> nn.Module | None:
+    """``build(args, kwargs)``: a model with its weights on ``meta`` in place of what the
+    factory's call loads, or None to load it now (an argument it does not know, a head
+    the checkpoint lacks, a config it cannot build: the factory itself will say why). The
+    global RNG moves as the build left it when it gave a model (a diffusers model draws
+    as diffusers builds it), else as it was (``rng``: its state before)."""
     import torch
 
     try:
-        built = stand_in(cls, args, kwargs)
-    except Exception:  # a config it cannot read: from_pretrained itself will say why
+        built = build(args, kwargs)
+    except Exception:  # a config it cannot read: the factory itself will say why
         built = None
     keep = isinstance(built, torch.nn.Module)
-    if not (keep and library_model(cls) == "diffusers") and not torch.equal(
-        torch.get_rng_state(), rng.cpu
-    ):
+    if not keep and not torch.equal(torch.get_rng_state(), rng.cpu):
         restore_rng(rng)
     return built if keep else None
+
+
+def _library_stand_in(cls: type, args: tuple, kwargs: dict) -> nn.Module | None:
+    """What ``cls.from_pretrained(*args, **kwargs)`` loads, on ``meta``
+    (:func:`stageload.load.skeleton.stand_in`), the global RNG moved as that call moves it:
+    a diffusers model's constructor draws, a transformers model is built under ``meta``
+    and draws nothing (a build that drew gives it back)."""
+    import torch
+
+    rng = capture_rng()
+    built = stand_in(cls, args, kwargs)
+    if not isinstance(built, torch.nn.Module):
+        return None
+    if library_model(cls) != "diffusers" and not torch.equal(torch.get_rng_state(), rng.cpu):
+        restore_rng(rng)
+    return built
 
 
 def _first_load(module: nn.Module, model: _Model, renames: dict[str, str] | None) -> None:
@@ -2238,13 +2267,15 @@ def _wrap(owner: Any, attr: str, around: Around) -> Callable[[], None]:
     return undo
 
 
-def _as_factory(session: AutoSession, *, trusted: bool = False) -> Around:
-    """A factory's calls: each model it makes is staged by ``session`` (``trusted``: see
-    :meth:`AutoSession.call`)."""
+def _as_factory(
+    session: AutoSession, *, trusted: bool = False, stand_in: StandIn | None = None
+) -> Around:
+    """A factory's calls: each model it makes is staged by ``session`` (``trusted``,
+    ``stand_in``: see :meth:`AutoSession.call`)."""
 
     def around(call: Callable[..., Any], who: Any, args: tuple, kwargs: dict) -> Any:
         name = _model_name(who, args, kwargs)
-        return session.call(call, name, args, kwargs, trusted=trusted)
+        return session.call(call, name, args, kwargs, trusted=trusted, stand_in=stand_in)
 
     return around
 
@@ -2367,6 +2398,20 @@ PLAN_SOURCES: dict[str, PlanSource] = {
 }
 
 
+def _pixal3d_stand_in(args: tuple, kwargs: dict) -> nn.Module | None:
+    """The Pixal3D port's ``pixal3d.models.from_pretrained``, on ``meta``."""
+    from ..pixal3d.port import stand_in
+
+    with preserved_rng():  # a computed buffer may draw: the stand-in draws nothing
+        return stand_in(args, kwargs)
+
+
+#: Stand-ins for factories a user names (``factories=``, ``--factory``), by
+#: ``module:function``: what the call returns, its weights on ``meta``, built from the
+#: configs its arguments name; the model is read at its first use.
+STAND_INS: dict[str, StandIn] = {"pixal3d.models:from_pretrained": _pixal3d_stand_in}
+
+
 @dataclass(frozen=True)
 class _Bound:
     """A classmethod's function bound to the class it was called on: equal for equal
@@ -2387,14 +2432,16 @@ def auto(
     defaults: bool = True,
     events: EventSink | None = None,
     prefetch: bool = True,
+    stages: bool = True,
 ) -> Iterator[AutoSession]:
     """Stage the models the block makes through its factories (see the module docstring).
 
     ``budget``: bytes, ``"12G"``, ``"80%"`` or ``"auto"`` (the default: the memory
     available now, less a reserve for working memory). ``factories``: more factories,
     ``"module:Class.method"``; ``defaults=False`` wraps only those. ``prefetch=False``:
-    no loads ahead, every reload at its use. After the block, a model it released loads
-    again at its next use and stays.
+    no loads ahead, every reload at its use. ``stages=False``: no ``stage`` events (each
+    names the model whose use began it), for a caller that marks its own stages. After
+    the block, a model it released loads again at its next use and stays.
     """
     if isinstance(factories, str):
         raise TypeError(
@@ -2412,7 +2459,7 @@ def auto(
                 "stageload.auto() is already on: the factories are wrapped for the whole "
                 "process, so one block at a time; leave the outer one on"
             )
-        session = AutoSession(budget, events, prefetch=prefetch)
+        session = AutoSession(budget, events, prefetch=prefetch, stages=stages)
         _ACTIVE.append(session)
     from torch import nn
 
@@ -2457,7 +2504,8 @@ def auto(
             else:  # wrapped when the script imports it
                 waiting[module_name] = run
         for spec in factories:
-            undo.append(_wrap(*_resolve(spec), _counted(session, spec, _as_factory(session))))
+            around = _as_factory(session, stand_in=STAND_INS.get(spec))
+            undo.append(_wrap(*_resolve(spec), _counted(session, spec, around)))
         yield session
     finally:
         if finder in sys.meta_path:

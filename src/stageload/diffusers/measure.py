@@ -108,7 +108,7 @@ def run(
             MemoryMeter(trace, interval, meta={"label": mode, **(meta or {})})
         )
         if mode == "auto":  # its loads and releases in the trace; stages as eager's below
-            stack.enter_context(auto(budget=budget, events=_WithoutStages(meter)))
+            stack.enter_context(auto(budget=budget, events=meter, stages=False))
         start = time.perf_counter()
         models = _plan.model_components(Path(path))
         if mode == "baseline":
@@ -157,18 +157,6 @@ def run(
     result["image_sha256"] = hashlib.sha256(image.numpy().tobytes()).hexdigest()
     result["image_shape"] = list(image.shape)
     return result
-
-
-class _WithoutStages:
-    """auto's events but its stages (named after models): the trace takes the stage
-    events :class:`StageMarks` makes, as the other modes' do."""
-
-    def __init__(self, sink: Any) -> None:
-        self.sink = sink
-
-    def emit(self, event: Any) -> None:
-        if event.kind != "stage":
-            self.sink.emit(event)
 
 
 def _materialized(models: dict[str, type], path: str, dtype: Any) -> dict[str, Any]:

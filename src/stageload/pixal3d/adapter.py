@@ -14,15 +14,18 @@ Models named in ``stream`` are loaded with :func:`stageload.streamed` instead: b
 ``{path}.json`` with their weights on ``meta``, the parts outside their block list read when
 their stage first needs them, each block read at its call and freed after it.
 
-``load="eager"`` runs the port's own loading instead, with the same boundaries and
-fingerprints, for comparison.
+``load="auto"`` runs the port's own loading under :func:`stageload.auto`, the port's
+factories wrapped (:func:`~.plan.auto_factories`): its models stand in until their first use,
+and the port's stages (``run()``, :func:`~.plan.run_stages`) seed auto's plan. The boundaries
+and fingerprints are the same; the trace's stages are the adapter's. ``load="eager"`` runs
+the port's own loading unstaged, for comparison.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
-import json
+import importlib
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -50,6 +53,7 @@ from .fingerprints import Fingerprints
 from .plan import (
     BACKBONE,
     EXTRACTOR_STAGES,
+    LOADS,
     MODEL_NAMES,
     NAF,
     REMBG,
@@ -57,10 +61,10 @@ from .plan import (
     check_stream,
     plan_for,
 )
-from .port import Port, PortError, api_mismatch
+from .port import Port, PortError, api_mismatch, config_build
 
-#: The ways to load: stageload's staged loading, or the port's own.
-LOADS = ("staged", "eager")
+#: Where the port defines the MoGe model its camera step loads (and drops) per image.
+MOGE_MODULE, MOGE_CLASS = "pixal3d.utils.camera", "MoGeModel"
 
 #: Where staged loaders build each model: on the target device (fast, the default), or on
 #: the CPU and then moved, as the port does. Buffers a constructor computes (rotary
@@ -154,7 +158,7 @@ class Pixal3DRun:
         stream: Iterable[str] | None = None,
     ) -> None:
         if load not in LOADS:
-            raise ValueError(f"load must be 'staged' or 'eager', got {load!r}")
+            raise ValueError(f"load must be one of {', '.join(LOADS)}; got {load!r}")
         self.stream = check_stream(stream or ())
         if self.stream and load != "staged":
             raise ValueError(
@@ -186,6 +190,8 @@ class Pixal3DRun:
         try:
             if load == "staged":
                 self.pipeline = self._build_staged()
+            elif load == "auto":
+                self.pipeline = self._build_auto()
             else:
                 self.pipeline = port.generate.load_pipeline(args, self.device)
             self._attach()
@@ -299,6 +305,39 @@ class Pixal3DRun:
         pipeline.low_vram = False
         return pipeline
 
+    def factories(self) -> list[str]:
+        """The port's model factories, as ``stageload.auto`` names them: its
+        ``pixal3d.models.from_pretrained``, its DINOv3 backbone's ``from_pretrained``
+        (unless it is transformers', which auto wraps anyway) and MoGe's, where it has
+        them. NAF and the background remover are built otherwise: they stay loaded."""
+        port = self.port
+        specs = [f"{port.models.__name__}:from_pretrained"]
+        backbone = port.backbone_class
+        if backbone is not None and not backbone.__module__.startswith("transformers"):
+            specs.append(f"{backbone.__module__}:{backbone.__qualname__}.from_pretrained")
+        try:  # the port imports it at its camera step
+            camera = importlib.import_module(MOGE_MODULE)
+        except ImportError:
+            camera = None
+        if callable(getattr(getattr(camera, MOGE_CLASS, None), "from_pretrained", None)):
+            specs.append(f"{MOGE_MODULE}:{MOGE_CLASS}.from_pretrained")
+        return specs
+
+    def _build_auto(self) -> Any:
+        from ..autostage import auto
+
+        budget, prefetch = self.residency["budget"], self.residency["prefetch"]
+        self._stack.enter_context(
+            auto(
+                budget="auto" if budget is None else budget,
+                factories=self.factories(),
+                events=self.events,
+                stages=False,  # the trace's stages are the adapter's (enter())
+                prefetch=prefetch,
+            )
+        )
+        return self.port.generate.load_pipeline(self.image.args, self.device)
+
     def _note(self, name: str, note: str) -> None:
         self._emit(Event(NOTE, model=name, stage=self.image.stage, note=note))
 
@@ -353,16 +392,13 @@ class Pixal3DRun:
                 f"arguments {placeholder.call_args!r} after the path, which stageload cannot "
                 "map onto the model's constructor"
             )
-        config = json.loads(config_file.read_text())
-        cls_name = config.get("name") if isinstance(config, dict) else None
-        cls = getattr(self.port.models, cls_name, None) if isinstance(cls_name, str) else None
-        if not callable(cls) or not isinstance(config.get("args", {}), dict):
+        build = config_build(self.port.models, config_file, placeholder.call_kwargs)
+        if isinstance(build, str):
             raise api_mismatch(
                 self.port.path,
-                [f"pixal3d.models.{cls_name} (the class {str(config_file)!r} names)"],
+                [f"pixal3d.models.{build} (the class {str(config_file)!r} names)"],
             )
-        args, kwargs = dict(config.get("args", {})), dict(placeholder.call_kwargs)
-        return (lambda: cls(**args, **kwargs)), file
+        return build, file
 
     def _load_streamed(self, name: str, build: Callable[[], Any], file: Path) -> nn.Module:
         # Built anew at each load: the release at the end of its last stage emptied the

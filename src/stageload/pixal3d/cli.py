@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli.args import interval, unusable_folder, unwritable_file
-from .plan import MODEL_NAMES, STAGES, check_stream
+from .plan import LOADS, MODEL_NAMES, STAGES, check_stream
 
 EXIT_OK = 0
 #: The run failed: a model could not load, or the port raised.
@@ -80,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--load",
-        choices=("staged", "eager"),
+        choices=LOADS,
         default="staged",
-        help="staged (default) or the port's own eager loading, for comparison",
+        help="staged (default); auto: the port's own loading under 'stageload auto', its "
+        "stages as the plan; eager: the port's own loading, unstaged, for comparison",
     )
     p.add_argument("--trace", metavar="FILE", help="write a memory trace (JSONL) of the run")
     p.add_argument(
@@ -114,12 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="keep models loaded across stages while they fit in SIZE ('12G', '80%%', "
         "'auto'), evicting the one needed furthest ahead; default: release what the next "
-        "stage does not use",
+        "stage does not use (with --load auto: the memory available at the start)",
     )
     p.add_argument(
         "--prefetch",
         action="store_true",
-        help="with --budget, load the next stage's models in the background while the "
+        help="with --budget or --load auto, load the next stage's models in the background "
+        "while the "
         "current stage runs; only loaders that draw no random numbers are prefetched "
         "(docs/residency.md), and a note in the trace names those that are not",
     )
@@ -212,11 +214,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UnsupportedPipelineError, PortError) as exc:
         return _fail(str(exc))
 
-    if opts.prefetch and opts.budget is None:
-        return _fail("--prefetch needs --budget SIZE (e.g. --budget auto)")
+    if opts.prefetch and opts.budget is None and opts.load != "auto":
+        return _fail("--prefetch needs --budget SIZE (e.g. --budget auto) or --load auto")
     stream = list(check_stream(name for names in opts.stream or () for name in names))
     if stream and opts.load != "staged":
-        return _fail("--stream needs staged loading: --load eager reads every model whole")
+        return _fail(
+            "--stream needs --load staged: the port's own loading (--load eager, --load "
+            "auto) reads each model whole"
+        )
     options: dict[str, Any] = {
         "budget": opts.budget,
         "prefetch": opts.prefetch,

@@ -12,6 +12,10 @@ from typing import Any
 
 from ..errors import StageloadError
 
+#: The ways to load: stageload's staged build, the port's own under ``stageload.auto``
+#: (its stages as the plan), or the port's own unstaged.
+LOADS: tuple[str, ...] = ("staged", "auto", "eager")
+
 #: The pipeline's eight models, as keys of ``pipeline.models``.
 MODEL_NAMES: tuple[str, ...] = (
     "sparse_structure_flow_model",

@@ -7,6 +7,7 @@ the ``pixal3d`` package. We put that folder first on ``sys.path`` and import bot
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -216,3 +217,40 @@ def check_device(device: str) -> None:
         )
     if kind == "cuda" and not torch.cuda.is_available():
         raise PortError(f"device {device!r} is not available here; pass --device cpu")
+
+
+def config_build(models: ModuleType, config_file: Path, kwargs: dict[str, Any]) -> Any:
+    """How the port's ``pixal3d.models.from_pretrained(path, **kwargs)`` builds its model
+    before reading ``{path}.safetensors`` whole: ``getattr(pixal3d.models, config["name"])
+    (**config["args"], **kwargs)``, from ``{path}.json`` (``config_file``). Returns the
+    build, a function of no arguments, or the class name the file gives when ``models``
+    has no such class (or the file no ``args`` dict)."""
+    config = json.loads(config_file.read_text())
+    name = config.get("name") if isinstance(config, dict) else None
+    cls = getattr(models, name, None) if isinstance(name, str) else None
+    args = config.get("args", {}) if isinstance(config, dict) else None
+    if not callable(cls) or not isinstance(args, dict):
+        return str(name)
+    args, kwargs = dict(args), dict(kwargs)
+    return lambda: cls(**args, **kwargs)
+
+
+def stand_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What the port's ``pixal3d.models.from_pretrained(*args, **kwargs)`` returns, with its
+    weights on ``meta``, nothing read but ``{path}.json`` (``stageload.auto``'s stand-in
+    for it: the model is read at its first use); None where that cannot be built the
+    same: a path without its local ``.json`` and ``.safetensors``, other arguments.
+
+    Built on ``meta``, it draws no random number where the port's CPU build draws its
+    initial weights: the port seeds before it samples (its ``run``), as the staged build,
+    which builds nothing at setup, also takes."""
+    from ..load.meta import build_on_meta
+
+    if len(args) != 1 or not isinstance(args[0], (str, os.PathLike)):
+        return None
+    path = os.fspath(args[0])
+    config_file = Path(f"{path}.json")
+    if not (config_file.is_file() and Path(f"{path}.safetensors").is_file()):
+        return None
+    build = config_build(importlib.import_module("pixal3d.models"), config_file, kwargs)
+    return None if isinstance(build, str) else build_on_meta(build)

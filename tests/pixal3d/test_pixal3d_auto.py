@@ -1,0 +1,125 @@
+"""``load="auto"`` (``stageload-pixal3d --load auto``): the port's own loading under
+``stageload.auto``, the port's stages as auto's plan, the adapter's boundaries and
+fingerprints. On the stub port (tests/fixtures/pixal3d_stub), as test_pixal3d.py.
+
+Reference everywhere: the port's own loading (``load="eager"``) in this process, this
+process's default torch threads on both sides.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fixtures.pixal3d_stub import port_args
+from stageload import ListSink
+from stageload.pixal3d import PLAN_1024_CASCADE, import_port, run
+from stageload.pixal3d.cli import main
+from stageload.pixal3d.plan import MODEL_NAMES
+
+pytest.importorskip("PIL.Image")
+
+FLOW_MODELS = ("sparse_structure_flow_model", "shape_slat_flow_model_512")
+
+
+@pytest.fixture(scope="module")
+def eager(stub: Path, image: Path, tmp_path_factory: pytest.TempPathFactory):
+    port = import_port(stub)
+    out = tmp_path_factory.mktemp("eager") / "eager.glb"
+    result = run(port, port_args(port, image, out), load="eager")
+    return [r["sha256"] for r in result.fingerprints], out.read_bytes()
+
+
+def test_auto_loading_writes_eagers_glb_and_releases_between_stages(stub, image, tmp_path, eager):
+    """Room for no model (budget 1 B): every model the port's factories make is released
+    after its use and reloaded at the next, the latents and the GLB stay the port's own,
+    and the trace's stages are the adapter's (auto's own, one per model, are left out)."""
+    port = import_port(stub)
+    sink = ListSink()
+    result = run(
+        port, port_args(port, image, tmp_path / "auto.glb"), load="auto", events=sink, budget=1
+    )
+    hashes, glb = eager
+    assert [r["sha256"] for r in result.fingerprints] == hashes
+    assert (tmp_path / "auto.glb").read_bytes() == glb
+    stages = [e.stage for e in sink.events if e.kind == "stage"]
+    assert stages == list(PLAN_1024_CASCADE)[1:]
+    released = {e.model for e in sink.events if e.kind == "release"}
+    assert set(FLOW_MODELS) <= released
+
+
+def test_the_command_takes_load_auto(stub, image, tmp_path, eager, capsys):
+    """``--load auto`` through the command: the port's stages seed auto's plan (said in
+    the trace), and the GLB is the port's own."""
+    trace = tmp_path / "auto.jsonl"
+    out = tmp_path / "o.glb"
+    argv = [str(image), "-o", str(out), "--port", str(stub), "--device", "cpu", "--seed", "7"]
+    assert main([*argv, "--load", "auto", "--budget", "1", "--trace", str(trace)]) == 0
+    assert "(auto loading)" in capsys.readouterr().out
+    assert out.read_bytes() == eager[1]
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert records[0]["meta"]["load"] == "auto"
+    events = [r for r in records if r["type"] == "event"]
+    assert [e["stage"] for e in events if e["kind"] == "stage"] == list(PLAN_1024_CASCADE)[1:]
+    notes = [e.get("note") or "" for e in events if e["kind"] == "note"]
+    assert any(n.startswith("the plan before the first use") for n in notes)
+    assert {e["model"] for e in events if e["kind"] == "release"} >= set(FLOW_MODELS)
+
+
+def test_load_auto_refuses_stream(stub, image, tmp_path, capsys):
+    argv = [str(image), "-o", str(tmp_path / "o.glb"), "--port", str(stub), "--device", "cpu"]
+    assert main([*argv, "--load", "auto", "--stream", "shape_slat_flow_model_512"]) == 2
+    assert "--stream needs --load staged" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stand_in", [True, False], ids=["stand-in", "control"])
+def test_the_ports_models_are_read_at_their_first_use_not_at_load_pipeline(
+    stub, image, tmp_path, eager, stand_in, monkeypatch
+):
+    """The port's ``pixal3d.models.from_pretrained`` stands in (its model built from
+    ``{path}.json`` on ``meta``): nothing of it is read before the run, the 512 texture
+    model 1024_cascade never uses is never read, and the latents stay eager's. Control:
+    without the stand-in, each model is read at ``load_pipeline``, before any stage."""
+    import stageload.autostage as autostage
+
+    if not stand_in:
+        monkeypatch.setattr(autostage, "STAND_INS", {})
+    port = import_port(stub)
+    sink = ListSink()
+    result = run(
+        port, port_args(port, image, tmp_path / "o.glb"), load="auto", events=sink, budget=1
+    )
+    assert [r["sha256"] for r in result.fingerprints] == eager[0]
+    first_stage = next(i for i, e in enumerate(sink.events) if e.kind == "stage")
+    before = {e.model for e in sink.events[:first_stage] if e.kind in ("load", "reload")}
+    ports = set(MODEL_NAMES)
+    read = {e.model for e in sink.events if e.kind in ("load", "reload")}
+    if stand_in:
+        assert not before & ports
+        assert "tex_slat_flow_model_512" not in read
+    else:
+        assert before & ports == ports
+
+
+def test_three_images_read_each_model_once_staged_and_again_per_image_under_auto(
+    stub, image, tmp_path
+):
+    """The figures in docs/pixal3d.md: reads of ``pipeline.models``' eight models for
+    three images. Staged runs them stage-major: 8 reads (the shape decoder twice), as one
+    image. ``load="auto"`` runs them one after the other: with room for no model, 8 reads
+    an image; with room for all, 7 in all (the shape decoder stays)."""
+    from stageload.pixal3d.batch import run_many
+
+    port = import_port(stub)
+    images = [port_args(port, image, tmp_path / f"{i}.glb") for i in range(3)]
+
+    def reads(load: str, **options: object) -> int:
+        sink = ListSink()
+        results = run_many(port, images, load=load, events=sink, **options)
+        assert not [r for r in results if isinstance(r, Exception)]
+        kinds = ("load", "reload", "prefetch")
+        return sum(e.kind in kinds and e.model in MODEL_NAMES for e in sink.events)
+
+    assert (reads("staged"), reads("auto", budget=1), reads("auto")) == (8, 24, 7)
