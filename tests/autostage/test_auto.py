@@ -932,13 +932,54 @@ def test_control_a_repr_key_shares_different_state_dicts(folder, monkeypatch):
         assert auto_script.from_state(state) is auto_script.from_state(other)
 
 
-def test_a_second_block_while_one_is_on_is_a_clear_error():
-    refused = pytest.raises(stageload.autostage.AutoError, match="already on")
-    with auto(budget=1 << 30, factories=[FACTORY], defaults=False), refused:  # noqa: SIM117
-        with auto(budget=1 << 30, factories=[FACTORY], defaults=False):
-            pass
+def test_a_block_inside_one_on_joins_it_for_its_factories_and_its_events(folder):
+    """``auto()`` inside a block already on (a library's block inside the script's, a
+    script with a block run under the command) yields the same session: the factories it
+    names are wrapped for its block only, its sink gets the session's events for its block
+    only, and the options it asks that the session does not have are said once. It raised
+    before ("already on"), which broke any script with a block run under the command."""
+    other = "fixtures.auto_script:from_state"
+    outer_sink, inner_sink = ListSink(), ListSink()
+    with auto(budget=1 << 30, factories=[FACTORY], defaults=False, events=outer_sink) as outer:
+        with auto(budget=1, factories=[FACTORY, other], events=inner_sink) as inner:
+            assert inner is outer
+            a = auto_script.load_model(f"{folder}/a.pt")
+            state = {k: v.clone() for k, v in a.state_dict().items()}
+            made = auto_script.from_state(state)  # wrapped for the inner block
+            assert outer.models["from_state"] is made
+        assert other not in outer.wrapped and FACTORY in outer.wrapped
+        auto_script.load_model(f"{folder}/b.pt")  # after the inner block: its sink is off
+        assert auto_script.from_state(state) not in outer.models.values()
+    loads = [e.model for e in inner_sink.events if e.kind == "load"]
+    assert "b.pt" not in loads and "b.pt" in [e.model for e in outer_sink.events]
+    joined = [n for n in outer.notes if "joins it" in n]
+    assert joined == [
+        "a stageload.auto() block inside the one on (the stageload auto command's, or an "
+        "outer block) joins it: the outer one's budget and default factories hold"
+    ]
     with auto(budget=1 << 30, factories=[FACTORY], defaults=False):  # and after it, again
         pass
+
+
+def test_a_script_with_its_own_block_runs_under_the_command(folder, tmp_path):
+    """The script opens ``stageload.auto()`` itself and is run under ``stageload auto``:
+    it runs (it exited 1 with "already on"), its output equal to the plain run's."""
+    script = tmp_path / "own_block.py"
+    script.write_text(
+        "import sys, torch, stageload\n"
+        "from fixtures import auto_script\n"
+        f"with stageload.auto(budget=1, factories=[{FACTORY!r}], defaults=False):\n"
+        "    auto_script.main(sys.argv[1], sys.argv[2])\n"
+    )
+    plain = _run([str(script), folder, str(tmp_path / "eager.pt")], tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    staged = _run(
+        ["-m", "stageload", "auto", "--budget", "1", "--factory", FACTORY, "--",
+         "python", str(script), folder, str(tmp_path / "auto.pt")],
+        tmp_path,
+    )  # fmt: skip
+    assert staged.returncode == 0, staged.stderr
+    assert torch.equal(torch.load(tmp_path / "auto.pt"), torch.load(tmp_path / "eager.pt"))
 
 
 def test_a_model_holding_another_staged_model_is_kept_loaded_and_said(folder):

@@ -409,6 +409,12 @@ class AutoSession:
         self.notes: list[str] = []
         #: Calls of each factory the user named (``factories=``), by its spec.
         self.factory_calls: dict[str, int] = {}
+        #: Every factory and plan source wrapped for the session, by its spec.
+        self.wrapped: set[str] = set()
+        #: The sinks of the blocks that joined this one (:func:`auto` inside it), each
+        #: for its block: replaced whole, never changed in place (read without the lock).
+        self._joined: tuple[EventSink, ...] = ()
+        self.joined_said = False  # the note that a block asked for other options
 
     # -- what the script sees ------------------------------------------------------------
     @property
@@ -1417,6 +1423,24 @@ class AutoSession:
     def _emit(self, event: Event) -> None:
         if self._sink is not None:
             self._sink.emit(event)
+        for sink in self._joined:
+            sink.emit(event)
+
+    def join(self, events: EventSink | None) -> Callable[[], None]:
+        """A block that joins this session (:func:`auto` inside one on) gets its events in
+        ``events`` too, until the returned function is called."""
+        if events is None:
+            return lambda: None
+        with self._mutex:
+            self._joined = (*self._joined, events)
+
+        def leave() -> None:
+            with self._mutex:
+                joined = list(self._joined)
+                joined.remove(events)
+                self._joined = tuple(joined)
+
+        return leave
 
 
 def _written(model: _Model, seen: Seen) -> list[str]:
@@ -2441,8 +2465,8 @@ def auto(
     ``"module:Class.method"``; ``defaults=False`` wraps only those. ``prefetch=False``:
     no loads ahead, every reload at its use. ``stages=False``: no ``stage`` events (each
     names the model whose use began it), for a caller that marks its own stages. After
-    the block, a model it released loads again at its next use and stays.
-    """
+    the block, a model it released loads again at its next use and stays. A block inside
+    one already on joins it (:func:`_joining`)."""
     if isinstance(factories, str):
         raise TypeError(
             f"factories must list 'module:function' or 'module:Class.method' names, e.g. "
@@ -2454,13 +2478,15 @@ def auto(
             f"stageload.ListSink() or a MemoryMeter); got {events!r}"
         )
     with _ACTIVE_LOCK:
-        if _ACTIVE:
-            raise AutoError(
-                "stageload.auto() is already on: the factories are wrapped for the whole "
-                "process, so one block at a time; leave the outer one on"
-            )
-        session = AutoSession(budget, events, prefetch=prefetch, stages=stages)
-        _ACTIVE.append(session)
+        outer = _ACTIVE[0] if _ACTIVE else None
+        if outer is None:
+            session = AutoSession(budget, events, prefetch=prefetch, stages=stages)
+            _ACTIVE.append(session)
+    if outer is not None:
+        asked = {"budget": budget, "defaults": defaults, "prefetch": prefetch, "stages": stages}
+        with _joining(outer, factories, events, asked):
+            yield outer
+        return
     from torch import nn
 
     undo: list[Callable[[], None]] = []
@@ -2476,6 +2502,9 @@ def auto(
             undo.append(_wrap(*_resolve(spec), _as_plan_source(session, PLAN_SOURCES[spec])))
 
         return wrap
+
+    if defaults:
+        session.wrapped.update(DEFAULT_FACTORIES, PLAN_SOURCES)
 
     steps: dict[str, list[Callable[[Any], None]]] = {}  # by module: once it is imported
     for spec in DEFAULT_FACTORIES if defaults else ():
@@ -2503,9 +2532,7 @@ def auto(
                 run(sys.modules[module_name])
             else:  # wrapped when the script imports it
                 waiting[module_name] = run
-        for spec in factories:
-            around = _as_factory(session, stand_in=STAND_INS.get(spec))
-            undo.append(_wrap(*_resolve(spec), _counted(session, spec, around)))
+        undo.append(_named(session, factories))
         yield session
     finally:
         if finder in sys.meta_path:
@@ -2519,6 +2546,73 @@ def auto(
         finally:
             with _ACTIVE_LOCK:
                 _ACTIVE.remove(session)
+
+
+def _named(session: AutoSession, factories: Iterable[str]) -> Callable[[], None]:
+    """Wrap the factories the user names for ``session`` (those it does not wrap yet);
+    returns what unwraps them."""
+    undo: list[Callable[[], None]] = []
+    added: list[str] = []
+
+    def unwrap() -> None:
+        for step in reversed(undo):
+            step()
+        session.wrapped.difference_update(added)
+
+    try:
+        for spec in factories:
+            if spec in session.wrapped:
+                continue
+            around = _as_factory(session, stand_in=STAND_INS.get(spec))
+            undo.append(_wrap(*_resolve(spec), _counted(session, spec, around)))
+            session.wrapped.add(spec)
+            added.append(spec)
+    except BaseException:
+        unwrap()
+        raise
+    return unwrap
+
+
+@contextlib.contextmanager
+def _joining(
+    session: AutoSession, factories: Iterable[str], events: EventSink | None, asked: dict
+) -> Iterator[None]:
+    """A block of :func:`auto` inside one already on (a script that calls
+    ``stageload.auto()`` run under the ``stageload auto`` command, a library's block inside
+    the script's) joins it: the factories it names that the session does not wrap are
+    wrapped for the block, and its ``events`` get the session's events for the block.
+    The session's budget and options hold; a block that asks for others is told once, in
+    a note. (Refusing it broke every script that opens a block, run under the command.)"""
+    defaults = set(DEFAULT_FACTORIES) <= session.wrapped
+    differ = [
+        what
+        for what, asks in (
+            (
+                "budget",
+                asked["budget"] is not None and parse_budget(asked["budget"]) != session.budget,
+            ),
+            ("default factories", asked["defaults"] != defaults),
+            ("loads ahead", asked["prefetch"] != session.prefetch),
+            ("stage events", asked["stages"] != session.stages),
+        )
+        if asks
+    ]
+    if differ and not session.joined_said:
+        session.joined_said = True
+        session._note(
+            f"a stageload.auto() block inside the one on (the stageload auto command's, or "
+            f"an outer block) joins it: the outer one's {' and '.join(differ)} "
+            f"{'hold' if len(differ) > 1 else 'holds'}"
+        )
+    leave = session.join(events)
+    try:
+        unwrap = _named(session, factories)
+        try:
+            yield
+        finally:
+            unwrap()
+    finally:
+        leave()
 
 
 #: The session on now (one at a time), and its lock.
