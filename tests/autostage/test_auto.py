@@ -1741,7 +1741,7 @@ def test_control_comparing_the_first_4_kib_reloads_other_weights(st_folder, monk
     from stageload.load.refill import learn
 
     monkeypatch.setattr(
-        stageload.autostage, "learn", lambda module, files, whole: learn(module, files)
+        stageload.autostage, "learn", lambda module, files, whole, **k: learn(module, files, **k)
     )
     want, _ = st_run(st_folder, NUDGED, staged=False)
     got, _ = st_run(st_folder, NUDGED, staged=True)
@@ -1838,9 +1838,9 @@ def test_a_library_loader_checks_the_start_of_each_tensor_a_named_factory_every_
     seen: list[bool] = []
     real = refill.learn
 
-    def learn(module: Any, files: Any, names: Any = None, *, whole: bool = False) -> Any:
+    def learn(module: Any, files: Any, names: Any = None, *, whole: bool = False, **k: Any) -> Any:
         seen.append(whole)
-        return real(module, files, names, whole=whole)
+        return real(module, files, names, whole=whole, **k)
 
     monkeypatch.setattr(stageload.autostage, "learn", learn)
     with auto(budget=10 * SIZE, factories=[ST]):

@@ -1877,7 +1877,9 @@ def _learn(module: nn.Module, args: tuple, kwargs: dict, *, whole: bool) -> Reci
         return None
     try:
         with torch_function_off():
-            return learn(module, files, whole=whole)
+            # made_new: transformers maps a base model's names into one with a head, and
+            # makes the head new (a classifier on BERT's checkpoint: the fine-tuning load).
+            return learn(module, files, whole=whole, made_new=True)
     except Exception as exc:  # a damaged or unreadable file: the factory still works
         return f"its files cannot be checked ({type(exc).__name__}: {exc})"
 

@@ -15,7 +15,7 @@ reads the files straight into it. Otherwise the adapter keeps its loader and say
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,9 @@ class Recipe:
     # The files as they were when the reference load read them: a reload from files
     # replaced or rewritten since would give other weights, silently.
     stamps: dict[Path, Stamp | None]
+    # Each tensor's checkpoint key by its name, where the loader mapped them (learned
+    # with ``made_new``); empty: every name is its key.
+    names: dict[str, str] = field(default_factory=dict)
 
 
 def learn(
@@ -54,6 +57,7 @@ def learn(
     names: Mapping[str, str] | None = None,
     *,
     whole: bool = False,
+    made_new: bool = False,
 ) -> Recipe | str:
     """Check a freshly loaded ``module`` against ``files``.
 
@@ -65,11 +69,34 @@ def learn(
     tensor with the file's, not only the first 4 KiB: for a loader nobody here knows (a
     user's factory may change a weight anywhere after reading it), at the cost of reading
     the checkpoint once more.
+
+    ``made_new``: the loader may map names across the model's base prefix and make
+    tensors the checkpoint lacks, as transformers' ``from_pretrained`` does for a base
+    model's checkpoint loaded with a head (``bert.`` added to each name, a new
+    ``classifier``): the mapping is learned (:attr:`Recipe.names`), and the new tensors'
+    values are kept, as computed buffers are, while they are at most
+    :data:`NEW_KEPT` of the model's bytes (else the reason why not).
     """
     stamps = file_stamps(files, sampled=True)  # before the checks: a change during them shows later
+    new: list[Any] = []
+    learned: dict[str, str] = {}
     try:
         entries = read_entries(files)
         found = targets(module)
+        if made_new and names is None:
+            mapped = _mapped(module, found, entries)
+            if mapped is not None:
+                names, new = mapped
+                learned = names
+                kept = sum(t.tensor.nbytes for t in new)
+                total = sum(t.tensor.nbytes for t in found)
+                if kept > NEW_KEPT * total:
+                    return (
+                        f"{len(new)} of its tensors ({kept} of {total} bytes) are not in the "
+                        f"checkpoint, made new by the loader: "
+                        + ", ".join(t.names[0] for t in new[:5])
+                        + (", ..." if len(new) > 5 else "")
+                    )
         if names is not None:
             found = [t for t in found if not t.persistent or set(t.names) & names.keys()]
         names = names or {}
@@ -95,11 +122,54 @@ def learn(
     if any(not t.persistent and t.tensor.is_meta for t in found):
         return "it has computed buffers on meta"
     dtypes = {_key(t, names): t.tensor.dtype for t in found}
+    # Computed buffers and the tensors the loader made new: their values, put back as
+    # they were at each reload (the loader makes them the same from the same RNG state).
     computed = {
-        _key(t, names): t.tensor.detach().to("cpu", copy=True) for t in found if not t.persistent
+        _key(t, names): t.tensor.detach().to("cpu", copy=True)
+        for t in [*(t for t in found if not t.persistent), *new]
     }
     placement = Placement.recorded({entry: target.tensor for target, entry in planned.reads})
-    return Recipe(list(files), dtypes, computed, placement, stamps)
+    return Recipe(list(files), dtypes, computed, placement, stamps, learned)
+
+
+#: The most of a model's bytes :func:`learn` keeps in memory for tensors its loader made
+#: new (a classifier head on a base model's checkpoint); more, and the model reloads
+#: through its loader.
+NEW_KEPT = 1 / 8
+
+
+def _mapped(
+    module: nn.Module, found: list[Any], entries: Mapping[str, Any]
+) -> tuple[dict[str, str], list[Any]] | None:
+    """Each persistent tensor's checkpoint key by its names, across the model's base
+    prefix (``base_model_prefix``, transformers': ``bert``) where its own name is not in
+    the checkpoint, and the tensors under no key at all; None when every tensor is under
+    its own name (nothing mapped, nothing new)."""
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    names: dict[str, str] = {}
+    new: list[Any] = []
+    for target in found:
+        if not target.persistent:
+            continue
+        for name in target.names:
+            for key in (name, *_across(name, prefix)):
+                if key in entries:
+                    names[name] = key
+                    break
+        if not set(target.names) & names.keys():
+            new.append(target)
+    if not new and all(key == name for name, key in names.items()):
+        return None
+    return names, new
+
+
+def _across(name: str, prefix: str) -> tuple[str, ...]:
+    """``name`` with the base prefix taken off, or put on."""
+    if not prefix:
+        return ()
+    if name.startswith(prefix + "."):
+        return (name[len(prefix) + 1 :],)
+    return (f"{prefix}.{name}",)
 
 
 def _key(target: Any, names: Mapping[str, str]) -> str:
@@ -124,6 +194,12 @@ def reload(
     the progress bar's, as for :func:`~stageload.load_weights`."""
     import torch
 
+    if recipe.names:  # the loader's mapping, after the script's renames (now -> at load)
+        names = (
+            dict(recipe.names)
+            if names is None
+            else {now: recipe.names[then] for now, then in names.items() if then in recipe.names}
+        )
     check_unchanged(
         recipe.stamps,
         f"since {name or 'the model'} was first read from it: a reload would give other "
