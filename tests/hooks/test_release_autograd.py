@@ -194,6 +194,35 @@ def test_the_warning_points_at_the_scripts_line_once_per_line():
     assert len(said) == 1 and said[0].filename == __file__, [(w.filename, w.lineno) for w in said]
 
 
+@pytest.mark.parametrize("recorded_first", [True, False], ids=["fixed", "control"])
+def test_with_warnings_as_errors_the_release_is_recorded_before_the_warning_raises(
+    recorded_first, monkeypatch
+):
+    """``python -W error``: the warning raises out of ``enter()``, after the release event
+    is in the trace (the model is released whole either way). Control: warned from inside
+    ``release()`` (no ``on_cut``), the event was lost."""
+    import stageload.core.staged as staged
+
+    if not recorded_first:
+        real = staged.release
+        monkeypatch.setattr(staged, "release", lambda *a, on_cut=None, **k: real(*a, **k))
+    sink = ListSink()
+    models = StagedModels(
+        loaders(), stages={"encode": ["encoder"], "denoise": ["head"]}, events=sink
+    )
+    models.enter("encode")
+    encoder = models["encoder"]
+    hidden = encoder(embedding_input())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="model 'encoder' was released while"):
+            models.enter("denoise")
+    assert all(t.is_meta for t in encoder.parameters())
+    released = [e.model for e in sink.events if e.kind == "release"]
+    assert released == (["encoder"] if recorded_first else [])
+    del hidden
+
+
 def test_kept_loaded_through_the_backward_the_staged_step_equals_eager():
     eager = {name: load() for name, load in loaders().items()}
     want = textual_inversion(_Eager(eager))

@@ -41,6 +41,7 @@ from ..hooks.release import (
     release,
     releasing,
     to_the_end,
+    warn_cut,
 )
 from ..load.loaders import ready_for_background
 from ..load.progress import PREFETCH_THREAD
@@ -637,10 +638,19 @@ class StagedModels(Mapping[str, "nn.Module"]):
             )
 
         start = time.perf_counter()
+        cut: list[int] = []  # warned of after the event: -W error raises the warning
         try:
             # A batch's other calls are parked, not computing: waiting for them would wait
             # for the scheduler, which waits for this release.
-            nbytes = release(module, name=name, stage=stage, keep=keep, wait=wait, on_wait=waiting)
+            nbytes = release(
+                module,
+                name=name,
+                stage=stage,
+                keep=keep,
+                wait=wait,
+                on_wait=waiting,
+                on_cut=cut.append,
+            )
         except Exception:
             raise
         except BaseException:  # Ctrl-C; if not released, _drain lists the model again
@@ -648,6 +658,8 @@ class StagedModels(Mapping[str, "nn.Module"]):
                 said(None, note, "interrupted (Ctrl-C), released whole")
             raise
         said(nbytes, note)
+        if cut:
+            warn_cut(name, cut[0])
         return nbytes
 
     def _say_dropped(self, name: str, stage: str | None, changed: str) -> str | None:

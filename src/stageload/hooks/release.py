@@ -271,6 +271,7 @@ def release(
     keep: Iterable[nn.Module] = (),
     wait: bool = True,
     on_wait: Callable[[int], None] | None = None,
+    on_cut: Callable[[int], None] | None = None,
 ) -> int:
     """Free ``module``'s weights in place and return the number of bytes freed.
 
@@ -294,7 +295,9 @@ def release(
     Weights an autograd graph holds (an output computed with gradients on, whose backward
     is still to come; :func:`held_by_autograd`) are freed all the same, and get a new
     version first: a backward through that graph raises autograd's own error instead of
-    reading freed memory, and a ``UserWarning`` says which model and the way out.
+    reading freed memory, and a ``UserWarning`` says which model and the way out
+    (:func:`warn_cut`); ``on_cut(nbytes)`` is told instead, for a caller that records the
+    release before it warns (a script run with ``-W error`` gets the warning raised).
 
     Dead reference cycles are collected once afterwards (``gc.collect()``): once per
     :func:`releasing` block instead inside one, and not at all from inside a hooked
@@ -337,13 +340,20 @@ def release(
         collect_garbage()
     if interrupt is not None:
         raise interrupt
-    if done.cut:  # last: a warning the script made an error (-W error) finds it released
-        from ..units import format_size
-
-        what = f"model {name!r}" if name else "a module"
-        note = _autograd_note(format_size(done.cut))
-        warn_caller(f"{what} was released while {note}")
+    if done.cut and on_cut is not None:
+        on_cut(done.cut)
+    elif done.cut:  # last: a warning the script made an error (-W error) finds it released
+        warn_cut(name, done.cut)
     return sum(done.freed.values())
+
+
+def warn_cut(name: str | None, nbytes: int) -> None:
+    """The ``UserWarning`` of a release that freed ``nbytes`` an autograd graph held (see
+    :func:`release`), at the script's line."""
+    from ..units import format_size
+
+    what = f"model {name!r}" if name else "a module"
+    warn_caller(f"{what} was released while {_autograd_note(format_size(nbytes))}")
 
 
 @dataclass
