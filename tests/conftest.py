@@ -140,6 +140,41 @@ def _registration_left_as_torch_has_it() -> Iterator[None]:
     assert not changed, f"the test left nn.Module patched: {'; '.join(changed)}"
 
 
+#: transformers' own methods and torch's init functions, as first seen (see below).
+_TRANSFORMERS: dict[tuple[Any, str], Any] = {}
+
+
+@pytest.fixture(autouse=True)
+def _transformers_left_as_it_has_it() -> Iterator[None]:
+    """A test leaves ``PreTrainedModel.tie_weights`` and ``init_weights``, and torch's
+    ``nn.init`` functions, as transformers and torch have them. transformers 5's
+    ``from_pretrained`` swaps them for empty functions for the whole process while it
+    loads (``no_tie_weights``, ``no_init_weights``) and puts back what it found: two loads
+    at once on two threads leave the empty ones for good, and every later model in that
+    process comes out untied or with new weights left on meta (a T5's embeddings untied
+    and a BERT head's bias on meta, four modules later, in one run of the suite). Caught
+    here, the test that did it fails, and the next tests run on the real ones."""
+    yield
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:
+        return
+    import torch.nn.init as torch_init
+
+    owners = [(modeling.PreTrainedModel, n) for n in ("tie_weights", "init_weights")]
+    owners += [(torch_init, n) for n in ("normal_", "uniform_", "zeros_", "ones_")]
+    changed = []
+    for owner, name in owners:
+        now = owner.__dict__.get(name)
+        if (owner, name) not in _TRANSFORMERS:
+            if getattr(now, "__name__", "") != "empty_func":
+                _TRANSFORMERS[(owner, name)] = now
+            continue
+        if now is not _TRANSFORMERS[(owner, name)]:
+            setattr(owner, name, _TRANSFORMERS[(owner, name)])
+            changed.append(f"{getattr(owner, '__name__', owner)}.{name}")
+    assert not changed, f"the test left transformers' loading patches: {', '.join(changed)}"
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """torch on one thread for a module's tests (``pytest.mark.usefixtures("one_thread")``):

@@ -87,3 +87,69 @@ def test_new_tensors_over_an_eighth_of_the_model_are_not_kept(folder):
     assert recipe.names["bert.embeddings.word_embeddings.weight"] == (
         "embeddings.word_embeddings.weight"
     )
+
+
+def test_a_released_head_model_wrapped_by_peft_reloads_its_mapped_and_new_tensors(folder):
+    """peft wraps every Linear of a released classifier (``all-linear``: the new
+    classifier becomes ``classifier.base_layer``): the reload maps the renamed base
+    weights to their checkpoint keys and puts the classifier back from its kept values.
+    Before (helper-48), the classifier's new name was dropped from the mapping and the
+    reload left it empty."""
+    peft = pytest.importorskip("peft")
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        cls = transformers.BertForSequenceClassification
+        model = cls.from_pretrained(f"{folder}/bert").eval()
+        other = transformers.AutoModel.from_pretrained(f"{folder}/gpt2").eval()
+        with torch.no_grad():
+            first = model(input_ids=ids).logits
+            other(input_ids=ids)  # room for one: the classifier goes
+        torch.manual_seed(5)
+        config = peft.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+        wrapped = peft.get_peft_model(model, config)
+        with torch.no_grad():
+            return first, wrapped(input_ids=ids).logits
+
+    want = run()
+    sink = ListSink()
+    with auto(budget=1, events=sink):
+        got = run()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert [e.note for e in sink.events if e.kind == "reload" and e.model == "bert"] == ["files"]
+
+
+def test_a_checkpoint_with_a_tensor_under_both_names_reloads_through_its_factory(folder, tmp_path):
+    """``x`` and ``bert.x`` both in the file (equal in their first 4 KiB, other values
+    after): which one transformers read is its choice for the whole model, not told to
+    ``learn``, so the model reloads through its factory, equal to eager. Mapped tensor by
+    tensor, its own name first, a BertModel reloaded the other values (helper-48)."""
+    from safetensors.torch import load_file, save_file
+
+    (tmp_path / "both").mkdir()
+    for f in Path(folder, "bert").iterdir():
+        (tmp_path / "both" / f.name).write_bytes(f.read_bytes())
+    file = tmp_path / "both" / "model.safetensors"
+    state = load_file(file)
+    for key, value in list(state.items()):
+        other = value.clone()
+        if other.nbytes > 4096:
+            other.view(-1)[1024:] += 1.0
+        state[f"bert.{key}"] = other
+    save_file(state, str(file), metadata={"format": "pt"})
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+
+    def run() -> list[torch.Tensor]:
+        model = transformers.BertModel.from_pretrained(tmp_path / "both").eval()
+        other = transformers.AutoModel.from_pretrained(f"{folder}/gpt2").eval()
+        with torch.no_grad():
+            return [t for _ in range(2) for t in (model(input_ids=ids)[0], other(input_ids=ids)[0])]
+
+    want = run()
+    sink = ListSink()
+    with auto(budget=1, events=sink):
+        got = run()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert [e.note for e in sink.events if e.kind == "reload" and e.model == "both"] == ["factory"]
+    assert any("which it read is unknown" in n for n in (e.note or "" for e in sink.events))

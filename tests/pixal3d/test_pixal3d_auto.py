@@ -82,10 +82,10 @@ def test_the_ports_models_are_read_at_their_first_use_not_at_load_pipeline(
     ``{path}.json`` on ``meta``): nothing of it is read before the run, the 512 texture
     model 1024_cascade never uses is never read, and the latents stay eager's. Control:
     without the stand-in, each model is read at ``load_pipeline``, before any stage."""
-    import stageload.autostage as autostage
+    import stageload.pixal3d.adapter as adapter
 
     if not stand_in:
-        monkeypatch.setattr(autostage, "STAND_INS", {})
+        monkeypatch.setattr(adapter, "stand_in", lambda args, kwargs: None)
     port = import_port(stub)
     sink = ListSink()
     result = run(

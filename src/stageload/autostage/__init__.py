@@ -56,7 +56,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
@@ -411,6 +411,9 @@ class AutoSession:
         self.factory_calls: dict[str, int] = {}
         #: Every factory and plan source wrapped for the session, by its spec.
         self.wrapped: set[str] = set()
+        #: The factories blocks named (``factories=``): how many blocks on now name each,
+        #: and what unwraps it (changed under ``_ACTIVE_LOCK``; see :func:`_named`).
+        self.named: dict[str, list[Any]] = {}
         #: The sinks of the blocks that joined this one (:func:`auto` inside it), each
         #: for its block: replaced whole, never changed in place (read without the lock).
         self._joined: tuple[EventSink, ...] = ()
@@ -454,7 +457,7 @@ class AutoSession:
         reload's recipe checks the first 4 KiB of each tensor (as the diffusers adapter
         does); a factory the user names may change a weight anywhere after reading it, so
         every byte is compared. ``stand_in``: builds what the call returns with its weights
-        on ``meta`` (:data:`STAND_INS`), read at its first use instead (a library's
+        on ``meta`` (:func:`auto`'s ``stand_ins``), read at its first use instead (a library's
         ``from_pretrained`` has its own: :func:`stageload.load.skeleton.stand_in`)."""
         if getattr(self._making, "depth", 0):  # a factory inside a factory, or a reload
             return factory(*args, **kwargs)
@@ -1424,7 +1427,14 @@ class AutoSession:
         if self._sink is not None:
             self._sink.emit(event)
         for sink in self._joined:
-            sink.emit(event)
+            try:
+                sink.emit(event)
+            except Exception as exc:  # observation never kills what it observes
+                self._joined = tuple(s for s in self._joined if s is not sink)
+                self._note(
+                    f"a joined block's event sink raised ({type(exc).__name__}: {exc}); "
+                    f"it gets no more events"
+                )
 
     def join(self, events: EventSink | None) -> Callable[[], None]:
         """A block that joins this session (:func:`auto` inside one on) gets its events in
@@ -2308,7 +2318,7 @@ def _as_factory(
 
 def _counted(session: AutoSession, spec: str, around: Around) -> Around:
     """``around``, counting the calls of the factory ``spec`` names in ``session``."""
-    session.factory_calls[spec] = 0
+    session.factory_calls.setdefault(spec, 0)  # a block that joins later keeps the count
 
     def counting(call: Callable[..., Any], who: Any, args: tuple, kwargs: dict) -> Any:
         session.factory_calls[spec] += 1
@@ -2424,20 +2434,6 @@ PLAN_SOURCES: dict[str, PlanSource] = {
 }
 
 
-def _pixal3d_stand_in(args: tuple, kwargs: dict) -> nn.Module | None:
-    """The Pixal3D port's ``pixal3d.models.from_pretrained``, on ``meta``."""
-    from ..pixal3d.port import stand_in
-
-    with preserved_rng():  # a computed buffer may draw: the stand-in draws nothing
-        return stand_in(args, kwargs)
-
-
-#: Stand-ins for factories a user names (``factories=``, ``--factory``), by
-#: ``module:function``: what the call returns, its weights on ``meta``, built from the
-#: configs its arguments name; the model is read at its first use.
-STAND_INS: dict[str, StandIn] = {"pixal3d.models:from_pretrained": _pixal3d_stand_in}
-
-
 @dataclass(frozen=True)
 class _Bound:
     """A classmethod's function bound to the class it was called on: equal for equal
@@ -2459,6 +2455,7 @@ def auto(
     events: EventSink | None = None,
     prefetch: bool = True,
     stages: bool = True,
+    stand_ins: Mapping[str, StandIn] | None = None,
 ) -> Iterator[AutoSession]:
     """Stage the models the block makes through its factories (see the module docstring).
 
@@ -2466,9 +2463,13 @@ def auto(
     available now, less a reserve for working memory). ``factories``: more factories,
     ``"module:Class.method"``; ``defaults=False`` wraps only those. ``prefetch=False``:
     no loads ahead, every reload at its use. ``stages=False``: no ``stage`` events (each
-    names the model whose use began it), for a caller that marks its own stages. After
-    the block, a model it released loads again at its next use and stays. A block inside
-    one already on joins it (:func:`_joining`)."""
+    names the model whose use began it), for a caller that marks its own stages.
+    ``stand_ins``: for factories of ``factories``, by spec, what builds the model a call
+    returns with its weights on ``meta``, to read it at its first use instead (an
+    adapter's, which knows that the script reseeds before it draws: a stand-in draws
+    none of the numbers the factory's build would). After the block, a model it released
+    loads again at its next use and stays. A block inside one already on joins it
+    (:func:`_joining`), and ends before it."""
     if isinstance(factories, str):
         raise TypeError(
             f"factories must list 'module:function' or 'module:Class.method' names, e.g. "
@@ -2486,7 +2487,7 @@ def auto(
             _ACTIVE.append(session)
     if outer is not None:
         asked = {"budget": budget, "defaults": defaults, "prefetch": prefetch, "stages": stages}
-        with _joining(outer, factories, events, asked):
+        with _joining(outer, factories, events, asked, stand_ins or {}):
             yield outer
         return
     from torch import nn
@@ -2534,7 +2535,7 @@ def auto(
                 run(sys.modules[module_name])
             else:  # wrapped when the script imports it
                 waiting[module_name] = run
-        undo.append(_named(session, factories))
+        undo.append(_named(session, factories, stand_ins or {}))
         yield session
     finally:
         if finder in sys.meta_path:
@@ -2550,25 +2551,39 @@ def auto(
                 _ACTIVE.remove(session)
 
 
-def _named(session: AutoSession, factories: Iterable[str]) -> Callable[[], None]:
-    """Wrap the factories the user names for ``session`` (those it does not wrap yet);
-    returns what unwraps them."""
-    undo: list[Callable[[], None]] = []
-    added: list[str] = []
+def _named(
+    session: AutoSession, factories: Iterable[str], stand_ins: Mapping[str, StandIn]
+) -> Callable[[], None]:
+    """Wrap the factories the user names for ``session`` (``stand_ins``: see
+    :func:`auto`), each once however many blocks name it (joined blocks on several
+    threads): counted under ``_ACTIVE_LOCK``, unwrapped when the last block that named it
+    ends. Returns what ends this block's part."""
+    taken: list[str] = []
 
     def unwrap() -> None:
-        for step in reversed(undo):
-            step()
-        session.wrapped.difference_update(added)
+        with _ACTIVE_LOCK:
+            while taken:
+                spec = taken.pop()
+                entry = session.named[spec]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del session.named[spec]
+                    session.wrapped.discard(spec)
+                    entry[1]()
 
     try:
-        for spec in factories:
-            if spec in session.wrapped:
-                continue
-            around = _as_factory(session, stand_in=STAND_INS.get(spec))
-            undo.append(_wrap(*_resolve(spec), _counted(session, spec, around)))
-            session.wrapped.add(spec)
-            added.append(spec)
+        with _ACTIVE_LOCK:
+            for spec in factories:
+                entry = session.named.get(spec)
+                if entry is None:
+                    if spec in session.wrapped:  # a default factory: wrapped for the session
+                        continue
+                    around = _as_factory(session, stand_in=stand_ins.get(spec))
+                    undo = _wrap(*_resolve(spec), _counted(session, spec, around))
+                    entry = session.named[spec] = [0, undo]
+                    session.wrapped.add(spec)
+                entry[0] += 1
+                taken.append(spec)
     except BaseException:
         unwrap()
         raise
@@ -2577,7 +2592,11 @@ def _named(session: AutoSession, factories: Iterable[str]) -> Callable[[], None]
 
 @contextlib.contextmanager
 def _joining(
-    session: AutoSession, factories: Iterable[str], events: EventSink | None, asked: dict
+    session: AutoSession,
+    factories: Iterable[str],
+    events: EventSink | None,
+    asked: dict,
+    stand_ins: Mapping[str, StandIn],
 ) -> Iterator[None]:
     """A block of :func:`auto` inside one already on (a script that calls
     ``stageload.auto()`` run under the ``stageload auto`` command, a library's block inside
@@ -2608,7 +2627,7 @@ def _joining(
         )
     leave = session.join(events)
     try:
-        unwrap = _named(session, factories)
+        unwrap = _named(session, factories, stand_ins)
         try:
             yield
         finally:

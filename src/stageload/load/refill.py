@@ -14,11 +14,13 @@ reads the files straight into it. Otherwise the adapter keeps its loader and say
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..hooks.release import release
 from .checkpoint import DTYPES, Stamp, check_unchanged, file_stamps, read_entries
 from .placement import Placement
 from .weights import fill, plan, put, targets
@@ -49,6 +51,11 @@ class Recipe:
     # Each tensor's checkpoint key by its name, where the loader mapped them (learned
     # with ``made_new``); empty: every name is its key.
     names: dict[str, str] = field(default_factory=dict)
+    # The checkpoint keys whose tensors the reference load left mapped from the file (a
+    # transformers model whose dtype needs no conversion, on a CPU): a reload maps them
+    # again, so they stay page cache the footprint does not count, as without stageload
+    # (read into the process's own memory, auto's reloads outgrew the script alone).
+    mapped: frozenset[str] = frozenset()
 
 
 def learn(
@@ -85,6 +92,8 @@ def learn(
         found = targets(module)
         if made_new and names is None:
             mapped = _mapped(module, found, entries)
+            if isinstance(mapped, str):
+                return mapped
             if mapped is not None:
                 names, new = mapped
                 learned = names
@@ -129,7 +138,68 @@ def learn(
         for t in [*(t for t in found if not t.persistent), *new]
     }
     placement = Placement.recorded({entry: target.tensor for target, entry in planned.reads})
-    return Recipe(list(files), dtypes, computed, placement, stamps, learned)
+    ranges = mapped_ranges({entry.file for _, entry in planned.reads})
+    mapped = frozenset(
+        _key(target, names)
+        for target, entry in planned.reads
+        if any(lo <= target.tensor.data_ptr() < hi for lo, hi in ranges.get(entry.file, ()))
+    )
+    return Recipe(list(files), dtypes, computed, placement, stamps, learned, mapped)
+
+
+def mapped_ranges(files: Iterable[Path]) -> dict[Path, list[tuple[int, int]]]:
+    """The address ranges this process maps from each of ``files`` (``/proc/self/maps``;
+    none where there is no such file: not Linux)."""
+    wanted = {str(Path(f).resolve()): Path(f) for f in files}
+    ranges: dict[Path, list[tuple[int, int]]] = {}
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                path = parts[5].strip() if len(parts) == 6 else ""
+                if path in wanted:
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    ranges.setdefault(wanted[path], []).append((lo, hi))
+    except OSError:
+        return {}
+    return ranges
+
+
+def _map(module: nn.Module, recipe: Recipe, names: Mapping[str, str] | None) -> None:
+    """Map the recipe's mapped tensors of ``module`` (on ``meta``) from their files, as the
+    reference load had them: the same bytes at the same alignment (safetensors' own
+    mapping, private: a write by the script copies the page)."""
+    entries = read_entries(recipe.files)
+    opened: dict[Path, Any] = {}
+    with ExitStack() as files:
+        _map_each(module, recipe, names, entries, opened, files)
+
+
+def _map_each(
+    module: nn.Module,
+    recipe: Recipe,
+    names: Mapping[str, str] | None,
+    entries: Mapping[str, Any],
+    opened: dict[Path, Any],
+    files: ExitStack,
+) -> None:
+    from safetensors import safe_open
+
+    for target in targets(module):
+        if not target.tensor.is_meta or not target.persistent:
+            continue
+        if names is not None and not names.keys() & set(target.names):
+            continue  # the caller's own (a LoRA's)
+        key = _key(target, names or {})
+        entry = entries.get(key)
+        if key not in recipe.mapped or entry is None:
+            continue
+        if entry.file not in opened:
+            opened[entry.file] = files.enter_context(safe_open(str(entry.file), framework="pt"))
+        tensor = opened[entry.file].get_tensor(key)
+        same = tensor.dtype == recipe.dtypes.get(key) and tensor.shape == target.tensor.shape
+        if same:
+            put(target, tensor)
 
 
 #: The most of a model's bytes :func:`learn` keeps in memory for tensors its loader made
@@ -140,11 +210,12 @@ NEW_KEPT = 1 / 8
 
 def _mapped(
     module: nn.Module, found: list[Any], entries: Mapping[str, Any]
-) -> tuple[dict[str, str], list[Any]] | None:
+) -> tuple[dict[str, str], list[Any]] | str | None:
     """Each persistent tensor's checkpoint key by its names, across the model's base
     prefix (``base_model_prefix``, transformers': ``bert``) where its own name is not in
     the checkpoint, and the tensors under no key at all; None when every tensor is under
-    its own name (nothing mapped, nothing new)."""
+    its own name (nothing mapped, nothing new); why not, when a tensor is in the
+    checkpoint under both names (transformers picks one for the whole model)."""
     prefix = getattr(module, "base_model_prefix", "") or ""
     names: dict[str, str] = {}
     new: list[Any] = []
@@ -152,10 +223,11 @@ def _mapped(
         if not target.persistent:
             continue
         for name in target.names:
-            for key in (name, *_across(name, prefix)):
-                if key in entries:
-                    names[name] = key
-                    break
+            keys = [key for key in (name, *_across(name, prefix)) if key in entries]
+            if len(keys) > 1:  # the loader chose one for the whole model: not told here
+                return f"the checkpoint holds {keys[0]!r} and {keys[1]!r}: which it read is unknown"
+            if keys:
+                names[name] = keys[0]
         if not set(target.names) & names.keys():
             new.append(target)
     if not new and all(key == name for name, key in names.items()):
@@ -198,7 +270,8 @@ def reload(
         names = (
             dict(recipe.names)
             if names is None
-            else {now: recipe.names[then] for now, then in names.items() if then in recipe.names}
+            # a tensor the loader made new keeps its own name: its key in recipe.computed
+            else {now: recipe.names.get(then, then) for now, then in names.items()}
         )
     check_unchanged(
         recipe.stamps,
@@ -206,6 +279,12 @@ def reload(
         f"weights than the ones released",
         fix="restore the file, or load the model again (from_pretrained) to use the new one",
     )
+    if recipe.mapped and torch.device(device).type == "cpu":
+        try:
+            _map(module, recipe, names)
+        except BaseException:  # Ctrl-C: whole or not at all, as fill
+            release(module)
+            raise
     with torch.no_grad():
         for target in targets(module):
             key = _key(target, names or {})  # not `name`: that is the model's, for the bar

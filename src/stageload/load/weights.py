@@ -549,8 +549,9 @@ def install(
             want = dtype if dtype is not None and old.is_floating_point() else old.dtype
             new = old.detach().to(device=device, dtype=want)  # computed buffer: move it
         if not old.is_meta and new.data_ptr() == old.data_ptr():
-            in_place.append(old)  # filled in place
-            continue
+            if id(target) in results:
+                in_place.append(old)  # filled in place
+            continue  # else left as it was (only_empty: a tensor the caller put in)
         put(target, new)
     # Written through its memory, not by torch: a graph that saved the old values must know
     # (backward raises, as after load_state_dict's copy_; it used the new ones, silently).

@@ -61,7 +61,7 @@ from .plan import (
     check_stream,
     plan_for,
 )
-from .port import Port, PortError, api_mismatch, config_build
+from .port import Port, PortError, api_mismatch, config_build, stand_in
 
 #: Where the port defines the MoGe model its camera step loads (and drops) per image.
 MOGE_MODULE, MOGE_CLASS = "pixal3d.utils.camera", "MoGeModel"
@@ -331,6 +331,10 @@ class Pixal3DRun:
             auto(
                 budget="auto" if budget is None else budget,
                 factories=self.factories(),
+                # The port's models stand in until their first use, so load_pipeline reads
+                # none: the port reseeds before it samples, which the staged build, with
+                # nothing built at setup, takes too.
+                stand_ins={f"{self.port.models.__name__}:from_pretrained": stand_in},
                 events=self.events,
                 stages=False,  # the trace's stages are the adapter's (enter())
                 prefetch=prefetch,

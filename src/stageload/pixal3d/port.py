@@ -242,8 +242,10 @@ def stand_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     same: a path without its local ``.json`` and ``.safetensors``, other arguments.
 
     Built on ``meta``, it draws no random number where the port's CPU build draws its
-    initial weights: the port seeds before it samples (its ``run``), as the staged build,
+    initial weights (a computed buffer's draws are given back too): for a run that seeds
+    before it samples, as the port's ``image_to_asset`` does, and as the staged build,
     which builds nothing at setup, also takes."""
+    from ..core.rng import preserved_rng
     from ..load.meta import build_on_meta
 
     if len(args) != 1 or not isinstance(args[0], (str, os.PathLike)):
@@ -253,4 +255,7 @@ def stand_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not (config_file.is_file() and Path(f"{path}.safetensors").is_file()):
         return None
     build = config_build(importlib.import_module("pixal3d.models"), config_file, kwargs)
-    return None if isinstance(build, str) else build_on_meta(build)
+    if isinstance(build, str):
+        return None
+    with preserved_rng():
+        return build_on_meta(build)

@@ -1,0 +1,88 @@
+"""Weights a library leaves mapped from the file stay mapped at auto's reloads.
+
+transformers maps a safetensors checkpoint whose dtype needs no conversion (float32 kept
+float32, on a CPU): those pages are page cache, which the footprint (RssAnon + RssShmem)
+does not count and the kernel may drop and read again. Read into the process's own
+memory at each reload, a model counted in full under auto where it did not without it:
+three 49 MB GPT-2s with room for one peaked at 309 MiB under auto against 256 MiB alone
+(helper-47). Now a reload maps what the first load had mapped, at the same alignment.
+Linux only: the mappings are read from /proc/self/maps.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import stageload.autostage
+from stageload import ListSink, auto
+from stageload.load import refill
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("mapped")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=2000)
+    transformers.GPT2Model(config).save_pretrained(path / "g")
+    bert = transformers.BertConfig(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256
+    )
+    transformers.BertModel(bert).save_pretrained(path / "b")
+    return path
+
+
+def _mapped_share(model: torch.nn.Module, file: Path) -> float:
+    """The share of ``model``'s tensors that lie in a mapping of ``file``."""
+    ranges = refill.mapped_ranges([file]).get(file, [])
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    return sum(any(lo <= x < hi for lo, hi in ranges) for x in ptrs) / len(ptrs)
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "control"])
+def test_a_reload_maps_what_the_first_load_mapped(folder, mapped, monkeypatch):
+    """Room for one model, three laps: after each reload, every tensor of the GPT-2 lies
+    in a mapping of its file, and the outputs equal the script's alone (this process).
+    Control: with the recipe's mapped set emptied, the reloads read the weights into the
+    process's own memory, and none is mapped."""
+    if not mapped:
+        learn = refill.learn
+
+        def unmapped(*args, **kwargs):
+            recipe = learn(*args, **kwargs)
+            if not isinstance(recipe, str):
+                recipe.mapped = frozenset()
+            return recipe
+
+        monkeypatch.setattr(stageload.autostage, "learn", unmapped)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    file = folder / "g" / "model.safetensors"
+
+    def run(shares: list[float]) -> list[torch.Tensor]:
+        g = transformers.GPT2Model.from_pretrained(folder / "g")
+        b = transformers.BertModel.from_pretrained(folder / "b")
+        outs = []
+        with torch.no_grad():
+            for _ in range(3):
+                outs.append(g(ids).last_hidden_state)
+                shares.append(_mapped_share(g, file))
+                outs.append(b(ids).last_hidden_state)
+        return outs
+
+    alone: list[float] = []
+    want = run(alone)
+    assert alone == [1.0] * 3  # transformers maps them
+    sink = ListSink()
+    shares: list[float] = []
+    with auto(budget=1, events=sink):
+        got = run(shares)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert [e.note for e in sink.events if e.kind == "reload" and e.model == "g"] == ["files"] * 2
+    # The first use loads through from_pretrained (mapped either way); then the reloads.
+    assert shares[1:] == ([1.0, 1.0] if mapped else [0.0, 0.0])
