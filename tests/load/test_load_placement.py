@@ -221,14 +221,10 @@ def sd(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder(families["sd"], tmp_path_factory.mktemp("sd"))
 
 
-def test_diffusers_refills_place_as_from_pretrained(
-    sd: Path, rule: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Read, not mapped: a refill maps what from_pretrained had mapped (as the file lies,
-    whatever the rule), which would leave the control nothing to shift."""
-    from stageload.load import refill
-
-    monkeypatch.setattr(refill, "_map", lambda *args, **kwargs: None)
+def refill_problems(sd: Path) -> tuple[list[str], Any]:
+    """Each component of a staged SD pipeline loaded (from_pretrained itself), evicted,
+    and refilled; where the refill's tensors sit otherwise than from_pretrained's, and the
+    reference pipeline."""
     staged_pipeline, families, _ = _diffusers()
     fam = families["sd"]
     reference = fam.load(sd)
@@ -238,9 +234,21 @@ def test_diffusers_refills_place_as_from_pretrained(
     for name in models:
         models[name]  # the first load: from_pretrained itself
         models.evict(name)
-        again = models[name]  # a refill by load_weights
+        again = models[name]  # a refill from the files
         want = residues(getattr(reference, name))
         problems += [f"{name}.{p}" for p in differences(residues(again), want)]
+    return problems, reference
+
+
+def test_diffusers_refills_place_as_from_pretrained(
+    sd: Path, rule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read, not mapped: a refill maps what from_pretrained had mapped (as the file lies,
+    whatever the rule), which would leave the control nothing to shift."""
+    from stageload.load import refill
+
+    monkeypatch.setattr(refill, "_map", lambda *args, **kwargs: None)
+    problems, reference = refill_problems(sd)
     teeth(residues(reference.unet))
     verdict(rule, problems)
 
@@ -248,20 +256,7 @@ def test_diffusers_refills_place_as_from_pretrained(
 def test_diffusers_refills_mapped_from_the_files_place_as_from_pretrained(sd: Path) -> None:
     """As shipped: what from_pretrained had mapped, a refill maps again (the same file
     offsets from a page boundary), the rest is read and placed."""
-    staged_pipeline, families, _ = _diffusers()
-    fam = families["sd"]
-    reference = fam.load(sd)
-    pipe = staged_pipeline(fam.cls, sd, keep=())
-    models = pipe.stageload.models
-    problems: list[str] = []
-    for name in models:
-        models[name]
-        models.evict(name)
-        again = models[name]
-        problems += [
-            f"{name}.{p}" for p in differences(residues(again), residues(getattr(reference, name)))
-        ]
-    assert problems == []
+    assert refill_problems(sd)[0] == []
 
 
 def test_a_diffusers_streamed_component_places_as_from_pretrained(sd: Path, rule: str) -> None:
