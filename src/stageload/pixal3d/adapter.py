@@ -15,10 +15,10 @@ Models named in ``stream`` are loaded with :func:`stageload.streamed` instead: b
 their stage first needs them, each block read at its call and freed after it.
 
 ``load="auto"`` runs the port's own loading under :func:`stageload.auto`, the port's
-factories wrapped (:func:`~.plan.auto_factories`): its models stand in until their first use,
-and the port's stages (``run()``, :func:`~.plan.run_stages`) seed auto's plan. The boundaries
-and fingerprints are the same; the trace's stages are the adapter's. ``load="eager"`` runs
-the port's own loading unstaged, for comparison.
+factories wrapped (:meth:`Pixal3DRun.factories`): its models stand in until their first use
+(:func:`~.port.stand_in`), and the port's stages (``run()``, :func:`~.plan.run_stages`)
+seed auto's plan. The boundaries and fingerprints are the same; the trace's stages are the
+adapter's. ``load="eager"`` runs the port's own loading unstaged, for comparison.
 """
 
 from __future__ import annotations
