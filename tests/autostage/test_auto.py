@@ -241,6 +241,28 @@ def test_a_factory_that_cannot_be_found_is_a_clear_error():
     no_sink = pytest.raises(TypeError, match=r"an emit\(event\) method.*got <built-in function")
     with no_sink, auto(events=print):
         pass
+    for option in ("stages", "prefetch", "defaults"):  # "no" would be taken as true
+        wrong = pytest.raises(TypeError, match=f"{option} must be True or False; got 'no'")
+        with wrong, auto(**{option: "no"}):
+            pass
+    bad = {
+        "stand_ins must map .* got 'x'": "x",
+        "names 'fixtures.auto_script:x', which factories": {"fixtures.auto_script:x": print},
+        r"stand_ins\[.*\] must be a function .* got 1": {FACTORY: 1},
+    }
+    for message, stand_ins in bad.items():
+        with (
+            pytest.raises(TypeError, match=message),
+            auto(factories=[FACTORY], stand_ins=stand_ins),
+        ):
+            pass
+
+
+def test_factories_may_be_a_generator():
+    """A generator of names is read once, by the checks: the block still wraps them."""
+    before = auto_script.load_model
+    with auto(factories=(f for f in [FACTORY]), stand_ins={}, defaults=False):
+        assert auto_script.load_model is not before
 
 
 def test_factories_are_back_as_they_were_after_the_block(folder):

@@ -2480,6 +2480,8 @@ def auto(
             f"events must be an event sink, an object with an emit(event) method (such as "
             f"stageload.ListSink() or a MemoryMeter); got {events!r}"
         )
+    factories = tuple(factories)  # checked, then wrapped: a generator is read once
+    _check_options(factories, stand_ins, defaults=defaults, prefetch=prefetch, stages=stages)
     with _ACTIVE_LOCK:
         outer = _ACTIVE[0] if _ACTIVE else None
         if outer is None:
@@ -2549,6 +2551,36 @@ def auto(
         finally:
             with _ACTIVE_LOCK:
                 _ACTIVE.remove(session)
+
+
+def _check_options(
+    factories: Iterable[str], stand_ins: Mapping[str, StandIn] | None, **switches: Any
+) -> None:
+    """Raise a TypeError naming the value and the fix for :func:`auto`'s options that are
+    not what it takes (an option taken as true or ignored would stage otherwise than asked)."""
+    for option, value in switches.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{option} must be True or False; got {value!r}")
+    if stand_ins is None:
+        return
+    if not isinstance(stand_ins, Mapping):
+        raise TypeError(
+            f"stand_ins must map a factory's 'module:function' name to a function "
+            f"(args, kwargs) -> module on meta, e.g. stand_ins={{'pkg.models:load': build}}; "
+            f"got {stand_ins!r}"
+        )
+    listed = set(factories)
+    for spec, build in stand_ins.items():
+        if spec not in listed:
+            raise TypeError(
+                f"stand_ins names {spec!r}, which factories does not list: a stand-in "
+                f"stands for one of the factories the block wraps; add it to factories"
+            )
+        if not callable(build):
+            raise TypeError(
+                f"stand_ins[{spec!r}] must be a function (args, kwargs) -> module on "
+                f"meta; got {build!r}"
+            )
 
 
 def _named(
