@@ -19,6 +19,7 @@ import torch
 
 import stageload.autostage
 from stageload import ListSink, auto
+from stageload.external import torch_function_off
 from stageload.load import refill
 
 transformers = pytest.importorskip("transformers")
@@ -86,3 +87,55 @@ def test_a_reload_maps_what_the_first_load_mapped(folder, mapped, monkeypatch):
     assert [e.note for e in sink.events if e.kind == "reload" and e.model == "g"] == ["files"] * 2
     # The first use loads through from_pretrained (mapped either way); then the reloads.
     assert shares[1:] == ([1.0, 1.0] if mapped else [0.0, 0.0])
+
+
+class _Interrupt:
+    """``refill.put`` that raises KeyboardInterrupt at its ``at``-th call, as a Ctrl-C
+    between two tensors of a reload does."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls, self.put = at, 0, refill.put
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return self.put(*args, **kwargs)
+
+
+@pytest.mark.parametrize("undone", [False, True], ids=["released", "control"])
+def test_a_mapped_reload_interrupted_leaves_the_model_released_whole(folder, undone, monkeypatch):
+    """A Ctrl-C after three of the GPT-2's tensors were mapped again: the reload raises
+    it, and every tensor is back on meta, as before the reload (not three mapped and the
+    rest empty). Control: with the reload's release on an interruption undone, the three
+    stay mapped."""
+    from stageload.hooks.release import release
+
+    model = transformers.GPT2Model.from_pretrained(folder / "g")
+    recipe = refill.learn(model, [folder / "g" / "model.safetensors"], made_new=True)
+    assert not isinstance(recipe, str) and recipe.mapped
+    release(model)
+    if undone:
+        monkeypatch.setattr(refill, "release", lambda module: None)
+    monkeypatch.setattr(refill, "put", _Interrupt(at=4))
+    with pytest.raises(KeyboardInterrupt):
+        refill.reload(model, recipe, torch.device("cpu"), progress=False)
+    assert sum(not p.is_meta for p in model.parameters()) == (3 if undone else 0)
+
+
+def test_auto_uses_a_model_again_after_a_reload_interrupted(folder, monkeypatch):
+    """Under auto, the interrupted reload leaves the GPT-2 released, and its next use
+    reloads it and gives the output it gave before, bit for bit (the same process)."""
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with auto(budget=1), torch.no_grad():
+        g = transformers.GPT2Model.from_pretrained(folder / "g")
+        b = transformers.BertModel.from_pretrained(folder / "b")
+        want = g(ids).last_hidden_state
+        b(ids)  # g released for it
+        with monkeypatch.context() as patched:
+            patched.setattr(refill, "put", _Interrupt(at=4))
+            with pytest.raises(KeyboardInterrupt):
+                g(ids)
+        with torch_function_off():  # a released model's tensors answer False to the script
+            assert all(p.is_meta for p in g.parameters())
+        assert torch.equal(g(ids).last_hidden_state, want)
