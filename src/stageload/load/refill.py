@@ -91,7 +91,7 @@ def learn(
         entries = read_entries(files)
         found = targets(module)
         if made_new and names is None:
-            mapped = _mapped(module, found, entries)
+            mapped = _prefixed(module, found, entries)
             if isinstance(mapped, str):
                 return mapped
             if mapped is not None:
@@ -169,37 +169,25 @@ def _map(module: nn.Module, recipe: Recipe, names: Mapping[str, str] | None) -> 
     """Map the recipe's mapped tensors of ``module`` (on ``meta``) from their files, as the
     reference load had them: the same bytes at the same alignment (safetensors' own
     mapping, private: a write by the script copies the page)."""
-    entries = read_entries(recipe.files)
-    opened: dict[Path, Any] = {}
-    with ExitStack() as files:
-        _map_each(module, recipe, names, entries, opened, files)
-
-
-def _map_each(
-    module: nn.Module,
-    recipe: Recipe,
-    names: Mapping[str, str] | None,
-    entries: Mapping[str, Any],
-    opened: dict[Path, Any],
-    files: ExitStack,
-) -> None:
     from safetensors import safe_open
 
-    for target in targets(module):
-        if not target.tensor.is_meta or not target.persistent:
-            continue
-        if names is not None and not names.keys() & set(target.names):
-            continue  # the caller's own (a LoRA's)
-        key = _key(target, names or {})
-        entry = entries.get(key)
-        if key not in recipe.mapped or entry is None:
-            continue
-        if entry.file not in opened:
-            opened[entry.file] = files.enter_context(safe_open(str(entry.file), framework="pt"))
-        tensor = opened[entry.file].get_tensor(key)
-        same = tensor.dtype == recipe.dtypes.get(key) and tensor.shape == target.tensor.shape
-        if same:
-            put(target, tensor)
+    entries = read_entries(recipe.files)
+    with ExitStack() as files:
+        opened: dict[Path, Any] = {}
+        for target in targets(module):
+            if not target.tensor.is_meta or not target.persistent:
+                continue
+            if names is not None and not names.keys() & set(target.names):
+                continue  # the caller's own (a LoRA's)
+            key = _key(target, names or {})
+            entry = entries.get(key)
+            if key not in recipe.mapped or entry is None:
+                continue
+            if entry.file not in opened:
+                opened[entry.file] = files.enter_context(safe_open(str(entry.file), framework="pt"))
+            tensor = opened[entry.file].get_tensor(key)
+            if tensor.dtype == recipe.dtypes.get(key) and tensor.shape == target.tensor.shape:
+                put(target, tensor)
 
 
 #: The most of a model's bytes :func:`learn` keeps in memory for tensors its loader made
@@ -208,7 +196,7 @@ def _map_each(
 NEW_KEPT = 1 / 8
 
 
-def _mapped(
+def _prefixed(
     module: nn.Module, found: list[Any], entries: Mapping[str, Any]
 ) -> tuple[dict[str, str], list[Any]] | str | None:
     """Each persistent tensor's checkpoint key by its names, across the model's base
