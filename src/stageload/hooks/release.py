@@ -172,15 +172,24 @@ def _to_release(
 
 
 def _autograd_held(
-    module: nn.Module, skip: Iterable[tuple[str, int]] = (), kept: Iterable[int] = ()
+    module: nn.Module,
+    skip: Iterable[tuple[str, int]] = (),
+    kept: Iterable[int] = (),
+    *,
+    cut: bool = False,
 ) -> int:
     """The bytes of the storages a release of ``module`` frees (as :func:`_to_release`)
-    with a tensor autograd holds (:func:`held_by_autograd`)."""
-    sizes = {
-        _storage_key(t): t.untyped_storage().nbytes()
-        for t, slots in _to_release(module, skip, kept)
-        if held_by_autograd(t, slots=slots)
-    }
+    with a tensor autograd holds (:func:`held_by_autograd`). ``cut``: give each such
+    tensor a new version too, so a backward that needs it raises instead of reading it
+    freed (:func:`_cut_from_autograd`)."""
+    import torch
+
+    sizes: dict[tuple[str, int], int] = {}
+    for t, slots in _to_release(module, skip, kept):
+        if held_by_autograd(t, slots=slots):
+            sizes[_storage_key(t)] = t.untyped_storage().nbytes()
+            if cut:
+                torch.autograd.graph.increment_version(t)
     return sum(sizes.values())
 
 
@@ -466,14 +475,7 @@ def _cut_from_autograd(
     of the tensors it tracks (a tensor another module ties to is tracked as one), and a
     new version is an edit to it. Records in ``done`` the bytes so held, for the warning.
     """
-    import torch
-
-    held: dict[tuple[str, int], int] = {}
-    for t, slots in _to_release(module, kept_storage, kept_modules):
-        if held_by_autograd(t, slots=slots):
-            held[_storage_key(t)] = t.untyped_storage().nbytes()
-            torch.autograd.graph.increment_version(t)
-    done.cut = sum(held.values())
+    done.cut = _autograd_held(module, kept_storage, kept_modules, cut=True)
 
 
 def _to_meta(sub: nn.Module, key: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
