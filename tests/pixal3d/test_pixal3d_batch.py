@@ -66,6 +66,38 @@ def test_images_stage_major_equal_single_runs_with_the_loads_of_one(
     assert stages == results[0].stages  # each stage entered once for all images
 
 
+def test_images_stage_major_under_auto_equal_single_runs_with_the_reads_of_one(
+    stub, images, singles, tmp_path
+):
+    """``load="auto"``: two different images, stage-major, with room for one stage's
+    models (90 kB on the stub): each GLB and latent is its single run's, each stage is
+    entered once, and each of the port's models is read once for both images."""
+    from stageload.pixal3d.plan import MODEL_NAMES
+
+    port = import_port(stub)
+
+    def reads(sink: ListSink) -> Counter:
+        kinds = ("load", "reload", "prefetch")
+        return Counter(e.model for e in sink.events if e.kind in kinds and e.model in MODEL_NAMES)
+
+    args = [
+        port.parse_args([str(image), "--output", str(tmp_path / f"{image.stem}.glb"), *CPU])
+        for image in images
+    ]
+    alone = ListSink()
+    run(port, args[0], load="auto", events=alone, budget=90_000)
+    sink = ListSink()
+    results = run_many(port, args, load="auto", events=sink, budget=90_000)
+    for result, (glb, prints, _) in zip(results, singles, strict=True):
+        assert result.output.read_bytes() == glb
+        assert [r["sha256"] for r in result.fingerprints] == [r["sha256"] for r in prints]
+    assert [e.stage for e in sink.kinds("stage")] == results[0].stages
+    # Each model once, as alone; the shape decoder, which the plan lists at shape_512 and
+    # decode, twice (alone it stays loaded in between).
+    assert reads(sink).keys() == reads(alone).keys()
+    assert {m for m, n in reads(sink).items() if n > 1} <= {"shape_slat_decoder"}
+
+
 def test_the_command_writes_one_glb_per_image_into_the_folder(stub, images, singles, tmp_path):
     out = tmp_path / "out"
     argv = [*map(str, images), "-o", f"{out}/", "--port", str(stub), *CPU]
@@ -75,12 +107,13 @@ def test_the_command_writes_one_glb_per_image_into_the_folder(stub, images, sing
         assert (tmp_path / "fp" / image.stem / "fingerprints.json").is_file()
 
 
-def test_a_failing_image_is_named_and_the_others_are_written(stub, images, tmp_path, capsys):
+@pytest.mark.parametrize("load", ["staged", "auto"])
+def test_a_failing_image_is_named_and_the_others_are_written(stub, images, tmp_path, capsys, load):
     text = tmp_path / "notes.png"
     text.write_text("not an image")
     out = tmp_path / "out"
     argv = [str(images[0]), str(text), "-o", str(out), "--port", str(stub), *CPU]
-    assert main(argv) == 1
+    assert main([*argv, "--load", load]) == 1
     captured = capsys.readouterr()
     assert (out / f"{images[0].stem}.glb").is_file() and not (out / "notes.glb").exists()
     assert "image " in captured.err and "notes.png" in captured.err

@@ -36,6 +36,7 @@ from typing import Any
 
 from torch import nn
 
+from ..core.batch import Batch
 from ..core.events import NOTE, STAGE, Event, EventSink
 from ..core.outer import emit_outer
 from ..core.policy import PolicyView, ReleaseUnlisted
@@ -181,6 +182,7 @@ class Pixal3DRun:
         self._own_image = Image(args, Fingerprints(fingerprints))
         self._image: contextvars.ContextVar[Image] = contextvars.ContextVar("pixal3d_image")
         self.models: StagedModels | None = None
+        self.auto_stages: AutoStages | None = None  # load="auto": the stages it marks
         self._stack = ExitStack()
         self._extractor_stage: dict[int, str] = {}
         self._backbone_cache: dict[Any, Any] = {}
@@ -327,7 +329,7 @@ class Pixal3DRun:
         from ..autostage import auto
 
         budget, prefetch = self.residency["budget"], self.residency["prefetch"]
-        self._stack.enter_context(
+        session = self._stack.enter_context(
             auto(
                 budget="auto" if budget is None else budget,
                 factories=self.factories(),
@@ -340,6 +342,7 @@ class Pixal3DRun:
                 prefetch=prefetch,
             )
         )
+        self.auto_stages = AutoStages(self.plan, self._emit, session)
         return self.port.generate.load_pipeline(self.image.args, self.device)
 
     def _note(self, name: str, note: str) -> None:
@@ -521,6 +524,8 @@ class Pixal3DRun:
         image.reached.append(stage)
         if self.models is not None:
             self.models.enter(stage)
+        elif self.auto_stages is not None:
+            self.auto_stages.enter_from_call(stage)
         else:
             self._emit(Event(STAGE, stage=stage))
 
@@ -603,6 +608,56 @@ class Pixal3DRun:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AutoStages:
+    """The stages of a ``load="auto"`` run, as a stage-major batch needs them (a
+    :class:`~stageload.core.batch.BatchHost`): auto's session loads and releases the
+    models by its plan; this marks where the run is. With a batch on (:meth:`map`), a
+    call that enters a stage parks there until the batch is in it, so every image runs a
+    stage before any moves on, and each model is used by all of them in a row.
+
+    Threads: :meth:`map` on the thread that runs the images; the batch's calls, one at a
+    time, enter stages through :meth:`enter_from_call`; only the scheduler, :meth:`enter`.
+    """
+
+    def __init__(
+        self, stages: Mapping[str, tuple[str, ...]], emit: Callable[[Event], None], session: Any
+    ) -> None:
+        self.stages = dict(stages)
+        self.stage: str | None = None
+        self.emit = emit
+        self._session = session
+        self._batch: Batch | None = None
+
+    def enter(self, stage: str) -> None:
+        """Mark ``stage`` begun (the trace's ``stage`` event); again: nothing."""
+        if stage != self.stage:
+            self.stage = stage
+            self.emit(Event(STAGE, stage=stage))
+
+    def enter_from_call(self, stage: str) -> None:
+        """A run's boundary: in a batch, wait until the batch is in ``stage``."""
+        batch = self._batch
+        if batch is not None:
+            batch.park(stage)
+        self.enter(stage)
+
+    def resident(self) -> dict[str, nn.Module]:
+        """The models auto has loaded now (the batch's note counts what else is held)."""
+        models = self._session.models
+        return {n: m for n in self._session.resident() if (m := models.get(n)) is not None}
+
+    def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        """``fn(item)`` for every item, stage-major (:class:`~stageload.core.batch.Batch`);
+        each result or exception in its item's slot."""
+        if self._batch is not None:
+            raise RuntimeError("one batch at a time on a Pixal3D run")
+        self._batch = Batch(self, fn, items)
+        try:
+            return self._batch.run(return_exceptions=True)
+        finally:
+            self._batch = None
 
 
 def run(port: Port, args: Any, **options: Any) -> RunResult:

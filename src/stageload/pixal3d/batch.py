@@ -4,7 +4,8 @@
 image's port arguments, its current stage, the stages it reached, its fingerprints) lives
 in the context of the image's call, so :meth:`StagedModels.map` can interleave the images
 at stage boundaries. The pipeline, its hooks and the staged models are the run's, shared.
-With ``load="eager"`` the images run one after the other on the eagerly loaded pipeline.
+With ``load="auto"`` the same batch runs on :class:`~.adapter.AutoStages` (auto loads the
+models); with ``load="eager"`` the images run one after the other.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ class BatchRun(Pixal3DRun):
 
     def execute_many(self, images: list[Any]) -> list[RunResult | Exception]:
         """Run every image (each its port ``args``); results in order, an image that failed
-        has its exception in its slot and the others still run. Staged: stage-major through
-        ``models.map``, so each model loads once for all images."""
+        has its exception in its slot and the others still run. Staged or auto: stage-major,
+        so each model loads once for all images."""
         if self.models is not None:
             results = self.models.map(self._one, images, return_exceptions=True)
+        elif self.auto_stages is not None:  # the same order, auto loading
+            results = self.auto_stages.map(self._one, images)
         else:
             results = [_caught(self._one, args) for args in images]
         for result in results:  # an interrupt is no image's failure
