@@ -2220,13 +2220,19 @@ def _unique(name: str, taken: Iterable[str]) -> str:
 
 
 def _model_name(owner: Any, args: tuple, kwargs: dict) -> str:
-    """A model's name: its subfolder or its folder's name, else its class."""
+    """A model's name: its subfolder or its folder's name, else its class or factory
+    (a device given first, ``load_upsampler("cpu")``, names no model)."""
+    import torch
+
     sub = kwargs.get("subfolder")
     if sub:
         return str(sub)
     if args and isinstance(args[0], (str, PurePath)):
-        return PurePath(str(args[0])).name or str(args[0])
-    return getattr(owner, "__name__", "model")
+        try:
+            torch.device(str(args[0]))
+        except (RuntimeError, ValueError):
+            return PurePath(str(args[0])).name or str(args[0])
+    return str(getattr(owner, "__name__", "")).lstrip("_") or "model"
 
 
 def _resolve(spec: str) -> tuple[Any, str]:

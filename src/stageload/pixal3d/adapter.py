@@ -309,11 +309,14 @@ class Pixal3DRun:
 
     def factories(self) -> list[str]:
         """The port's model factories, as ``stageload.auto`` names them: its
-        ``pixal3d.models.from_pretrained``, its DINOv3 backbone's ``from_pretrained``
-        (unless it is transformers', which auto wraps anyway) and MoGe's, where it has
-        them. NAF and the background remover are built otherwise: they stay loaded."""
+        ``pixal3d.models.from_pretrained``, ``generate_mps._load_naf`` (the NAF upsampler),
+        its DINOv3 backbone's ``from_pretrained`` (unless it is transformers', which auto
+        wraps anyway) and MoGe's, where it has them. The background remover is built by a
+        class call: it stays loaded."""
         port = self.port
         specs = [f"{port.models.__name__}:from_pretrained"]
+        if callable(getattr(port.generate, "_load_naf", None)):  # NAF, once for three extractors
+            specs.append(f"{port.generate.__name__}:_load_naf")
         backbone = port.backbone_class
         if backbone is not None and not backbone.__module__.startswith("transformers"):
             specs.append(f"{backbone.__module__}:{backbone.__qualname__}.from_pretrained")
