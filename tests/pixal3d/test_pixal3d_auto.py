@@ -69,10 +69,29 @@ def test_the_command_takes_load_auto(stub, image, tmp_path, eager, capsys):
     assert {e["model"] for e in events if e["kind"] == "release"} >= set(FLOW_MODELS)
 
 
-def test_load_auto_refuses_stream(stub, image, tmp_path, capsys):
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "control"])
+def test_load_auto_streams_a_model_block_by_block(stub, image, tmp_path, eager, streamed):
+    """``--load auto --stream``: the shape_1024 flow model is built streamed (auto never
+    loads it whole: no load event of it), each call reads its blocks (4 steps x 2 calls
+    x 3 blocks), and the latents and GLB are the port's own. Control: without --stream it
+    is one of auto's models, loaded whole, and no block is read."""
+    name = "shape_slat_flow_model_1024"
+    trace, out = tmp_path / "t.jsonl", tmp_path / "o.glb"
+    argv = [str(image), "-o", str(out), "--port", str(stub), "--device", "cpu", "--seed", "7"]
+    argv += ["--load", "auto", "--budget", "1", "--trace", str(trace)]
+    assert main([*argv, *(["--stream", name] if streamed else [])]) == 0
+    assert out.read_bytes() == eager[1]
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    events = [e for e in events if e["type"] == "event" and e.get("model") == name]
+    blocks = sum(e["kind"] == "block" for e in events)
+    whole = [e for e in events if e["kind"] in ("load", "reload") and e.get("note")]
+    assert (blocks, bool(whole)) == ((24, False) if streamed else (0, True))
+
+
+def test_load_eager_refuses_stream(stub, image, tmp_path, capsys):
     argv = [str(image), "-o", str(tmp_path / "o.glb"), "--port", str(stub), "--device", "cpu"]
-    assert main([*argv, "--load", "auto", "--stream", "shape_slat_flow_model_512"]) == 2
-    assert "--stream needs --load staged" in capsys.readouterr().err
+    assert main([*argv, "--load", "eager", "--stream", "shape_slat_flow_model_512"]) == 2
+    assert "--stream needs --load staged or --load auto" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("stand_in", [True, False], ids=["stand-in", "control"])

@@ -116,7 +116,7 @@ def test_an_unknown_name_is_refused_listing_the_models(stub, image, tmp_path, ca
     assert "'shape_slat_flow_model_2048', which is not one of the pipeline's models" in err
     assert "models: sparse_structure_flow_model, sparse_structure_decoder" in err
     assert main([*argv, "--stream", SS, "--load", "eager"]) == 2
-    assert "--stream needs --load staged" in capsys.readouterr().err
+    assert "--stream needs --load staged or --load auto" in capsys.readouterr().err
     port = import_port(stub)
     with pytest.raises(ValueError, match="not one of the pipeline's models"):
         Pixal3DRun(port, port_args(port, image, tmp_path / "o.glb"), stream=["transformer"])

@@ -17,8 +17,10 @@ their stage first needs them, each block read at its call and freed after it.
 ``load="auto"`` runs the port's own loading under :func:`stageload.auto`, the port's
 factories wrapped (:meth:`Pixal3DRun.factories`): its models stand in until their first use
 (:func:`~.port.stand_in`), and the port's stages (``run()``, :func:`~.plan.run_stages`)
-seed auto's plan. The boundaries and fingerprints are the same; the trace's stages are the
-adapter's. ``load="eager"`` runs the port's own loading unstaged, for comparison.
+seed auto's plan; models named in ``stream`` are built streamed, outside auto. Several
+images run stage-major on :class:`AutoStages`. The boundaries and fingerprints are the
+same; the trace's stages are the adapter's. ``load="eager"`` runs the port's own loading
+unstaged, for comparison.
 """
 
 from __future__ import annotations
@@ -161,9 +163,10 @@ class Pixal3DRun:
         if load not in LOADS:
             raise ValueError(f"load must be one of {', '.join(LOADS)}; got {load!r}")
         self.stream = check_stream(stream or ())
-        if self.stream and load != "staged":
+        if self.stream and load == "eager":
             raise ValueError(
-                "stream needs load='staged': the port's own loading reads every model whole"
+                "stream needs load='staged' or 'auto': the port's own loading reads every "
+                "model whole"
             )
         if stop_after is not None and stop_after not in STAGES:
             raise ValueError(f"stop_after must be one of {', '.join(STAGES)}; got {stop_after!r}")
@@ -261,17 +264,7 @@ class Pixal3DRun:
         for name, placeholder in found.items():
             loaders[name] = functools.partial(self._load_model, name, from_pretrained, placeholder)
         for name in self.stream:  # all of MODEL_NAMES are in found (checked above)
-            build, file = self._stream_recipe(name, found[name])
-            # Checked now, on meta, so a model without a block list fails before the run.
-            empty = build_on_meta(build)
-            try:
-                find_blocks(empty)
-            except StreamError:  # with blocks=None, only "no list at all" is raised
-                raise StreamError(
-                    f"cannot stream {name!r}: {type(empty).__name__} has no nn.ModuleList or "
-                    "nn.Sequential of blocks called one after another, so it can only be "
-                    "loaded whole; leave it out of stream (--stream)"
-                ) from None
+            build, file = self._stream_checked(name, found[name])
             loaders[name] = functools.partial(self._load_streamed, name, build, file)
         for attr, recipe in recipes.items():
             loaders[attr] = functools.partial(self._load_extractor, attr, recipe, build_extractor)
@@ -346,7 +339,15 @@ class Pixal3DRun:
             )
         )
         self.auto_stages = AutoStages(self.plan, self._emit, session)
-        return self.port.generate.load_pipeline(self.image.args, self.device)
+        if not self.stream:
+            return self.port.generate.load_pipeline(self.image.args, self.device)
+        # After auto's own wrap, so this one sees a call first.
+        self._stack.callback(patch(self.port.models, "from_pretrained", self._streaming))
+        pipeline = self.port.generate.load_pipeline(self.image.args, self.device)
+        # Its low-VRAM moves would copy a streamed model's empty blocks (an error), and on
+        # unified memory they free nothing: off, as in the staged build.
+        pipeline.low_vram = False
+        return pipeline
 
     def _note(self, name: str, note: str) -> None:
         self._emit(Event(NOTE, model=name, stage=self.image.stage, note=note))
@@ -409,6 +410,37 @@ class Pixal3DRun:
                 [f"pixal3d.models.{build} (the class {str(config_file)!r} names)"],
             )
         return build, file
+
+    def _stream_checked(self, name: str, placeholder: Unloaded) -> tuple[Callable[[], Any], Path]:
+        """:meth:`_stream_recipe`, checked on meta before the run: a model without a block
+        list fails now, not at its stage."""
+        build, file = self._stream_recipe(name, placeholder)
+        empty = build_on_meta(build)
+        try:
+            find_blocks(empty)
+        except StreamError:  # with blocks=None, only "no list at all" is raised
+            raise StreamError(
+                f"cannot stream {name!r}: {type(empty).__name__} has no nn.ModuleList or "
+                "nn.Sequential of blocks called one after another, so it can only be "
+                "loaded whole; leave it out of stream (--stream)"
+            ) from None
+        return build, file
+
+    def _streaming(self, wrapped: Callable[..., Any]) -> Callable[..., Any]:
+        """The port's ``pixal3d.models.from_pretrained`` under ``load="auto"``: a model
+        named in ``stream`` is built streamed (auto never sees it: its parts outside the
+        blocks stay, its blocks are read at each call); the others go to ``wrapped``,
+        auto's."""
+
+        def from_pretrained(path: Any, *args: Any, **kwargs: Any) -> Any:
+            named = isinstance(path, (str, os.PathLike))
+            name = Path(os.fspath(path)).name if named else None
+            if name not in self.stream:
+                return wrapped(path, *args, **kwargs)
+            build, file = self._stream_checked(name, Unloaded(path, args, kwargs))
+            return self._load_streamed(name, build, file)
+
+        return from_pretrained
 
     def _load_streamed(self, name: str, build: Callable[[], Any], file: Path) -> nn.Module:
         # Built anew at each load: the release at the end of its last stage emptied the

@@ -217,10 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opts.prefetch and opts.budget is None and opts.load != "auto":
         return _fail("--prefetch needs --budget SIZE (e.g. --budget auto) or --load auto")
     stream = list(check_stream(name for names in opts.stream or () for name in names))
-    if stream and opts.load != "staged":
+    if stream and opts.load == "eager":
         return _fail(
-            "--stream needs --load staged: the port's own loading (--load eager, --load "
-            "auto) reads each model whole"
+            "--stream needs --load staged or --load auto: the port's own loading (--load "
+            "eager) reads each model whole"
         )
     options: dict[str, Any] = {
         "budget": opts.budget,
