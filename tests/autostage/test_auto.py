@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -256,6 +257,30 @@ def test_a_factory_that_cannot_be_found_is_a_clear_error():
             auto(factories=[FACTORY], stand_ins=stand_ins),
         ):
             pass
+    own = "diffusers.models.modeling_utils:ModelMixin.from_pretrained"  # auto's: never used
+    with (
+        pytest.raises(TypeError, match="one of auto's own factories.*defaults=False"),
+        auto(factories=[own], stand_ins={own: print}),
+    ):
+        pass
+    with auto(prefetch=np.bool_(False)) as session:  # numpy's booleans are booleans
+        assert not session.prefetch
+
+
+def test_a_model_is_named_after_its_path_and_a_device_names_none(tmp_path, monkeypatch):
+    """A factory's first argument names the model unless it is a device
+    (``load_upsampler("cpu")`` names the factory); a path always names it, even a folder
+    whose name a device has."""
+    from stageload.autostage import _model_name
+
+    def load_upsampler(device: str) -> None: ...
+
+    monkeypatch.chdir(tmp_path)
+    assert _model_name(load_upsampler, ("cuda:0",), {}) == "load_upsampler"
+    assert _model_name(load_upsampler, ("models/unet",), {}) == "unet"
+    assert _model_name(load_upsampler, (Path("meta"),), {}) == "meta"
+    (tmp_path / "cpu").mkdir()
+    assert _model_name(load_upsampler, ("cpu",), {}) == "cpu"
 
 
 def test_factories_may_be_a_generator():

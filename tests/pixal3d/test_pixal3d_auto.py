@@ -9,6 +9,7 @@ process's default torch threads on both sides.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -69,23 +70,59 @@ def test_the_command_takes_load_auto(stub, image, tmp_path, eager, capsys):
     assert {e["model"] for e in events if e["kind"] == "release"} >= set(FLOW_MODELS)
 
 
+@pytest.fixture(scope="module")
+def renamed(stub: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The stub with the shape_1024 flow model's checkpoint under another name than its
+    key, as the real port's ``pipeline.json`` names its files
+    (``ckpts/slat_flow_img2shape_dit_1_3B_1024_bf16``)."""
+    port = tmp_path_factory.mktemp("renamed") / "Pixal3D-mac"
+    shutil.copytree(stub, port)
+    (config,) = port.rglob("pipeline.json")
+    spec = json.loads(config.read_text())
+    spec["args"]["models"]["shape_slat_flow_model_1024"] = "ckpts/slat_flow_img2shape_1024"
+    config.write_text(json.dumps(spec))
+    for suffix in (".json", ".safetensors"):
+        old = config.parent / "ckpts" / f"shape_slat_flow_model_1024{suffix}"
+        old.rename(old.with_name(f"slat_flow_img2shape_1024{suffix}"))
+    return port
+
+
 @pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "control"])
-def test_load_auto_streams_a_model_block_by_block(stub, image, tmp_path, eager, streamed):
-    """``--load auto --stream``: the shape_1024 flow model is built streamed (auto never
-    loads it whole: no load event of it), each call reads its blocks (4 steps x 2 calls
-    x 3 blocks), and the latents and GLB are the port's own. Control: without --stream it
-    is one of auto's models, loaded whole, and no block is read."""
+def test_load_auto_streams_a_model_block_by_block(renamed, image, tmp_path, eager, streamed):
+    """``--load auto --stream``: the shape_1024 flow model (its file named otherwise than
+    its key) is built streamed, never loaded whole, each call reads its blocks (4 steps x
+    2 calls x 3 blocks), and the latents and GLB are the port's own. Control: without
+    --stream it is one of auto's models, loaded whole, and no block is read."""
     name = "shape_slat_flow_model_1024"
     trace, out = tmp_path / "t.jsonl", tmp_path / "o.glb"
-    argv = [str(image), "-o", str(out), "--port", str(stub), "--device", "cpu", "--seed", "7"]
-    argv += ["--load", "auto", "--budget", "1", "--trace", str(trace)]
+    argv = [str(image), "-o", str(out), "--port", str(renamed), "--device", "cpu"]
+    argv += ["--seed", "7", "--load", "auto", "--budget", "1", "--trace", str(trace)]
     assert main([*argv, *(["--stream", name] if streamed else [])]) == 0
     assert out.read_bytes() == eager[1]
     events = [json.loads(line) for line in trace.read_text().splitlines()]
-    events = [e for e in events if e["type"] == "event" and e.get("model") == name]
-    blocks = sum(e["kind"] == "block" for e in events)
-    whole = [e for e in events if e["kind"] in ("load", "reload") and e.get("note")]
-    assert (blocks, bool(whole)) == ((24, False) if streamed else (0, True))
+    events = [e for e in events if e["type"] == "event"]
+    blocks = sum(e["kind"] == "block" and e["model"] == name for e in events)
+    whole = {e["model"] for e in events if e["kind"] in ("load", "reload") and e.get("note")}
+    assert (blocks, "slat_flow_img2shape_1024" in whole) == ((24, False) if streamed else (0, True))
+
+
+def test_three_images_stream_block_major_under_auto(stub, image, tmp_path, eager):
+    """Three images stage-major, two models streamed: each GLB is the port's own, and
+    each streamed model's blocks are read as often as for one image (block-major: every
+    image's call of a block before the next block)."""
+    from collections import Counter
+
+    from stageload.pixal3d.batch import run_many
+
+    port = import_port(stub)
+    images = [port_args(port, image, tmp_path / f"{i}.glb") for i in range(3)]
+    sink = ListSink()
+    streamed = ["shape_slat_flow_model_1024", "sparse_structure_flow_model"]
+    results = run_many(port, images, load="auto", events=sink, budget=1, stream=streamed)
+    assert not [r for r in results if isinstance(r, Exception)]
+    assert all((tmp_path / f"{i}.glb").read_bytes() == eager[1] for i in range(3))
+    blocks = Counter(e.model for e in sink.events if e.kind == "block")
+    assert blocks == {"shape_slat_flow_model_1024": 24, "sparse_structure_flow_model": 16}
 
 
 def test_load_eager_refuses_stream(stub, image, tmp_path, capsys):
@@ -158,3 +195,6 @@ def test_three_images_read_each_model_once_under_auto_as_staged(
     assert reads("auto", budget=ONE_STAGE) == (8 if stage_major else 15)
     if stage_major:
         assert (reads("staged"), reads("auto", budget=1), reads("auto")) == (8, 24, 7)
+        del images[1:]  # one image: the table's first column
+        one = (reads("auto", budget=ONE_STAGE), reads("auto", budget=1), reads("auto"))
+        assert one == (7, 8, 7)

@@ -55,6 +55,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -2228,11 +2229,23 @@ def _model_name(owner: Any, args: tuple, kwargs: dict) -> str:
     if sub:
         return str(sub)
     if args and isinstance(args[0], (str, PurePath)):
-        try:
-            torch.device(str(args[0]))
-        except (RuntimeError, ValueError):
-            return PurePath(str(args[0])).name or str(args[0])
+        first = args[0]
+        if isinstance(first, PurePath) or os.path.exists(first) or not _is_device(first):
+            return PurePath(str(first)).name or str(first)
     return str(getattr(owner, "__name__", "")).lstrip("_") or "model"
+
+
+def _is_device(text: str) -> bool:
+    """Whether ``text`` names a torch device (``"cpu"``, ``"cuda:0"``)."""
+    import torch
+
+    with warnings.catch_warnings():  # "mkldnn" warns
+        warnings.simplefilter("ignore")
+        try:
+            torch.device(text)
+        except (RuntimeError, ValueError):
+            return False
+    return True
 
 
 def _resolve(spec: str) -> tuple[Any, str]:
@@ -2488,6 +2501,13 @@ def auto(
         )
     factories = tuple(factories)  # checked, then wrapped: a generator is read once
     _check_options(factories, stand_ins, defaults=defaults, prefetch=prefetch, stages=stages)
+    own = sorted((stand_ins or {}).keys() & {*DEFAULT_FACTORIES, *PLAN_SOURCES})
+    if defaults and own:
+        raise TypeError(
+            f"stand_ins names {own[0]!r}, one of auto's own factories, which already reads "
+            f"its models at their first use; pass defaults=False to wrap it with this "
+            f"stand-in instead"
+        )
     with _ACTIVE_LOCK:
         outer = _ACTIVE[0] if _ACTIVE else None
         if outer is None:
@@ -2565,7 +2585,7 @@ def _check_options(
     """Raise a TypeError naming the value and the fix for :func:`auto`'s options that are
     not what it takes (an option taken as true or ignored would stage otherwise than asked)."""
     for option, value in switches.items():
-        if not isinstance(value, bool):
+        if type(value).__name__ not in ("bool", "bool_"):  # numpy's too
             raise TypeError(f"{option} must be True or False; got {value!r}")
     if stand_ins is None:
         return

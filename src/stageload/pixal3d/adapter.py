@@ -30,6 +30,7 @@ import functools
 import importlib
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -191,6 +192,8 @@ class Pixal3DRun:
         self._backbone_cache: dict[Any, Any] = {}
         self._rembg: Any = None  # the remover the port built, until its first load
         self._streams: dict[str, Stream] = {}  # each streamed model's latest stream
+        # load="auto" with stream: each from_pretrained call's result and arguments, by id.
+        self._calls: dict[int, tuple[Any, tuple[Any, ...], dict[str, Any]]] = {}
         self._fast = FastReload(self.device, self._note)
         try:
             if load == "staged":
@@ -341,9 +344,11 @@ class Pixal3DRun:
         self.auto_stages = AutoStages(self.plan, self._emit, session)
         if not self.stream:
             return self.port.generate.load_pipeline(self.image.args, self.device)
-        # After auto's own wrap, so this one sees a call first.
-        self._stack.callback(patch(self.port.models, "from_pretrained", self._streaming))
-        pipeline = self.port.generate.load_pipeline(self.image.args, self.device)
+        # After auto's own wrap, for the build only: it sees what auto's returns.
+        with ExitStack() as making:
+            making.callback(patch(self.port.models, "from_pretrained", self._made))
+            pipeline = self.port.generate.load_pipeline(self.image.args, self.device)
+        self._stream_auto(pipeline)
         # Its low-VRAM moves would copy a streamed model's empty blocks (an error), and on
         # unified memory they free nothing: off, as in the staged build.
         pipeline.low_vram = False
@@ -426,21 +431,36 @@ class Pixal3DRun:
             ) from None
         return build, file
 
-    def _streaming(self, wrapped: Callable[..., Any]) -> Callable[..., Any]:
-        """The port's ``pixal3d.models.from_pretrained`` under ``load="auto"``: a model
-        named in ``stream`` is built streamed (auto never sees it: its parts outside the
-        blocks stay, its blocks are read at each call); the others go to ``wrapped``,
-        auto's."""
+    def _made(self, wrapped: Callable[..., Any]) -> Callable[..., Any]:
+        """The port's ``pixal3d.models.from_pretrained`` under ``load="auto"`` with
+        ``stream``: auto's (``wrapped``), each call's arguments kept by what it returned,
+        so :meth:`_stream_auto` finds the checkpoint of each ``pipeline.models`` entry (its
+        file is named in ``pipeline.json``, not after its key)."""
 
-        def from_pretrained(path: Any, *args: Any, **kwargs: Any) -> Any:
-            named = isinstance(path, (str, os.PathLike))
-            name = Path(os.fspath(path)).name if named else None
-            if name not in self.stream:
-                return wrapped(path, *args, **kwargs)
-            build, file = self._stream_checked(name, Unloaded(path, args, kwargs))
-            return self._load_streamed(name, build, file)
+        def from_pretrained(*args: Any, **kwargs: Any) -> Any:
+            model = wrapped(*args, **kwargs)
+            self._calls[id(model)] = (model, args, kwargs)
+            return model
 
         return from_pretrained
+
+    def _stream_auto(self, pipeline: Any) -> None:
+        """Put a streamed model in ``pipeline.models`` for each name in ``stream``, built
+        from the checkpoint its entry was made from. auto never sees it; the entry it
+        replaces stands in on meta (never read: nothing uses it)."""
+        models = getattr(pipeline, "models", None)
+        for name in self.stream:
+            entry = models.get(name) if isinstance(models, dict) else None
+            call = self._calls.get(id(entry))
+            if call is None or call[0] is not entry or not call[1]:
+                raise api_mismatch(
+                    self.port.path,
+                    [f"pipeline.models[{name!r}] made by pixal3d.models.from_pretrained(path)"],
+                )
+            _, (path, *args), kwargs = call
+            build, file = self._stream_checked(name, Unloaded(path, tuple(args), kwargs))
+            models[name] = self._load_streamed(name, build, file)
+        self._calls.clear()
 
     def _load_streamed(self, name: str, build: Callable[[], Any], file: Path) -> nn.Module:
         # Built anew at each load: the release at the end of its last stage emptied the
@@ -664,6 +684,7 @@ class AutoStages:
         self.emit = emit
         self._session = session
         self._batch: Batch | None = None
+        self._lock = threading.Lock()
 
     def enter(self, stage: str) -> None:
         """Mark ``stage`` begun (the trace's ``stage`` event); again: nothing."""
@@ -686,13 +707,16 @@ class AutoStages:
     def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         """``fn(item)`` for every item, stage-major (:class:`~stageload.core.batch.Batch`);
         each result or exception in its item's slot."""
-        if self._batch is not None:
-            raise RuntimeError("one batch at a time on a Pixal3D run")
-        self._batch = Batch(self, fn, items)
-        try:
-            return self._batch.run(return_exceptions=True)
+        batch = Batch(self, fn, items)
+        try:  # set inside: a Ctrl-C just after left the run counting a batch for good
+            with self._lock:  # checked and set in one step: two threads' batches never both run
+                if self._batch is not None:
+                    raise RuntimeError("one batch at a time on a Pixal3D run")
+                self._batch = batch
+            return batch.run(return_exceptions=True)
         finally:
-            self._batch = None
+            if self._batch is batch:
+                self._batch = None
 
 
 def run(port: Port, args: Any, **options: Any) -> RunResult:
