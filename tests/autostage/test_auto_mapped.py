@@ -139,3 +139,54 @@ def test_auto_uses_a_model_again_after_a_reload_interrupted(folder, monkeypatch)
         with torch_function_off():  # a released model's tensors answer False to the script
             assert all(p.is_meta for p in g.parameters())
         assert torch.equal(g(ids).last_hidden_state, want)
+
+
+def _map_through_safetensors(module, recipe, names):
+    """The reload's mapping as it was: safetensors' ``get_tensor``, for the control."""
+    from safetensors import safe_open
+
+    for target in refill.targets(module):
+        key = refill._key(target, names or {})
+        if target.tensor.is_meta and key in recipe.mapped:
+            with safe_open(str(recipe.files[0]), framework="pt") as opened:
+                refill.put(target, opened.get_tensor(key))
+
+
+@pytest.mark.parametrize("through", ["own", "safetensors"], ids=["mapped", "control"])
+def test_mapped_reloads_leave_no_memory_behind(folder, through, monkeypatch):
+    """Releases and mapped reloads of the GPT-2, 50 laps after 50: the Python memory
+    allocated (tracemalloc) grows by under 16 KiB over the second 50 (the first fill
+    one-off caches), and no mapping of the file is left after the last release.
+    Control: mapped through safetensors' ``get_tensor``, each reload kept about 28 bytes
+    a tensor for good (31,281 blocks in 200 laps of a long run, helper-49): 180 KiB in
+    100 laps here."""
+    import gc
+    import tracemalloc
+
+    from stageload.hooks.release import release
+
+    if through == "safetensors":
+        monkeypatch.setattr(refill, "_map", _map_through_safetensors)
+    file = folder / "g" / "model.safetensors"
+    model = transformers.GPT2Model.from_pretrained(folder / "g")
+    recipe = refill.learn(model, [file], made_new=True)
+    assert not isinstance(recipe, str)
+
+    def laps(n: int) -> int:
+        for _ in range(n):
+            release(model)
+            refill.reload(model, recipe, torch.device("cpu"), progress=False)
+            assert _mapped_share(model, file) == 1.0
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0]
+
+    tracemalloc.start()
+    try:
+        first = laps(50)
+        grown = laps(50) - first
+    finally:
+        tracemalloc.stop()
+    assert (grown < 16 * 1024) == (through == "own"), grown
+    release(model)
+    gc.collect()
+    assert refill.mapped_ranges([file]) == {}
