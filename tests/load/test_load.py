@@ -406,6 +406,39 @@ def test_a_touched_file_reloads_and_one_written_over_in_place_does_not(tmp_path,
         loader()
 
 
+@pytest.mark.parametrize("ctime", [True, False], ids=["stamped", "control"])
+def test_a_rewrite_in_place_with_its_time_set_back_is_seen(tmp_path, ctime, monkeypatch):
+    """Other weights of the same size written into the same inode, then its modification
+    time set back (``os.utime``): the change time, which a script cannot set, still shows
+    it, and the reload raises (under auto it read the new weights silently, helper-49).
+    Control: with the change time left out of the stamp, the loader reads the new file."""
+    import stageload.load.checkpoint as checkpoint
+
+    if not ctime:
+        real = checkpoint.file_stamps
+
+        def without_ctime(files, **kwargs):
+            found = real(files, **kwargs)
+            return {p: s and s._replace(ctime_ns=0) for p, s in found.items()}
+
+        monkeypatch.setattr(checkpoint, "file_stamps", without_ctime)
+        monkeypatch.setattr("stageload.load.weights.file_stamps", without_ctime)
+    path, other = tmp_path / "w.safetensors", tmp_path / "other.safetensors"
+    save_file(_random_state(torch.float32), str(path))
+    save_file(_random_state(torch.float32, seed=1), str(other))
+    loader = from_safetensors(Net, path)
+    loader()
+    first = os.stat(path)
+    with open(path, "r+b") as f:
+        f.write(other.read_bytes())
+    os.utime(path, ns=(first.st_atime_ns, first.st_mtime_ns))
+    if ctime:
+        with pytest.raises(CheckpointError, match=r"w.safetensors: rewritten since"):
+            loader()
+    else:
+        loader()
+
+
 def test_meta_buffers_that_build_computes_are_named(tmp_path):
     class WithTable(nn.Module):
         def __init__(self) -> None:

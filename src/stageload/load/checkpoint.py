@@ -376,6 +376,10 @@ class Stamp(NamedTuple):
     ino: int
     size: int
     mtime_ns: int
+    # The inode's change time, which no script can set back: a rewrite in place that
+    # restores the modification time (os.utime) left the stamp as it was, and a reload
+    # read the new weights silently.
+    ctime_ns: int
     sample: bytes | None = None
 
 
@@ -390,7 +394,7 @@ def file_stamps(files: Iterable[Path], *, sampled: bool = False) -> dict[Path, S
             stamps[path] = None
         else:
             sample = content_sample(path) if sampled else None
-            stamps[path] = Stamp(st.st_ino, st.st_size, st.st_mtime_ns, sample)
+            stamps[path] = Stamp(st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, sample)
     return stamps
 
 
@@ -411,12 +415,12 @@ def changed_file(stamps: dict[Path, Stamp | None]) -> tuple[Path, str] | None:
             return path, "created"
         same_size = now.size == then.size and then.sample is not None
         if same_size and content_sample(path) == then.sample:  # touched, or the same bytes
-            stamps[path] = then._replace(ino=now.ino, mtime_ns=now.mtime_ns)
+            stamps[path] = then._replace(ino=now.ino, mtime_ns=now.mtime_ns, ctime_ns=now.ctime_ns)
             continue
         if now.ino != then.ino:
             return path, "replaced"
         how = ["resized"] if now.size != then.size else []
-        if now.mtime_ns != then.mtime_ns:
+        if now.mtime_ns != then.mtime_ns or not how:  # or its time set back
             how.append("rewritten")
         return path, " and ".join(how)
     return None
