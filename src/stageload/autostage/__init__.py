@@ -2223,8 +2223,6 @@ def _unique(name: str, taken: Iterable[str]) -> str:
 def _model_name(owner: Any, args: tuple, kwargs: dict) -> str:
     """A model's name: its subfolder or its folder's name, else its class or factory
     (a device given first, ``load_upsampler("cpu")``, names no model)."""
-    import torch
-
     sub = kwargs.get("subfolder")
     if sub:
         return str(sub)
