@@ -409,6 +409,8 @@ def changed_file(stamps: dict[Path, Stamp | None]) -> tuple[Path, str] | None:
         then = stamps[path]
         if now == then or (then is not None and now == then._replace(sample=None)):
             continue
+        if now is not None and then is not None and then.sample is None and now[:3] == then[:3]:
+            continue  # no sample to tell a chmod from a rewrite by: its change time alone
         if now is None:
             return path, "deleted"
         if then is None:
