@@ -198,8 +198,12 @@ def test_mapped_reloads_leave_no_memory_behind(folder, through, monkeypatch):
     finally:
         tracemalloc.stop()
     assert (grown < 16 * 1024) == (through == "own"), grown
-    # No descriptor of the file held while the model is loaded (Python's mmap keeps one).
-    assert str(file.resolve()) not in _open_files()
+    if through == "own":  # Python 3.13's mmap closes its descriptor (trackfd=False);
+        # before, the map keeps one open while its tensors live (safetensors' keeps none)
+        assert (str(file.resolve()) in _open_files()) == (sys.version_info < (3, 13))
+    # Each tensor at version 0, as a read leaves it: auto takes a higher one for the
+    # script's write (views of one tensor over the file would share one version).
+    assert all(p._version == 0 for p in model.parameters())
     release(model)
     gc.collect()
     assert refill.mapped_ranges([file]) == {}

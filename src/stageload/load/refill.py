@@ -14,7 +14,7 @@ reads the files straight into it. Otherwise the adapter keeps its loader and say
 
 from __future__ import annotations
 
-import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,12 +171,15 @@ def _map(module: nn.Module, recipe: Recipe, names: Mapping[str, str] | None) -> 
     file, as safetensors': a write by the script copies the page). Mapped here, not
     through safetensors' ``get_tensor``: that kept about 28 bytes a tensor for good (a
     long run of reloads grew 2.3 MiB in 1,200), and a Ctrl-C inside it came out as a
-    ValueError. ``UntypedStorage.from_file``, as safetensors maps: no file descriptor is
-    kept open while the tensors live (Python's ``mmap`` keeps one)."""
+    ValueError. Each tensor is one of its own over the mapping (``torch.frombuffer``): a
+    view of one tensor over the file would share its version with all the others, and
+    auto reads a higher version as a write by the script."""
+    import mmap
+
     import torch
 
     entries = read_entries(recipe.files)
-    maps: dict[Path, torch.Tensor] = {}  # each file's bytes; its tensors keep the mapping
+    maps: dict[Path, mmap.mmap] = {}  # each file's; its tensors keep it, then it unmaps
     for target in targets(module):
         if not target.tensor.is_meta or not target.persistent:
             continue
@@ -189,14 +192,15 @@ def _map(module: nn.Module, recipe: Recipe, names: Mapping[str, str] | None) -> 
         dtype = getattr(torch, DTYPES[entry.dtype][0])
         if dtype != recipe.dtypes.get(key) or entry.shape != tuple(target.tensor.shape):
             continue  # read and converted by fill, as the rest
-        if entry.offset % entry.itemsize:
-            continue  # not a whole number of elements in: read by fill
         if entry.file not in maps:
-            size = os.path.getsize(entry.file)
-            storage = torch.UntypedStorage.from_file(str(entry.file), shared=False, nbytes=size)
-            maps[entry.file] = torch.empty(0, dtype=torch.uint8).set_(storage)
-        data = maps[entry.file][entry.offset : entry.offset + entry.nbytes]
-        put(target, data.view(dtype).view(entry.shape))
+            with open(entry.file, "rb") as file:
+                # Python 3.13 can leave the descriptor closed once mapped; before it, the
+                # map keeps one open while its tensors live.
+                fd = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+                maps[entry.file] = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY, **fd)
+        count = entry.nbytes // entry.itemsize
+        flat = torch.frombuffer(maps[entry.file], dtype=dtype, count=count, offset=entry.offset)
+        put(target, flat.view(entry.shape))
 
 
 #: The most of a model's bytes :func:`learn` keeps in memory for tensors its loader made
