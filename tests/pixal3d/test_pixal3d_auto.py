@@ -172,8 +172,9 @@ def test_three_images_read_each_model_once_under_auto_as_staged(
     """The figures in docs/pixal3d.md: reads of ``pipeline.models``' eight models for
     three images. Staged runs them stage-major: 8 reads (the shape decoder twice), as one
     image. ``load="auto"`` runs them stage-major too: with room for one stage's models, 8
-    reads; with room for all, 7 in all (the shape decoder stays); with room for none, 8
-    per image. Every GLB is the port's own. Control: the images one after the other, as
+    reads; with no budget (hard stages, as staged), 8; with room for all (``"auto"``: the
+    memory available), 7 in all (the shape decoder stays); with room for none, 8 per
+    image. Every GLB is the port's own. Control: the images one after the other, as
     before, read the models again per image with room for one stage: 15."""
     from stageload.pixal3d import batch
 
@@ -194,7 +195,77 @@ def test_three_images_read_each_model_once_under_auto_as_staged(
 
     assert reads("auto", budget=ONE_STAGE) == (8 if stage_major else 15)
     if stage_major:
-        assert (reads("staged"), reads("auto", budget=1), reads("auto")) == (8, 24, 7)
+        three = (
+            reads("staged"),
+            reads("auto", budget=1),
+            reads("auto"),
+            reads("auto", budget="auto"),
+        )
+        assert three == (8, 24, 8, 7)
         del images[1:]  # one image: the table's first column
         one = (reads("auto", budget=ONE_STAGE), reads("auto", budget=1), reads("auto"))
-        assert one == (7, 8, 7)
+        assert (*one, reads("auto", budget="auto")) == (7, 8, 8, 7)
+
+
+@pytest.mark.parametrize("budget", [None, "auto"], ids=["hard-stages", "control"])
+def test_with_no_budget_each_stage_releases_what_it_does_not_use(
+    stub, image, tmp_path, eager, budget
+):
+    """``--load auto`` with no ``--budget`` has the staged build's hard stages: entering a
+    stage releases every model it does not use (reason ``not in plan``), so the export
+    step, which lists none, runs with no model loaded. Control: a budget of the memory
+    available keeps them all loaded through the export."""
+    port = import_port(stub)
+    sink = ListSink()
+    out = tmp_path / "o.glb"
+    run(port, port_args(port, image, out), load="auto", events=sink, budget=budget)
+    assert out.read_bytes() == eager[1]
+    export = next(i for i, e in enumerate(sink.events) if e.kind == "stage" and e.stage == "export")
+    loaded: dict[str, bool] = {}
+    for event in sink.events[:export]:
+        if event.kind in ("load", "reload", "prefetch", "release"):
+            loaded[event.model] = event.kind != "release"
+    held = {name for name, is_loaded in loaded.items() if is_loaded}
+    released = {e.model for e in sink.events[export:] if e.kind == "release"}
+    assert held, "a model was loaded when the export began"
+    if budget is None:
+        assert released == held
+        assert {e.reason for e in sink.events if e.kind == "release"} == {"not in plan"}
+    else:
+        assert not released
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "control"])
+def test_the_background_remover_is_staged_under_auto(
+    stub, image, tmp_path, eager, staged, monkeypatch
+):
+    """The port builds its background remover by a class call (a plain object holding a
+    network), which no factory makes: ``--load auto`` hands the network to auto, so it is
+    released once the preprocess stage is over; two images stage-major use it once, and
+    image after image the second builds it again by the port's class (a reload). Every
+    GLB is the port's own. Control: left to the port, it is never released."""
+    import stageload.pixal3d.adapter as adapter
+    from stageload.pixal3d import batch
+
+    if not staged:
+        monkeypatch.setattr(adapter.Pixal3DRun, "_stage_remover", lambda *a: None)
+    port = import_port(stub)
+    images = [port_args(port, image, tmp_path / f"{i}.glb") for i in range(2)]
+
+    def remover_events() -> list[str]:
+        sink = ListSink()
+        results = batch.run_many(port, images, load="auto", events=sink)
+        assert not [r for r in results if isinstance(r, Exception)]
+        assert all((tmp_path / f"{i}.glb").read_bytes() == eager[1] for i in range(2))
+        return [e.kind for e in sink.events if e.model == "rembg_model" and e.kind != "note"]
+
+    stage_major = remover_events()
+    monkeypatch.setattr(
+        batch.BatchRun, "execute_many", lambda run, images: [run._one(a) for a in images]
+    )
+    one_by_one = remover_events()
+    if staged:
+        assert stage_major == ["load", "release"]
+        assert one_by_one == ["load", "release", "reload", "release"]
+    else:
+        assert stage_major == one_by_one == []

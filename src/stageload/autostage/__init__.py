@@ -67,6 +67,7 @@ from ..core.events import (
     LOAD,
     NOTE,
     PREFETCH,
+    REASON_NOT_IN_PLAN,
     RELEASE,
     RELOAD,
     STAGE,
@@ -1240,6 +1241,39 @@ class AutoSession:
                     victim.model.state, victim.model.owner = RELEASING, me
                 self._release(victim)
 
+    def release_unlisted(self, objects: Iterable[Any]) -> list[str]:
+        """A hard stage (an adapter's, with no budget): release every loaded model that is
+        not among ``objects`` nor held in one of them (an extractor's backbone, a plain
+        object's module), whatever the budget; one that cannot go now (in a call,
+        changed, holding gradients, held elsewhere) stays, as under the budget. Returns
+        the names released."""
+        from torch import nn
+
+        listed: set[int] = set()
+        for obj in objects:
+            held = [obj] if isinstance(obj, nn.Module) else _modules_held(obj)
+            listed.update(id(sub) for module in held for sub in module.modules())
+        me, released = threading.get_ident(), []
+        with releasing(collect=False):
+            while True:
+                with self._mutex:
+                    self._prune()
+                    victim = None
+                    for model in self._models.values():
+                        module = model.module()
+                        if module is None or any(id(sub) in listed for sub in module.modules()):
+                            continue
+                        victim = self._held_for_release(model, say=True)
+                        if victim is not None:
+                            break
+                    if victim is None or self._closed:
+                        if victim is not None:
+                            end_hold(victim.hold)
+                        return released
+                    victim.model.state, victim.model.owner = RELEASING, me
+                self._release(victim, reason=REASON_NOT_IN_PLAN)
+                released.append(victim.model.name)
+
     def _victim(self, size: int, name: str, keep: _Model | None) -> _Victim | None:
         """Under the lock: the model to release so that ``size`` more bytes fit, or None
         when they fit (or nothing can go: said once)."""
@@ -1298,9 +1332,9 @@ class AutoSession:
         )
         return first + rest
 
-    def _release(self, victim: _Victim, note: str | None = None) -> None:
+    def _release(self, victim: _Victim, note: str | None = None, reason: str = REASON_AUTO) -> None:
         """Release the victim's model, marked ``releasing`` and held by this thread, without
-        the lock."""
+        the lock; ``reason``: the release event's."""
         model = victim.model
         done = False
         start = time.perf_counter()
@@ -1332,7 +1366,7 @@ class AutoSession:
                             model=model.name,
                             bytes=model.size,
                             seconds=time.perf_counter() - start,
-                            reason=REASON_AUTO,
+                            reason=reason,
                             note=note,
                         )
                     )
@@ -1487,6 +1521,13 @@ def _moving_elsewhere(model: _Model) -> bool:
 def _with_grad(module: nn.Module) -> str | None:
     """The name of a parameter of ``module`` that holds a gradient, or None."""
     return next((n for n, p in module.named_parameters() if p.grad is not None), None)
+
+
+def _modules_held(obj: Any) -> list[nn.Module]:
+    """The modules a plain object holds as attributes (a background remover's network)."""
+    from torch import nn
+
+    return [v for v in getattr(obj, "__dict__", {}).values() if isinstance(v, nn.Module)]
 
 
 def _busy(model: _Model) -> bool:

@@ -64,6 +64,7 @@ from .plan import (
     STAGES,
     check_stream,
     plan_for,
+    run_stages,
 )
 from .port import Port, PortError, api_mismatch, config_build, stand_in
 
@@ -190,7 +191,8 @@ class Pixal3DRun:
         self._stack = ExitStack()
         self._extractor_stage: dict[int, str] = {}
         self._backbone_cache: dict[Any, Any] = {}
-        self._rembg: Any = None  # the remover the port built, until its first load
+        # Staged: the remover the port built, until its first load; auto: its Holder.
+        self._rembg: Any = None
         self._streams: dict[str, Stream] = {}  # each streamed model's latest stream
         # load="auto" with stream: each from_pretrained call's result and arguments, by id.
         self._calls: dict[int, tuple[Any, tuple[Any, ...], dict[str, Any]]] = {}
@@ -341,18 +343,45 @@ class Pixal3DRun:
                 prefetch=prefetch,
             )
         )
-        self.auto_stages = AutoStages(self.plan, self._emit, session)
+        # With no budget, hard stages as in the staged build: what the next stage does not
+        # use is released, whatever the free memory (the export step needs it).
+        listed = self._stage_objects if budget is None else None
+        self.auto_stages = AutoStages(self.plan, self._emit, session, listed)
         if not self.stream:
-            return self.port.generate.load_pipeline(self.image.args, self.device)
-        # After auto's own wrap, for the build only: it sees what auto's returns.
-        with ExitStack() as making:
-            making.callback(patch(self.port.models, "from_pretrained", self._made))
             pipeline = self.port.generate.load_pipeline(self.image.args, self.device)
-        self._stream_auto(pipeline)
-        # Its low-VRAM moves would copy a streamed model's empty blocks (an error), and on
-        # unified memory they free nothing: off, as in the staged build.
-        pipeline.low_vram = False
+        else:
+            # After auto's own wrap, for the build only: it sees what auto's returns.
+            with ExitStack() as making:
+                making.callback(patch(self.port.models, "from_pretrained", self._made))
+                pipeline = self.port.generate.load_pipeline(self.image.args, self.device)
+            self._stream_auto(pipeline)
+            # Its low-VRAM moves would copy a streamed model's empty blocks (an error), and
+            # on unified memory they free nothing: off, as in the staged build.
+            pipeline.low_vram = False
+        self._stage_remover(session, pipeline)
         return pipeline
+
+    def _stage_remover(self, session: Any, pipeline: Any) -> None:
+        """Hand the background remover to auto: the port builds it by a class call, which
+        no factory makes, as a plain object holding its network. auto stages that network
+        (:class:`~._parts.Holder`): its first load is the remover the port built; a reload
+        builds the remover again (the port's class and ``pipeline.json`` spec) and takes
+        its weights."""
+        remover = getattr(pipeline, "rembg_model", None)
+        if remover is None or isinstance(remover, nn.Module):
+            return  # a module the port made through a factory is auto's already, or none
+        rebuild, built = _rebuilder(remover, pipeline), [remover]
+
+        def rembg() -> nn.Module:
+            return Holder(built.pop() if built else rebuild())
+
+        # Kept by the run: auto holds its models weakly, and the port holds the network only.
+        self._rembg = session.call(rembg, REMBG, (), {})
+
+    def _stage_objects(self, stage: str) -> list[Any]:
+        """The objects ``stage`` uses (its models, extractors, backbone, NAF, remover)."""
+        stages = run_stages(self.pipeline, self.image.args.pipeline_type)
+        return dict(zip(self.plan, stages, strict=False)).get(stage, [])  # the same plan
 
     def _note(self, name: str, note: str) -> None:
         self._emit(Event(NOTE, model=name, stage=self.image.stage, note=note))
@@ -677,20 +706,29 @@ class AutoStages:
     """
 
     def __init__(
-        self, stages: Mapping[str, tuple[str, ...]], emit: Callable[[Event], None], session: Any
+        self,
+        stages: Mapping[str, tuple[str, ...]],
+        emit: Callable[[Event], None],
+        session: Any,
+        listed: Callable[[str], Iterable[Any]] | None = None,
     ) -> None:
         self.stages = dict(stages)
         self.stage: str | None = None
         self.emit = emit
         self._session = session
+        #: Hard stages (no budget): the objects a stage uses; entering it releases the rest.
+        self._listed = listed
         self._batch: Batch | None = None
         self._lock = threading.Lock()
 
     def enter(self, stage: str) -> None:
-        """Mark ``stage`` begun (the trace's ``stage`` event); again: nothing."""
+        """Mark ``stage`` begun (the trace's ``stage`` event), and with hard stages release
+        what it does not use, as the staged build does; again: nothing."""
         if stage != self.stage:
             self.stage = stage
             self.emit(Event(STAGE, stage=stage))
+            if self._listed is not None:
+                self._session.release_unlisted(self._listed(stage))
 
     def enter_from_call(self, stage: str) -> None:
         """A run's boundary: in a batch, wait until the batch is in ``stage``."""
