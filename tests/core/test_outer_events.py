@@ -133,6 +133,72 @@ def test_a_file_that_is_not_a_trace_is_left_alone(tmp_path, monkeypatch):
     assert len([w for w in caught if "not a stageload 'start' record" in str(w.message)]) == 1
 
 
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
+def test_a_device_as_the_trace_is_said_at_once(monkeypatch, checked):
+    """``STAGELOAD_TRACE=/dev/full`` (a device that reads as zeros for ever and cannot be
+    written): one warning at the first event, naming what it is, and nothing more is
+    tried. Control: without the file-type check, only the first line's length tells
+    (after reading 1 MiB of zeros); before that check too, the events waited for a start
+    record that never came, and nothing was said while the pipeline ran."""
+    import stageload.core.outer as outer_module
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("this system has no /dev/full")
+    if not checked:
+        monkeypatch.setattr(outer_module.stat, "S_ISREG", lambda mode: True)
+    trace = OuterTrace("/dev/full")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trace.emit(Event("stage", stage="encode"))
+        trace.emit(Event("stage", stage="decode"))
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    why = "not a regular file" if checked else "longer than any 'start' record"
+    assert len(said) == 1 and why in said[0] and not trace.active
+    trace.close()
+
+
+def test_a_first_line_longer_than_a_start_record_is_not_a_trace(tmp_path):
+    """A file whose first line never ends within the size of any start record (a log of
+    zeros) is said to be no trace, not waited on. Control: the same file, a newline within
+    the limit, is read as a start record still to come."""
+    import stageload.core.outer as outer_module
+    from stageload.core.outer import read_start
+
+    path = tmp_path / "zeros.jsonl"
+    path.write_bytes(b"\0" * outer_module._START_MAX)
+    with pytest.raises(ValueError, match="longer than any 'start' record"):
+        read_start(path)
+    path.write_bytes(b"\0" * (outer_module._START_MAX - 1))
+    assert read_start(path) is None
+
+
+@pytest.mark.parametrize("said", [True, False], ids=["said", "control"])
+def test_events_lost_for_a_start_record_that_never_came_are_said_at_exit(
+    tmp_path, monkeypatch, said
+):
+    """An empty file named as the trace that no tool ever starts: the events held for its
+    start record are dropped at exit, after the bounded wait, with one warning that
+    counts them. Control: with that warning undone, they went without a word."""
+    import stageload.core.outer as outer_module
+
+    monkeypatch.setattr(outer_module, "EXIT_WAIT", 0.05)
+    if not said:
+        monkeypatch.setattr(OuterTrace, "_give_up", lambda self, why: None)
+    path = tmp_path / "empty.jsonl"
+    path.touch()
+    trace = OuterTrace(path)
+    trace.emit(Event("stage", stage="encode"))
+    trace.emit(Event("stage", stage="decode"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trace._exit()  # what atexit runs
+    # The two, and the exit event _exit adds.
+    lost = [str(w.message) for w in caught if "3 events held for it were lost" in str(w.message)]
+    assert len(lost) == (1 if said else 0)
+    assert path.read_bytes() == b""
+    trace.close()
+
+
 def test_events_before_the_start_record_wait_for_it(tmp_path):
     """The tool starts the command, then writes the start record: early events are held."""
     path = tmp_path / "early.jsonl"
@@ -171,7 +237,9 @@ def test_command_env_points_to_the_trace_or_opts_out(tmp_path, monkeypatch):
     (tmp_path / "run.jsonl").touch()  # the tool creates it before the command starts
     env = command_env("run.jsonl", environ={"PATH": "/bin"})
     assert env == {"PATH": "/bin", TRACE_ENV: str(tmp_path / "run.jsonl")}
-    assert outer_trace(env) is not None
+    trace = outer_trace(env)
+    assert trace is not None
+    trace.close()  # no tool writes its start record: its exit would wait and warn
     off = command_env("run.jsonl", events=False, environ=env)
     assert off[EVENTS_ENV] == "0" and outer_trace(off) is None
 

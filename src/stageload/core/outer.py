@@ -24,6 +24,7 @@ import atexit
 import json
 import math
 import os
+import stat
 import threading
 import time
 import warnings
@@ -118,6 +119,8 @@ def read_start(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     with open(path, "rb") as f:
         first = f.readline(_START_MAX)
     if not first.endswith(b"\n"):
+        if len(first) >= _START_MAX:
+            raise ValueError("its first line is longer than any 'start' record")
         return None  # empty, or the start record is still being written
     try:
         record = json.loads(first)
@@ -188,6 +191,14 @@ class OuterTrace:
         while self._pending and not self._dead and time.monotonic() < deadline:
             time.sleep(0.01)  # polling a file another process writes: no event to wait on
             self.flush()
+        with self._lock:
+            if self._pending and not self._dead:
+                n = len(self._pending)
+                self._give_up(
+                    f"its start record did not come within {EXIT_WAIT:g} s of the exit, so "
+                    f"{n} event{'s' * (n != 1)} held for it {'were' if n != 1 else 'was'} lost "
+                    "(a trace is a file stageload meter, guard or run started)"
+                )
 
     def flush(self) -> None:
         """Write events held for a start record that has arrived since; at exit too."""
@@ -226,6 +237,12 @@ class OuterTrace:
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
             except OSError as exc:
                 self._give_up(f"cannot open it for appending ({exc.strerror})")
+                return False
+            if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+                # /dev/full reads as zeros for ever: the start record would never come.
+                os.close(self._fd)
+                self._fd = None
+                self._give_up("it is not a regular file (a device or a pipe)")
                 return False
         try:
             start = read_start(self.path)
