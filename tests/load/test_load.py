@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -437,6 +438,55 @@ def test_a_rewrite_in_place_with_its_time_set_back_is_seen(tmp_path, ctime, monk
             loader()
     else:
         loader()
+
+
+@pytest.mark.parametrize("said", [True, False], ids=["said", "control"])
+def test_a_checkpoint_this_process_can_no_longer_read_is_said(monkeypatch, said):
+    """A checkpoint the process may no longer read (as root: read with another effective
+    user, the file mode 600, its stamp unchanged; otherwise: ``chmod 000``, which changes
+    its change time) raises a CheckpointError that says so and how to fix it, before any
+    tensor is read; readable again, it loads as before. Control: without the check, a
+    bare PermissionError from deep in the read (helper-49), and a chmod read as a rewrite."""
+    import tempfile
+
+    import stageload.load.checkpoint as checkpoint
+
+    if not said:
+        monkeypatch.setattr(checkpoint, "_unreadable", lambda path: None)
+    folder = Path(tempfile.mkdtemp())  # in /tmp: another user may reach the file
+    try:
+        os.chmod(folder, 0o755)
+        path = folder / "w.safetensors"
+        save_file(_random_state(torch.float32), str(path))
+        loader = from_safetensors(Net, path)
+        want = loader().state_dict()
+        root = os.geteuid() == 0
+        if root:
+            os.chmod(path, 0o600)
+            stamp = os.stat(path)
+            loader()  # stamped again after the chmod: as it was from here on
+            assert os.stat(path).st_ctime_ns == stamp.st_ctime_ns
+            os.seteuid(65534)  # nobody
+        else:
+            os.chmod(path, 0)
+        try:
+            with pytest.raises(Exception) as raised:
+                loader()
+        finally:
+            if root:
+                os.seteuid(0)
+            os.chmod(path, 0o644)
+        if said:
+            assert raised.type is CheckpointError
+            assert "w.safetensors: unreadable (Permission denied)" in str(raised.value)
+            assert "make it readable again" in str(raised.value)
+        else:
+            assert raised.type in (PermissionError, CheckpointError)
+            assert "unreadable" not in str(raised.value)
+        got = loader().state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_meta_buffers_that_build_computes_are_named(tmp_path):

@@ -398,6 +398,20 @@ def file_stamps(files: Iterable[Path], *, sampled: bool = False) -> dict[Path, S
     return stamps
 
 
+#: How :func:`changed_file` names a file it can no longer open.
+UNREADABLE = "unreadable"
+
+
+def _unreadable(path: Path) -> str | None:
+    """How ``path`` cannot be opened for reading now (``unreadable (Permission denied)``),
+    or None."""
+    try:
+        with open(path, "rb"):
+            return None
+    except OSError as exc:
+        return f"{UNREADABLE} ({exc.strerror})"
+
+
 def changed_file(stamps: dict[Path, Stamp | None]) -> tuple[Path, str] | None:
     """The first file that is not as ``stamps`` found it, and how; None if none.
 
@@ -415,6 +429,9 @@ def changed_file(stamps: dict[Path, Stamp | None]) -> tuple[Path, str] | None:
             return path, "deleted"
         if then is None:
             return path, "created"
+        unreadable = _unreadable(path)  # a chmod changes the change time: not a rewrite
+        if unreadable is not None:
+            return path, unreadable
         same_size = now.size == then.size and then.sample is not None
         if same_size and content_sample(path) == then.sample:  # touched, or the same bytes
             stamps[path] = then._replace(ino=now.ino, mtime_ns=now.mtime_ns, ctime_ns=now.ctime_ns)
@@ -432,8 +449,18 @@ def check_unchanged(stamps: dict[Path, Stamp | None], since: str, fix: str) -> N
     """Raise a :class:`CheckpointError` naming the first file that is not as ``stamps``
     found it: how it changed, then ``since`` (since when, and what a read now would do)."""
     changed = changed_file(stamps)
+    if changed is None:  # as it was, but this process may not read it (another user, a mount)
+        changed = next(
+            ((p, how) for p in stamps if (how := _unreadable(p)) is not None and stamps[p]), None
+        )
     if changed is not None:
         path, how = changed
+        if how.startswith(UNREADABLE):
+            raise CheckpointError(
+                path,
+                f"{how} since the model was first read from it, so it cannot be read again",
+                fix="make it readable again (its permissions, chmod a+r, or its mount)",
+            )
         raise CheckpointError(path, f"{how} {since}", fix=fix)
 
 
