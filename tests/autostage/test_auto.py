@@ -925,6 +925,81 @@ def test_a_wrapped_layer_keeps_its_model_loaded(folder):
     assert notes[0].startswith("a.pt: changed by the script since its load (parts added")
 
 
+@pytest.mark.parametrize("undone", [True, False], ids=["undone", "control"])
+def test_a_change_the_script_undoes_stages_its_model_again(folder, undone, monkeypatch):
+    """A layer wrapped (as peft's ``load_lora_weights`` does), then unwrapped (its
+    ``unload_lora_weights``): kept loaded while wrapped, and once the model is as loaded
+    again it is staged again: the next model's load releases it, and its next call reloads
+    it, equal to eager. Control: with the check again undone, it stays loaded for good."""
+    if not undone:
+        monkeypatch.setattr(stageload.autostage.AutoSession, "_undone", lambda self, m: False)
+    x = torch.ones(2, auto_script.WIDTH)
+    eager = auto_script.load_model(f"{folder}/a.pt")(x)
+    sink = ListSink()
+    with (
+        torch.no_grad(),
+        auto(
+            budget=int(1.5 * SIZE), factories=[FACTORY], defaults=False, events=sink, prefetch=False
+        ) as s,
+    ):
+        a = auto_script.load_model(f"{folder}/a.pt")
+        base = a.layers[0]
+        a.layers[0] = auto_script.Lora(base)
+        a(x)
+        auto_script.load_model(f"{folder}/b.pt")(x)  # a is changed: kept, over the budget
+        a.layers[0] = base  # the LoRA unloaded
+        a(x)
+        auto_script.load_model(f"{folder}/b.pt")(x)
+        got = a(x)
+    assert torch.equal(got, eager)
+    released = [e.model for e in sink.events if e.kind == "release"]
+    assert s.notes[0].startswith("a.pt: changed by the script since its load (parts added")
+    if undone:
+        assert "a.pt: as loaded again (its change undone): staged" in s.notes
+        assert "a.pt" in released and sum(e.kind == "reload" for e in sink.events) >= 1
+    else:
+        assert "a.pt" not in released
+
+
+@pytest.mark.parametrize("undone", [True, False], ids=["undone", "control"])
+def test_a_diffusers_unet_is_staged_again_once_its_lora_is_unloaded(tmp_path, undone, monkeypatch):
+    """The everyday sequence on a Stable Diffusion pipeline built here, room for no model:
+    a call, ``load_lora_weights``, a call, ``unload_lora_weights``, two calls, each equal
+    to eager's. The UNet is kept loaded with the LoRA, then released again between calls
+    once it is unloaded (helper-50: it stayed loaded for good). Control: as before."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    from fixtures.lora import lora
+    from stageload.testing.families import FAMILIES, folder
+
+    if not undone:
+        monkeypatch.setattr(stageload.autostage.AutoSession, "_undone", lambda self, m: False)
+    fam = FAMILIES["sd"]
+    where = folder(fam, tmp_path)
+    weights = lora("sd", tmp_path, "unet", 3)
+
+    def calls(pipe: Any) -> list[Any]:
+        outs = [pipe(**fam.call(0))[0]]
+        pipe.load_lora_weights(dict(weights), adapter_name="a")
+        outs.append(pipe(**fam.call(0))[0])
+        pipe.unload_lora_weights()
+        return [*outs, pipe(**fam.call(0))[0], pipe(**fam.call(0))[0]]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = calls(fam.load(where))
+        sink = ListSink()
+        with auto(budget=1, events=sink):
+            got = calls(fam.cls.from_pretrained(where))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    unet = [e.kind for e in sink.events if e.model == "unet" and e.kind in ("release", "reload")]
+    # Released after the first call; reloaded for the LoRA, then kept; then staged again.
+    assert len(unet) == (7 if undone else 2)
+
+
 def test_requires_grad_the_script_set_survives_a_reload(folder):
     first, second, notes, reloads = one_then_another(
         folder, lambda m: m.requires_grad_(False), grad=True

@@ -178,6 +178,9 @@ class _Model:
     #: factory makes a new model. A model pinned for another reason (used from two threads
     #: at once) is still shared.
     changed: bool = False
+    #: Kept loaded only for a change the script may undo (a LoRA unloaded, a wrapper taken
+    #: off): when memory is short, checked again, and staged again if it is as loaded.
+    undoable: bool = False
     said: set[str] = field(default_factory=set)
     #: The tensors as auto last loaded them, and a few of their values: whether the script
     #: changed the model since.
@@ -498,7 +501,7 @@ class AutoSession:
                             twin = known
                         if changed is not None:  # (an EMA copy, a student): a new one
                             why = f"changed by the script since its load ({changed})"
-                            self._pin(known, why, changed=True)
+                            self._pin(known, why, changed=True, undoable=True)
                         # Converted (.half(), requires_grad_(False), .train()): it stays
                         # staged, and the call makes a new one as it does without auto.
                 if ticket is None:
@@ -1131,12 +1134,15 @@ class AutoSession:
         With ``say`` (a use needs room), a change or a holder is said, and a change keeps
         it loaded; ahead of need, the use says it, not a guess ahead."""
         module = model.module()
-        if model.state != LOADED or model.pinned or module is None or _busy(model):
+        if model.state != LOADED or module is None or _busy(model):
+            return None
+        if model.pinned and not self._undone(model):
             return None
         changed = _changed(model)
         if changed is not None:
             if say:
-                self._pin(model, f"changed by the script since its load ({changed})", changed=True)
+                why = f"changed by the script since its load ({changed})"
+                self._pin(model, why, changed=True, undoable=True)
             return None
         graded = _with_grad(module)
         if graded is not None:  # a release would drop them: an accumulation loses a step
@@ -1289,7 +1295,7 @@ class AutoSession:
         ]
         if sum(m.size for m in others) + size <= self.budget:
             return None
-        idle = [m for m in others if m.state == LOADED and not m.pinned]
+        idle = [m for m in others if m.state == LOADED and (not m.pinned or self._undone(m))]
         for m in self._order(idle, others, keep.name if keep is not None else name, size):
             victim = self._held_for_release(m, say=True)
             if victim is not None:
@@ -1434,13 +1440,32 @@ class AutoSession:
         self._clock += 1
         return self._clock
 
-    def _pin(self, model: _Model, why: str, *, changed: bool = False) -> None:
+    def _pin(
+        self, model: _Model, why: str, *, changed: bool = False, undoable: bool = False
+    ) -> None:
         """Keep ``model`` loaded from now on, and say why once; ``changed``: it is not as
-        its factory makes it (no later factory call shares it)."""
+        its factory makes it (no later factory call shares it); ``undoable``: only for a
+        change the script made while it was loaded, which it may undo (:meth:`_undone`)."""
         model.changed = model.changed or changed
         if not model.pinned:
-            model.pinned = True
+            model.pinned, model.undoable = True, undoable
+            model.said.discard("undone")
             self._say(model, "pinned", f"{model.name}: {why}: kept loaded, not staged")
+        elif not undoable:
+            model.undoable = False
+
+    def _undone(self, model: _Model) -> bool:
+        """Under the lock: whether ``model``, kept loaded only for a change the script made,
+        is as auto loaded it again (a LoRA unloaded, a wrapper taken off): then it is staged
+        again, and said (a release reloads the file's weights, which it holds again)."""
+        if not (model.pinned and model.undoable and model.state == LOADED):
+            return False
+        if _changed(model) is not None:
+            return False
+        model.pinned = model.changed = model.undoable = False
+        model.said.discard("pinned")
+        self._say(model, "undone", f"{model.name}: as loaded again (its change undone): staged")
+        return True
 
     def _through_factory(self, model: _Model, why: str) -> None:
         """Say once that ``model`` reloads by calling its factory again, and why: its
