@@ -57,7 +57,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
@@ -110,7 +110,7 @@ from ..load.checkpoint import (
 )
 from ..load.progress import PREFETCH_THREAD
 from ..load.reader import background_thread
-from ..load.refill import Recipe, conversion_probes, converted, learn, reload
+from ..load.refill import Recipe, conversion_probes, converted, fresh_memory, learn, reload
 from ..load.skeleton import fill_from, stand_in
 from ..load.weights import named_tensors
 from ..memory.budget import parse_budget
@@ -783,13 +783,17 @@ class AutoSession:
                     return False
                 dtypes = {d: p.dtype for d, p in probes.items() if p.dtype != d}
                 moved = {p.device for p in probes.values()} - {device}
+                # kept in dtype and device, yet copied (.to("cpu:0")): fresh memory at the reload
+                fresh = fresh_memory(fn, set(probes) - set(dtypes), device) if not moved else set()
                 if dtypes:  # on meta only the dtype changes now
                     apply(module, lambda t: t.to(dtypes.get(t.dtype, t.dtype)))
                     mark_empty(module, _auto_hook(module))  # converted buffers are new
             if model.first is not None:
                 model.pending.append(fn)
             else:
-                model.layout = _converted_layout(model.layout, dtypes, next(iter(moved), None))
+                model.layout = _converted_layout(
+                    model.layout, dtypes, next(iter(moved), None), fresh
+                )
                 # The values a reload must give, as the conversion left them: a round trip
                 # through bfloat16 rounds them (else the reload, rounded too, read as other
                 # weights, and the model was kept loaded for good).
@@ -1777,17 +1781,22 @@ def _layout(
 _UNMOVED = ((), None, False, None, {}, False)
 
 
-def _converted_layout(layout: Layout, dtypes: dict[Any, Any], device: Any) -> Layout:
+def _converted_layout(
+    layout: Layout, dtypes: dict[Any, Any], device: Any, fresh: Collection[Any] = ()
+) -> Layout:
     """``layout`` after a conversion of the released model: ``dtypes`` maps each dtype that
-    changes to its new one, ``device`` is where every tensor goes (None: each stays). A
-    tensor converted gets fresh memory at its reload, as the script's conversion gave it
-    (a round trip that ends where it began included)."""
+    changes to its new one, ``device`` is where every tensor goes (None: each stays),
+    ``fresh`` the dtypes it copies while keeping them and the device (``.to("cpu:0")``:
+    :func:`~stageload.load.refill.fresh_memory`). A tensor converted gets fresh memory at
+    its reload, as the script's conversion gave it (a round trip that ends where it began
+    included)."""
     out: Layout = {}
     for name, (chain, was, grad, strides, attrs, moved) in layout.items():
         dtype = dtypes.get(chain[-1]) if chain else None
         new = tuple(converted(chain, dtype)) if dtype is not None else chain
         to = device if device is not None else was
-        out[name] = (new, to, grad, strides, attrs, moved or dtype is not None or to != was)
+        moved = moved or dtype is not None or to != was or bool(chain) and chain[-1] in fresh
+        out[name] = (new, to, grad, strides, attrs, moved)
     return out
 
 

@@ -365,6 +365,29 @@ def conversion_probes(
     return out
 
 
+def fresh_memory(fn: Callable[[Any], Any], dtypes: set[Any], device: Any) -> set[Any]:
+    """The dtypes among ``dtypes`` whose tensors on ``device`` ``fn`` (a conversion, as for
+    :func:`conversion_probes`) copies to new memory though it keeps their dtype and device:
+    ``.to("cpu:0")`` copies a CPU tensor (torch tells ``cpu:0`` from ``cpu``) where
+    ``.to("cpu")`` gives it back, and the copy sits 64-byte aligned, not at the offset the
+    load left it (accelerate's model offloading with ``device="cpu"`` moves each model
+    to ``cpu:0`` at every call). Raises what ``fn`` raises."""
+    import torch
+
+    out: set[Any] = set()
+    for dtype in dtypes:
+        probe = torch.zeros(2, dtype=dtype, device=device)
+        got = fn(probe)
+        if (
+            isinstance(got, torch.Tensor)
+            and got.dtype == probe.dtype
+            and got.device == probe.device
+            and got.data_ptr() != probe.data_ptr()
+        ):
+            out.add(dtype)
+    return out
+
+
 def _same_start(tensor: torch.Tensor, entry: Any, probe: int) -> bool:
     """The first ``probe`` bytes of ``tensor`` equal the file's, converted to its dtype as
     torch does. Read and compared ``_CHUNK`` bytes at a time: a whole-tensor compare
