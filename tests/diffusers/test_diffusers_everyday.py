@@ -170,6 +170,39 @@ def test_control_without_the_device_answer_an_unloaded_component_says_meta(
     assert pipe.text_encoder.device.type == "meta"
 
 
+def moved_to_cpu_0(pipe: Any) -> list[Any]:
+    """A call, ``pipe.to("cpu:0")``, two calls; with where the UNet's weights sit (address
+    mod 64) as its forward runs at the second call."""
+    first = image(pipe)
+    pipe.to("cpu:0")
+    seen: list[list[int]] = []
+
+    def where(*_: Any) -> None:
+        if not seen:
+            seen.append([t.data_ptr() % 64 for t in pipe.unet.state_dict().values()])
+
+    pipe.unet.conv_in.register_forward_pre_hook(where)
+    return [first, image(pipe), image(pipe), seen[0]]
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "control"])
+def test_a_move_to_cpu_0_gives_eagers_images(path: Path, fresh: bool, monkeypatch) -> None:
+    """``pipe.to("cpu:0")`` copies each CPU weight (torch tells ``cpu:0`` from ``cpu``), so
+    eager's sit in fresh 64-byte aligned memory from then on; a reload put them at the
+    file's offsets, and the images differed by 2.7e-7 here (alignment changes a kernel's
+    summation order, on any CPU). Now each load copies them as eager did: equal images, the
+    same alignment. Control: without that copy, the weights sit elsewhere than eager's."""
+    if not fresh:
+        monkeypatch.setattr(_placeholder, "fresh_memory", lambda *a: set())
+    want, got = moved_to_cpu_0(eager(path)), moved_to_cpu_0(staged(path))
+    assert set(want[-1]) == {0}
+    if fresh:
+        assert all(torch.equal(a, b) for a, b in zip(got[:-1], want[:-1], strict=True))
+        assert got[-1] == want[-1]
+    else:
+        assert got[-1] != want[-1]
+
+
 def inputs_placed_by_a_parameter(pipe: Any) -> tuple[torch.device, torch.Tensor]:
     """The everyday way to place a component's inputs: where its first parameter is."""
     device = next(pipe.vae.parameters()).device

@@ -60,7 +60,7 @@ from ..external import (
 from ..hooks.empty import mark_empty
 from ..hooks.registry import HookRegistry, ModuleHook, patch
 from ..hooks.release import unmark_released
-from ..load.refill import conversion_probes
+from ..load.refill import conversion_probes, fresh_memory
 from ..load.skeleton import build_empty, fill_from
 from ..load.weights import like, named_tensors
 
@@ -277,6 +277,12 @@ def intercept(skeleton: nn.Module, hook: StageHook) -> None:
                 hook.move(None, None, fn)
             elif where[0] is not None or where[1] is not None:
                 hook.move(*where)
+            elif _weight_dtypes(skeleton) & fresh_memory(
+                fn, _weight_dtypes(skeleton), hook.execution_device
+            ):
+                # .to("cpu:0") copies a CPU tensor (cpu:0 is not cpu): eager's weights sit
+                # in fresh memory from now on, aligned otherwise than a reload's.
+                hook.move(None, None, fresh_copy)
             return skeleton
 
         return _apply
@@ -291,15 +297,27 @@ def conversion(
     None if it stays; the dtype, or None if none changes), or None where it does more (a
     memory format). Probed with each dtype the weights have: a bfloat16 Wan transformer's
     first parameter is a table kept in float32, which ``.to(float32)`` leaves as it is."""
-    import torch
 
-    dtypes = {p.dtype for p in skeleton.parameters() if p.is_floating_point()}
-    probes = conversion_probes(fn, dtypes or {torch.get_default_dtype()}, device)
+    probes = conversion_probes(fn, _weight_dtypes(skeleton), device)
     if probes is None:
         return None
     first = next(iter(probes.values()))
     moved = first.device if first.device != device else None
     return moved, next((p.dtype for was, p in probes.items() if p.dtype != was), None)
+
+
+def _weight_dtypes(skeleton: nn.Module) -> set[Any]:
+    """The floating dtypes of the component's parameters (the default one if none)."""
+    import torch
+
+    dtypes = {p.dtype for p in skeleton.parameters() if p.is_floating_point()}
+    return dtypes or {torch.get_default_dtype()}
+
+
+def fresh_copy(tensor: Any) -> Any:
+    """A conversion that copies each tensor into fresh memory (what ``.to("cpu:0")`` does
+    to a CPU tensor), replayed after each load: one entry however often it is made."""
+    return tensor.clone()
 
 
 def real_apply(module: nn.Module, fn: Callable[[Any], Any]) -> nn.Module:
