@@ -107,15 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("device", "cpu"),
         default="device",
         help="build each model on the device (default, fast) or on the CPU and move it, as "
-        "the port does: bit-identical to --load eager where constructors compute buffers",
+        "the port does: bit-identical to --load eager where constructors compute buffers "
+        "(--load staged; --load auto builds as the port does)",
     )
     p.add_argument(
         "--budget",
         type=budget_arg,
         metavar="SIZE",
         help="keep models loaded across stages while they fit in SIZE ('12G', '80%%', "
-        "'auto'), evicting the one needed furthest ahead; default: release what the next "
-        "stage does not use (with --load auto: the memory available at the start)",
+        "'auto': the memory available), evicting the one needed furthest ahead; default: "
+        "release what the next stage does not use",
     )
     p.add_argument(
         "--prefetch",
