@@ -1960,6 +1960,48 @@ def test_control_without_the_undo_ctrl_c_leaves_a_half_loaded_model(st_folder, m
     assert interrupted and not empty
 
 
+@pytest.mark.parametrize("undo", [True, False], ids=["undone", "control"])
+def test_ctrl_c_between_a_releases_choice_and_its_start_leaves_the_model_loaded(
+    st_folder, monkeypatch, undo
+):
+    """Room for one model: a real SIGINT as the model chosen to make room is handed to its
+    release (marked ``releasing``, its calls held), where CPython raises it after the
+    lock's release returns: the model is loaded again and free to call, and the retried
+    lap gives eager's output. Control: without the undo, it stays ``releasing`` for good,
+    and the next call of it would wait for ever (helper-54, simulated there)."""
+    import signal
+
+    from stageload.autostage import AutoSession
+
+    real = AutoSession._release
+    chosen: list[Any] = []
+
+    def interrupted(self: Any, victim: Any, *args: Any, **kwargs: Any) -> Any:
+        if not chosen:
+            chosen.append(victim)
+            signal.raise_signal(signal.SIGINT)  # KeyboardInterrupt as this call returns
+        return real(self, victim, *args, **kwargs)
+
+    if not undo:
+        monkeypatch.setattr(AutoSession, "_unchoose", lambda self, victim: None)
+    want, _ = st_run(st_folder, ST, staged=False)
+    with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False, prefetch=False):
+        models = [auto_script.load_st(f"{st_folder}/{n}.safetensors") for n in auto_script.NAMES]
+        monkeypatch.setattr(AutoSession, "_release", interrupted)
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            models[0](torch.ones(1, auto_script.WIDTH))  # a reloads: c goes first
+        monkeypatch.setattr(AutoSession, "_release", real)
+        victim = chosen[0]
+        state = victim.model.state
+        if not undo:  # let the block end: what the undo does
+            victim.model.state, victim.model.owner = "loaded", None
+            victim.hold.active = False
+            stageload.autostage.end_hold(victim.hold)
+        out = auto_script.run(models, 2)
+    assert state == ("loaded" if undo else "releasing")
+    assert torch.equal(out, want)
+
+
 def test_a_library_loader_checks_the_start_of_each_tensor_a_named_factory_every_byte(
     st_folder, tmp_path, monkeypatch
 ):

@@ -881,33 +881,45 @@ class AutoSession:
         # The releases that make room give memory back once, before the load, without a
         # garbage collection: it walks the whole heap, and auto's releases free the weights
         # in place (bench/results/auto: the collection was half of a lap).
-        with releasing(collect=False):
-            while True:
-                ticket = victim = None
-                with self._mutex:
-                    module = model.module()
-                    if module is None:
-                        return False
-                    if model.state == LOADED:
-                        return True
-                    if model.state in (LOADING, RELEASING):
-                        if model.owner == me:  # used inside its own load or release
+        victim, marked = None, False  # what this call marked, for a Ctrl-C to undo
+        try:
+            with releasing(collect=False):
+                while True:
+                    ticket = victim = None
+                    with self._mutex:
+                        module = model.module()
+                        if module is None:
                             return False
-                        ticket = self._bell.ticket()  # another thread's: wait for its end
+                        if model.state == LOADED:
+                            return True
+                        if model.state in (LOADING, RELEASING):
+                            if model.owner == me:  # used inside its own load or release
+                                return False
+                            ticket = self._bell.ticket()  # another thread's: wait for its end
+                        else:
+                            victim = (
+                                None
+                                if self._closed
+                                else self._victim(model.size, model.name, model)
+                            )
+                            if victim is None:
+                                model.state, model.owner = LOADING, me
+                                marked, room = True, model.size
+                                break
+                            victim.model.state, victim.model.owner = RELEASING, me
+                    if ticket is not None:
+                        ticket.acquire(timeout=bell.RECHECK)
                     else:
-                        victim = (
-                            None if self._closed else self._victim(model.size, model.name, model)
-                        )
-                        if victim is None:
-                            model.state, model.owner = LOADING, me
-                            room = model.size
-                            break
-                        victim.model.state, victim.model.owner = RELEASING, me
-                if ticket is not None:
-                    ticket.acquire(timeout=bell.RECHECK)
-                else:
-                    self._release(victim)
-        done = self._fill(model, module)
+                        self._release(victim)
+            victim = None
+            done = self._fill(model, module)
+        except BaseException:  # a Ctrl-C before _release or _fill took over what was marked
+            self._unchoose(victim)
+            with self._mutex:
+                if marked and model.state == LOADING and model.owner == me:
+                    model.state, model.owner = RELEASED, None  # its fill never began
+                    self._bell.ring()
+            raise
         if done and model.size > room:  # larger than its files said (converted after them)
             self._make_room(model.size, model.name, keep=model)
         return done
@@ -951,8 +963,8 @@ class AutoSession:
         recipe: Recipe | str | None = None
         replaced: str | None = None
         replayed: dict[str, tuple[Any, ...]] | None = None
-        start = time.perf_counter()
-        try:
+        try:  # first: a Ctrl-C at the clock's call is this load's (see _load)
+            start = time.perf_counter()
             renames = _renames(module, model)
             replaced = _replaced(module, model) if renames is None else None
             layout = model.layout if renames is None else _renamed(model.layout, renames)
@@ -1244,19 +1256,41 @@ class AutoSession:
         me = threading.get_ident()
         with releasing(collect=False):
             while True:
-                with self._mutex:
-                    victim = self._victim(size, name, keep)
-                    if victim is None:
-                        return
-                    victim.model.state, victim.model.owner = RELEASING, me
-                self._release(victim)
+                victim = None
+                try:
+                    with self._mutex:
+                        victim = self._victim(size, name, keep)
+                        if victim is None:
+                            return
+                        victim.model.state, victim.model.owner = RELEASING, me
+                    self._release(victim)
+                except BaseException:
+                    self._unchoose(victim)
+                    raise
 
-    def release_unlisted(self, objects: Iterable[Any]) -> list[str]:
+    def _unchoose(self, victim: _Victim | None) -> None:
+        """After an exception (a Ctrl-C: CPython raises it after the lock's release returns)
+        between a release's choice and the start of :meth:`_release`: the model this thread
+        marked ``releasing`` is loaded again, and its calls go on (they waited for good)."""
+        if victim is None:
+            return
+        with self._mutex:
+            model = victim.model
+            if model.state != RELEASING or model.owner != threading.get_ident():
+                return  # _release took it: its own finally set the state
+            model.state, model.owner = LOADED, None
+            victim.hold.active = False
+            end_hold(victim.hold)
+            self._bell.ring()
+
+    def release_unlisted(
+        self, objects: Iterable[Any], reason: str = REASON_NOT_IN_PLAN
+    ) -> list[str]:
         """A hard stage (an adapter's, with no budget): release every loaded model that is
         not among ``objects`` nor held in one of them (an extractor's backbone, a plain
         object's module), whatever the budget; one that cannot go now (in a call,
         changed, holding gradients, held elsewhere) stays, as under the budget. Returns
-        the names released."""
+        the names released; ``reason``: their release events'."""
         from torch import nn
 
         listed: set[int] = set()
@@ -1266,22 +1300,26 @@ class AutoSession:
         me, released = threading.get_ident(), []
         with releasing(collect=False):
             while True:
-                with self._mutex:
-                    self._prune()
-                    victim = None
-                    for model in self._models.values():
-                        module = model.module()
-                        if module is None or any(id(sub) in listed for sub in module.modules()):
-                            continue
-                        victim = self._held_for_release(model, say=True)
-                        if victim is not None:
-                            break
-                    if victim is None or self._closed:
-                        if victim is not None:
-                            end_hold(victim.hold)
-                        return released
-                    victim.model.state, victim.model.owner = RELEASING, me
-                self._release(victim, reason=REASON_NOT_IN_PLAN)
+                victim = None
+                try:
+                    with self._mutex:
+                        self._prune()
+                        for model in self._models.values():
+                            module = model.module()
+                            if module is None or any(id(s) in listed for s in module.modules()):
+                                continue
+                            victim = self._held_for_release(model, say=True)
+                            if victim is not None:
+                                break
+                        if victim is None or self._closed:
+                            if victim is not None:
+                                end_hold(victim.hold)
+                            return released
+                        victim.model.state, victim.model.owner = RELEASING, me
+                    self._release(victim, reason=reason)
+                except BaseException:
+                    self._unchoose(victim)
+                    raise
                 released.append(victim.model.name)
 
     def _victim(self, size: int, name: str, keep: _Model | None) -> _Victim | None:
@@ -1345,11 +1383,9 @@ class AutoSession:
     def _release(self, victim: _Victim, note: str | None = None, reason: str = REASON_AUTO) -> None:
         """Release the victim's model, marked ``releasing`` and held by this thread, without
         the lock; ``reason``: the release event's."""
-        model = victim.model
-        done = False
-        start = time.perf_counter()
-        module = None
-        try:
+        model, done, module = victim.model, False, None
+        try:  # first: a Ctrl-C at the clock's call below is this release's (see _unchoose)
+            start = time.perf_counter()
             module = model.module()
             if module is not None:
                 model.layout = _layout(module, model.chains, model.placed, model.layout)
