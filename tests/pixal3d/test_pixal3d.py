@@ -351,12 +351,15 @@ def test_each_loader_works_alone_in_any_order_and_again(stub, image, tmp_path):
 
 
 def test_a_run_processes_a_second_image(stub, image, tmp_path, eager_hashes):
+    """``execute()`` again on the same run: its stages and latents are the second run's
+    alone (they were both runs', 16 stages and 8 latents, helper-54), equal to eager's."""
     port = import_port(stub)
     with Pixal3DRun(port, port_args(port, image, tmp_path / "o.glb")) as staged:
         first = staged.execute()
         second = staged.execute()
     assert [r["sha256"] for r in first.fingerprints] == eager_hashes
-    assert [r["sha256"] for r in second.fingerprints[4:]] == eager_hashes
+    assert [r["sha256"] for r in second.fingerprints] == eager_hashes
+    assert second.stages == first.stages and len(first.stages) == 8
 
 
 # -- residency: --budget and --prefetch (docs/residency.md) ---------------------------------
@@ -396,3 +399,75 @@ def test_bad_residency_flags_fail_in_one_line(stub, image, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "invalid budget 'lots'" in err and "Traceback" not in err
     assert not (tmp_path / "o.glb").exists()
+
+
+@pytest.mark.parametrize("dropped", [True, False], ids=["dropped", "control"])
+def test_a_remover_never_used_is_dropped_after_the_preprocess_stage(
+    stub, tmp_path, dropped, monkeypatch
+):
+    """An image with its own alpha never calls the background remover, so the staged build
+    never loads (and never releases) the one the port built: it is dropped once the
+    preprocess stage is over, as a released one is (it stayed for the whole run,
+    helper-54). Control: kept by the run, it lives to the end."""
+    import gc
+    import weakref
+
+    import numpy as np
+    from PIL import Image
+
+    import stageload.pixal3d.adapter as adapter
+
+    if not dropped:
+        real = adapter.Pixal3DRun.enter
+
+        def keeping(self, stage):
+            kept = self._rembg
+            real(self, stage)
+            self._rembg = kept
+
+        monkeypatch.setattr(adapter.Pixal3DRun, "enter", keeping)
+    pixels = np.random.default_rng(0).integers(0, 256, (48, 48, 4), dtype=np.uint8)
+    pixels[..., 3] = 0
+    pixels[8:40, 8:40, 3] = 255  # an object on a transparent background
+    Image.fromarray(pixels, "RGBA").save(tmp_path / "cut.png")
+    port = import_port(stub)
+    args = port_args(port, tmp_path / "cut.png", tmp_path / "o.glb")
+    with adapter.Pixal3DRun(port, args, stop_after="structure") as staged:
+        remover = weakref.ref(staged._rembg)
+        staged.execute()
+        gc.collect()
+        assert (remover() is None) == dropped
+
+
+def test_the_command_ends_by_sigint_on_ctrl_c_in_one_line(stub, image, tmp_path):
+    """A Ctrl-C (a real SIGINT, at the structure stage) ends ``stageload-pixal3d`` by the
+    signal, as python ends, with one line on stderr and no traceback (the port's was 15 to
+    100 lines, helper-54). Control: ``main`` alone lets the traceback out."""
+    script = f"""
+import signal, sys
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+import stageload.pixal3d.adapter as adapter
+from stageload.pixal3d import cli
+real = adapter.Pixal3DRun.enter
+def enter(self, stage):
+    if stage == "structure":
+        signal.raise_signal(signal.SIGINT)
+    return real(self, stage)
+adapter.Pixal3DRun.enter = enter
+sys.argv = ["stageload-pixal3d", {str(image)!r}, "-o", {str(tmp_path / "o.glb")!r},
+            "--port", {str(stub)!r}, "--device", "cpu"]
+cli.entry() if sys.argv and "{{how}}" == "entry" else sys.exit(cli.main())
+"""
+    runs = {}
+    for how in ("entry", "main"):
+        done = subprocess.run(
+            [sys.executable, "-c", script.replace("{how}", how)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        runs[how] = done
+    assert runs["entry"].returncode == -2
+    assert runs["entry"].stderr.strip().splitlines()[-1:] == ["stageload-pixal3d: interrupted"]
+    assert "Traceback" not in runs["entry"].stderr
+    assert "Traceback" in runs["main"].stderr  # control

@@ -226,11 +226,18 @@ def test_with_no_budget_each_stage_releases_what_it_does_not_use(
         if event.kind in ("load", "reload", "prefetch", "release"):
             loaded[event.model] = event.kind != "release"
     held = {name for name, is_loaded in loaded.items() if is_loaded}
-    released = {e.model for e in sink.events[export:] if e.kind == "release"}
+    released = {
+        e.model for e in sink.events[export:] if (e.kind, e.reason) == ("release", "not in plan")
+    }
     assert held, "a model was loaded when the export began"
+    assert not [
+        e
+        for e in sink.events[export:]
+        if e.kind == "release" and e.reason not in ("not in plan", "close")
+    ]
     if budget is None:
         assert released == held
-        assert {e.reason for e in sink.events if e.kind == "release"} == {"not in plan"}
+        assert {e.reason for e in sink.events if e.kind == "release"} <= {"not in plan", "close"}
     else:
         assert not released
 
@@ -269,3 +276,74 @@ def test_the_background_remover_is_staged_under_auto(
         assert one_by_one == ["load", "release", "reload", "release"]
     else:
         assert stage_major == one_by_one == []
+
+
+def test_prefetch_under_auto_needs_a_budget(stub, image, tmp_path, capsys):
+    """With no budget each stage releases what it does not use, so a load ahead loaded
+    models no stage was in (helper-54: 11 reads for three images, not 8, and the export
+    began with models loaded): refused, from the command and from Python."""
+    from stageload.pixal3d import Pixal3DRun
+
+    argv = [str(image), "-o", str(tmp_path / "o.glb"), "--port", str(stub), "--device", "cpu"]
+    assert main([*argv, "--load", "auto", "--prefetch"]) == 2
+    assert "--prefetch needs --budget" in capsys.readouterr().err
+    port = import_port(stub)
+    with pytest.raises(ValueError, match="needs a budget"):
+        Pixal3DRun(port, port_args(port, image, tmp_path / "o.glb"), load="auto", prefetch=True)
+    assert main([*argv, "--load", "auto", "--prefetch", "--budget", "auto"]) == 0
+
+
+@pytest.mark.parametrize("closed", [True, False], ids=["closed", "control"])
+def test_closing_an_auto_run_releases_its_models(stub, image, tmp_path, closed, monkeypatch):
+    """A run stopped after the structure stage, then closed: every model auto loaded for
+    it is released (reason ``close``), as the staged build's close does; from Python, the
+    next run started beside the last one's weights (helper-54). Control: the block's end
+    alone leaves them loaded."""
+    import stageload.pixal3d.adapter as adapter
+
+    if not closed:
+        monkeypatch.setattr(adapter.AutoStages, "close", lambda self: None)
+    port = import_port(stub)
+    sink = ListSink()
+    args = port_args(port, image, tmp_path / "o.glb")
+    with adapter.Pixal3DRun(port, args, load="auto", events=sink, stop_after="structure") as r:
+        r.execute()
+        end = len(sink.events)
+    held = set()
+    for event in sink.events[:end]:
+        if event.kind in ("load", "reload", "prefetch"):
+            held.add(event.model)
+        elif event.kind == "release":
+            held.discard(event.model)
+    assert "sparse_structure_flow_model" in held
+    released = {e.model for e in sink.events[end:] if e.kind == "release"}
+    assert released == (held if closed else set())
+    assert {e.reason for e in sink.events[end:] if e.kind == "release"} <= {"close"}
+
+
+@pytest.mark.parametrize("one", [True, False], ids=["one-at-a-time", "control"])
+def test_a_second_open_run_is_refused(stub, image, tmp_path, one, monkeypatch):
+    """The port keeps its state in globals, so two open runs gave wrong GLBs or crashed
+    (two threads, helper-54): a second one is refused while the first is open, and
+    allowed once it is closed. Control: without the one-run lock, the second opens."""
+    import stageload.pixal3d.adapter as adapter
+
+    class Free:  # a lock that any number of runs holds
+        def acquire(self, blocking: bool = True) -> bool:
+            return True
+
+        def release(self) -> None:
+            pass
+
+    if not one:
+        monkeypatch.setattr(adapter, "_LIVE", Free())
+    port = import_port(stub)
+    args = port_args(port, image, tmp_path / "o.glb")
+    with adapter.Pixal3DRun(port, args, load="auto"):
+        if one:
+            with pytest.raises(RuntimeError, match="another Pixal3D run is open"):
+                adapter.Pixal3DRun(port, args, load="eager")
+        else:
+            adapter.Pixal3DRun(port, args, load="eager").close()
+    with adapter.Pixal3DRun(port, args, load="eager") as again:
+        assert again.execute().output is not None

@@ -40,7 +40,7 @@ from typing import Any
 from torch import nn
 
 from ..core.batch import Batch
-from ..core.events import NOTE, STAGE, Event, EventSink
+from ..core.events import NOTE, REASON_CLOSE, STAGE, Event, EventSink
 from ..core.outer import emit_outer
 from ..core.policy import PolicyView, ReleaseUnlisted
 from ..core.staged import StagedModels
@@ -67,6 +67,9 @@ from .plan import (
     run_stages,
 )
 from .port import Port, PortError, api_mismatch, config_build, stand_in
+
+#: Held by the one open run (see Pixal3DRun's constructor).
+_LIVE = threading.Lock()
 
 #: Where the port defines the MoGe model its camera step loads (and drops) per image.
 MOGE_MODULE, MOGE_CLASS = "pixal3d.utils.camera", "MoGeModel"
@@ -170,6 +173,11 @@ class Pixal3DRun:
                 "stream needs load='staged' or 'auto': the port's own loading reads every "
                 "model whole"
             )
+        if load == "auto" and prefetch and budget is None:
+            raise ValueError(
+                "prefetch with load='auto' needs a budget (e.g. budget='auto'): with none, "
+                "each stage releases what it does not use, and nothing can load ahead"
+            )
         if stop_after is not None and stop_after not in STAGES:
             raise ValueError(f"stop_after must be one of {', '.join(STAGES)}; got {stop_after!r}")
         if build_on not in BUILD_ON:
@@ -197,6 +205,16 @@ class Pixal3DRun:
         # load="auto" with stream: each from_pretrained call's result and arguments, by id.
         self._calls: dict[int, tuple[Any, tuple[Any, ...], dict[str, Any]]] = {}
         self._fast = FastReload(self.device, self._note)
+        # One live run per process: the port keeps its state in globals (its modules'
+        # functions, which the builds replace, and the global random generator).
+        if not _LIVE.acquire(blocking=False):
+            raise RuntimeError(
+                "another Pixal3D run is open in this process: the port keeps its state in "
+                "globals (its loading functions, the random generator), so two runs at once "
+                "give wrong results; close it first, or run the images as one batch "
+                "(run_many, or several images on the command line)"
+            )
+        self._live = True
         try:
             if load == "staged":
                 self.pipeline = self._build_staged()
@@ -607,6 +625,11 @@ class Pixal3DRun:
         image.stage = stage
         image.reached.append(stage)
         if self.models is not None:
+            if stage != "preprocess":
+                # The remover the port built, never loaded (an image with its own alpha):
+                # dropped once its stage is over, as the released one is; a later image
+                # builds it again.
+                self._rembg = None
             self.models.enter(stage)
         elif self.auto_stages is not None:
             self.auto_stages.enter_from_call(stage)
@@ -648,6 +671,9 @@ class Pixal3DRun:
 
         gen = self.port.generate
         image_state = self.image
+        if image_state.reached:  # run before: this run's stages and latents start afresh
+            image_state.stage, image_state.reached = None, []
+            image_state.fingerprints = Fingerprints(image_state.fingerprints.folder)
         args = image_state.args
         output: Path | None = None
         stopped: str | None = None
@@ -681,11 +707,18 @@ class Pixal3DRun:
         try:
             if self.models is not None:
                 self.models.close()
+            elif self.auto_stages is not None:
+                self.auto_stages.close()
         finally:
-            streams, self._streams = self._streams, {}
-            for stream in streams.values():
-                stream.close()  # their models are released: this stops the read-ahead threads
-            self._stack.close()
+            try:
+                streams, self._streams = self._streams, {}
+                for stream in streams.values():
+                    stream.close()  # their models are released: this stops read-ahead threads
+                self._stack.close()
+            finally:
+                if getattr(self, "_live", False):
+                    self._live = False
+                    _LIVE.release()
 
     def __enter__(self) -> Pixal3DRun:
         return self
@@ -736,6 +769,11 @@ class AutoStages:
         if batch is not None:
             batch.park(stage)
         self.enter(stage)
+
+    def close(self) -> None:
+        """The run is over: release every model auto holds (reason ``close``), as the staged
+        build's close does; the block's end alone leaves them loaded."""
+        self._session.release_unlisted((), reason=REASON_CLOSE)
 
     def resident(self) -> dict[str, nn.Module]:
         """The models auto has loaded now (the batch's note counts what else is held)."""

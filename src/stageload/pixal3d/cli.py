@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefetch",
         action="store_true",
-        help="with --budget or --load auto, load the next stage's models in the background "
+        help="with --budget, load the next stage's models in the background "
         "while the "
         "current stage runs; only loaders that draw no random numbers are prefetched "
         "(docs/residency.md), and a note in the trace names those that are not",
@@ -170,6 +170,19 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
     return code
 
 
+def entry() -> None:
+    """The ``stageload-pixal3d`` command: :func:`main`. A Ctrl-C ends it by SIGINT, as
+    python ends, said in one line (the port's traceback, 15 to 100 lines, said nothing
+    more): a shell loop over images stops there, as it would for python."""
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        sys.excepthook = lambda *exc: None  # the interpreter then ends by the signal
+        raise
+    sys.exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the port, and return the exit code."""
     parser = build_parser()
@@ -215,8 +228,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UnsupportedPipelineError, PortError) as exc:
         return _fail(str(exc))
 
-    if opts.prefetch and opts.budget is None and opts.load != "auto":
-        return _fail("--prefetch needs --budget SIZE (e.g. --budget auto) or --load auto")
+    if opts.prefetch and opts.budget is None:
+        return _fail(
+            "--prefetch needs --budget SIZE (e.g. --budget auto): with none, each stage "
+            "releases what it does not use, so nothing can load ahead"
+        )
     stream = list(check_stream(name for names in opts.stream or () for name in names))
     if stream and opts.load == "eager":
         return _fail(
@@ -301,4 +317,4 @@ def _outputs(images: list[str], output: str) -> tuple[list[Path], str | None]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
