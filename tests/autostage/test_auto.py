@@ -1000,6 +1000,35 @@ def test_a_diffusers_unet_is_staged_again_once_its_lora_is_unloaded(tmp_path, un
     assert len(unet) == (7 if undone else 2)
 
 
+@pytest.mark.parametrize("said", [True, False], ids=["said", "control"])
+def test_a_loaded_model_the_script_drops_is_a_release_in_the_trace(folder, said, monkeypatch):
+    """A model made, called and dropped by the script (the Pixal3D port's camera model, per
+    image) gave its memory back with its last reference: the trace says so (a release,
+    reason ``dropped by the script``) instead of showing it loaded to the end (helper-54).
+    A model dropped while released gave nothing back and is not said. Control: as before."""
+    import gc
+
+    if not said:  # the records forgotten, nothing said
+
+        def forget_only(self: Any) -> None:
+            while self._dead:
+                model = self._models.get(self._dead.pop())
+                if model is not None:
+                    self._forget(model)
+
+        monkeypatch.setattr(stageload.autostage.AutoSession, "_prune", forget_only)
+    x = torch.ones(2, auto_script.WIDTH)
+    sink = ListSink()
+    with torch.no_grad(), auto(factories=[FACTORY], defaults=False, events=sink, prefetch=False):
+        a = auto_script.load_model(f"{folder}/a.pt")
+        a(x)
+        del a
+        gc.collect()
+        auto_script.load_model(f"{folder}/b.pt")(x)  # the next factory call prunes
+    dropped = [(e.model, e.bytes) for e in sink.events if e.reason == "dropped by the script"]
+    assert dropped == ([("a.pt", SIZE)] if said else [])
+
+
 def test_requires_grad_the_script_set_survives_a_reload(folder):
     first, second, notes, reloads = one_then_another(
         folder, lambda m: m.requires_grad_(False), grad=True

@@ -133,6 +133,8 @@ DEFAULT_FACTORIES = (
 AUTO = "auto"
 #: Why auto released a model: the ``reason`` of its ``release`` events.
 REASON_AUTO = "auto: budget"
+#: The script dropped its last reference to a loaded model: its memory went with it.
+REASON_DROPPED = "dropped by the script"
 #: A model's states. Only the thread that set ``loading`` or ``releasing`` changes it.
 LOADED, LOADING, RELEASING, RELEASED = "loaded", "loading", "releasing", "released"
 #: The owner of a model marked ``loading`` for a load ahead whose thread has not taken it.
@@ -1446,9 +1448,16 @@ class AutoSession:
         return dropped
 
     def _prune(self) -> None:
+        """Under the lock: forget the models the script dropped; one dropped loaded gave
+        its memory back, said as a release (``dropped``) so the trace does not show it
+        loaded to the end (the Pixal3D port's MoGe, made and dropped per image)."""
         while self._dead:
             model = self._models.get(self._dead.pop())
             if model is not None:
+                if model.state == LOADED:
+                    self._emit(
+                        Event(RELEASE, model=model.name, bytes=model.size, reason=REASON_DROPPED)
+                    )
                 self._forget(model)
 
     def _forget(self, model: _Model) -> None:
