@@ -347,3 +347,31 @@ def test_a_second_open_run_is_refused(stub, image, tmp_path, one, monkeypatch):
             adapter.Pixal3DRun(port, args, load="eager").close()
     with adapter.Pixal3DRun(port, args, load="eager") as again:
         assert again.execute().output is not None
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["kept", "control"])
+def test_parts_loaded_at_setup_wait_for_their_stage_under_hard_stages(
+    stub, image, tmp_path, eager, kept, monkeypatch
+):
+    """The stub's DINOv3 backbone and NAF upsampler are made (loaded) by their factories at
+    ``load_pipeline``, before any stage: with no budget, the stages before theirs keep them
+    (never called yet, a later stage lists them), so each is read once, as staged (they
+    were released at preprocess and read again at structure, helper-54). The GLB is the
+    port's own. Control: without the later stages' list, each is read twice."""
+    from stageload.autostage import AutoSession
+
+    if not kept:
+        real = AutoSession.release_unlisted
+        monkeypatch.setattr(
+            AutoSession, "release_unlisted", lambda self, objects, **k: real(self, objects)
+        )
+    port = import_port(stub)
+    sink = ListSink()
+    out = tmp_path / "o.glb"
+    run(port, port_args(port, image, out), load="auto", events=sink)
+    assert out.read_bytes() == eager[1]
+    kinds = ("load", "reload", "prefetch")
+    reads = [
+        e.model for e in sink.events if e.kind in kinds and e.model in ("dinov3-tiny", "load_naf")
+    ]
+    assert sorted(reads) == sorted(["dinov3-tiny", "load_naf"] * (1 if kept else 2))

@@ -173,6 +173,8 @@ class _Model:
     #: The thread loading or releasing it now.
     owner: int | None = None
     last_use: int = 0
+    #: Called at least once (a use, not only made or loaded).
+    called: bool = False
     loads: int = 1
     #: Kept loaded from now on (said once in the notes), for the reason in ``said``.
     pinned: bool = False
@@ -724,7 +726,7 @@ class AutoSession:
         with self._mutex:
             if self._closed:
                 return
-            model.last_use = self._tick()
+            model.last_use, model.called = self._tick(), True
             if self._stage == model.name:
                 return
             record, now = self.record, time.perf_counter()
@@ -1286,19 +1288,16 @@ class AutoSession:
             self._bell.ring()
 
     def release_unlisted(
-        self, objects: Iterable[Any], reason: str = REASON_NOT_IN_PLAN
+        self, objects: Iterable[Any], reason: str = REASON_NOT_IN_PLAN, later: Iterable[Any] = ()
     ) -> list[str]:
         """A hard stage (an adapter's, with no budget): release every loaded model that is
         not among ``objects`` nor held in one of them (an extractor's backbone, a plain
         object's module), whatever the budget; one that cannot go now (in a call,
-        changed, holding gradients, held elsewhere) stays, as under the budget. Returns
-        the names released; ``reason``: their release events'."""
-        from torch import nn
-
-        listed: set[int] = set()
-        for obj in objects:
-            held = [obj] if isinstance(obj, nn.Module) else _modules_held(obj)
-            listed.update(id(sub) for module in held for sub in module.modules())
+        changed, holding gradients, held elsewhere) stays, as under the budget, and so
+        does one never called yet that ``later`` (a later stage's objects) lists: made
+        loaded before its stage (a factory auto cannot stand in for), it would be read
+        again there. Returns the names released; ``reason``: their release events'."""
+        listed, waiting = _module_ids(objects), _module_ids(later)
         me, released = threading.get_ident(), []
         with releasing(collect=False):
             while True:
@@ -1308,7 +1307,9 @@ class AutoSession:
                         self._prune()
                         for model in self._models.values():
                             module = model.module()
-                            if module is None or any(id(s) in listed for s in module.modules()):
+                            if module is None or _among(module, listed):
+                                continue
+                            if not model.called and _among(module, waiting):
                                 continue
                             victim = self._held_for_release(model, say=True)
                             if victim is not None:
@@ -1597,11 +1598,24 @@ def _with_grad(module: nn.Module) -> str | None:
     return next((n for n, p in module.named_parameters() if p.grad is not None), None)
 
 
-def _modules_held(obj: Any) -> list[nn.Module]:
-    """The modules a plain object holds as attributes (a background remover's network)."""
+def _module_ids(objects: Iterable[Any]) -> set[int]:
+    """The ids of every module in ``objects``: modules, and plain objects' modules (a
+    background remover's network held as an attribute), with their submodules."""
     from torch import nn
 
-    return [v for v in getattr(obj, "__dict__", {}).values() if isinstance(v, nn.Module)]
+    ids: set[int] = set()
+    for obj in objects:
+        if isinstance(obj, nn.Module):
+            held = [obj]
+        else:
+            held = [v for v in getattr(obj, "__dict__", {}).values() if isinstance(v, nn.Module)]
+        ids.update(id(sub) for module in held for sub in module.modules())
+    return ids
+
+
+def _among(module: nn.Module, ids: set[int]) -> bool:
+    """Whether ``module`` or one of its parts is among ``ids`` (:func:`_module_ids`)."""
+    return any(id(sub) in ids for sub in module.modules())
 
 
 def _busy(model: _Model) -> bool:

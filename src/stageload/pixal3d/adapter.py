@@ -761,7 +761,11 @@ class AutoStages:
             self.stage = stage
             self.emit(Event(STAGE, stage=stage))
             if self._listed is not None:
-                self._session.release_unlisted(self._listed(stage))
+                order = list(self.stages)
+                later = order[order.index(stage) + 1 :] if stage in order else []
+                self._session.release_unlisted(
+                    self._listed(stage), later=[o for s in later for o in self._listed(s)]
+                )
 
     def enter_from_call(self, stage: str) -> None:
         """A run's boundary: in a batch, wait until the batch is in ``stage``."""
