@@ -13,7 +13,8 @@ each in a fresh process:
 
 Figures, each the median of ``--runs`` (>= 7) runs, the modes interleaved: the peak
 footprint (RssAnon + RssShmem, sampled every millisecond by a thread) and the peak of
-RssFile beside it. Outputs are compared bit for bit with ``alone``'s in every run.
+RssFile beside it. Outputs are compared bit for bit with ``alone``'s in every run. The page
+cache is warm throughout (the script writes the checkpoints, every run reads them).
 Results: ``bench/results/auto/mapped.md``.
 
     python bench/auto_mapped.py [--laps 4] [--runs 7]
@@ -147,7 +148,9 @@ def main() -> int:
         f"{date.today()}, {platform.machine()}, {os.cpu_count()} CPUs, torch "
         f"{torch.__version__}, one torch thread. Three GPT-2 models of {size / mib:.0f} MiB "
         f"(float32, mapped by transformers), {args.laps} laps, auto's budget 1.2 x one "
-        f"model, medians of {args.runs} runs, modes interleaved. `python bench/auto_mapped.py`.",
+        f"model, medians of {args.runs} runs, modes interleaved. The page cache is warm "
+        "(the script writes the checkpoints, and each run reads them): a cold read costs "
+        "time, not footprint. `python bench/auto_mapped.py`.",
         "",
         "| figure, MiB | alone | auto (reloads mapped) | auto (reloads read) |",
         "|---|---:|---:|---:|",
