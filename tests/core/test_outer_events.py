@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import warnings
@@ -155,6 +156,32 @@ def test_a_device_as_the_trace_is_said_at_once(monkeypatch, checked):
     why = "not a regular file" if checked else "longer than any 'start' record"
     assert len(said) == 1 and why in said[0] and not trace.active
     trace.close()
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
+def test_a_named_pipe_as_the_trace_is_said_not_waited_on(tmp_path, checked):
+    """``STAGELOAD_TRACE`` naming a named pipe no one reads: its open for writing waits
+    for a reader for ever, under the trace's lock (every emitting thread and the exit hung
+    behind it, helper-55). Its type is read before the open: one warning, and the event
+    returns. In a child process, 5 s allowed. Control: the type check undone, it hangs."""
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    script = (
+        "import warnings, stageload.core.outer as o\n"
+        + ("" if checked else "o.stat.S_ISREG = lambda mode: True\n")
+        + "warnings.simplefilter('always')\n"
+        + f"o.OuterTrace({str(fifo)!r}).emit(o.Event('stage', stage='encode'))\n"
+        + "print('returned')\n"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=5
+        )
+    except subprocess.TimeoutExpired:
+        assert not checked
+        return
+    assert checked and done.stdout.strip() == "returned"
+    assert "not a regular file" in done.stderr
 
 
 def test_a_first_line_longer_than_a_start_record_is_not_a_trace(tmp_path):

@@ -1136,8 +1136,11 @@ class AutoSession:
                 if thread.ident is None:  # a release failed (Ctrl-C): as before, no load ahead
                     for v in victims:
                         if v.model.state == RELEASING and v.model.owner == me:
-                            end_hold(v.hold)  # not reached: still loaded
-                            v.model.state, v.model.owner = LOADED, None
+                            v.hold.active = False  # not reached, or not finished
+                            end_hold(v.hold)
+                            module = v.model.module()
+                            done = module is not None and is_released(module)
+                            v.model.state, v.model.owner = (RELEASED if done else LOADED), None
                     for m in models:
                         if m.owner == AHEAD:
                             m.state, m.owner = RELEASED, None
@@ -1192,7 +1195,12 @@ class AutoSession:
         hold = try_hold(module.modules())
         if hold is None:
             return None
-        saved = _saved_for_backward(module)  # asked in the hold: no call saves more now
+        try:
+            saved = _saved_for_backward(module)  # asked in the hold: no call saves more now
+        except BaseException:  # a Ctrl-C in the walk: the hold ends with it
+            hold.active = False
+            end_hold(hold)
+            raise
         if saved is not None:
             end_hold(hold)
             if say:
@@ -1278,14 +1286,16 @@ class AutoSession:
         marked ``releasing`` is loaded again, and its calls go on (they waited for good)."""
         if victim is None:
             return
+        victim.hold.active = False  # one store: its calls go on
         with self._mutex:
             model = victim.model
-            if model.state != RELEASING or model.owner != threading.get_ident():
-                return  # _release took it: its own finally set the state
-            model.state, model.owner = LOADED, None
-            victim.hold.active = False
-            end_hold(victim.hold)
-            self._bell.ring()
+            if model.state == RELEASING and model.owner == threading.get_ident():
+                # _release's finally did not set it: released if its release got that far
+                module = model.module()
+                done = module is not None and is_released(module)
+                model.state, model.owner = (RELEASED if done else LOADED), None
+                self._bell.ring()
+        end_hold(victim.hold)
 
     def release_unlisted(
         self, objects: Iterable[Any], reason: str = REASON_NOT_IN_PLAN, later: Iterable[Any] = ()
@@ -1316,6 +1326,7 @@ class AutoSession:
                                 break
                         if victim is None or self._closed:
                             if victim is not None:
+                                victim.hold.active = False
                                 end_hold(victim.hold)
                             return released
                         victim.model.state, victim.model.owner = RELEASING, me
@@ -1398,15 +1409,12 @@ class AutoSession:
                 # release is done (release() finishes first), so the model is released.
                 release(module, name=model.name)
             done = True
-        except Exception:
-            raise
-        except BaseException:  # Ctrl-C: released if the release began (it finishes)
+        except BaseException:  # Ctrl-C, a warning raised: released if the release began
             done = module is not None and is_released(module)
             raise
         finally:
             victim.hold.active = False  # one store: over, whatever interrupts the rest
-            end_hold(victim.hold)
-            with self._mutex:
+            with self._mutex:  # the state first: an interrupt below leaves only tidying
                 model.state, model.owner = (RELEASED if done else LOADED), None
                 if done:
                     self._emit(
@@ -1420,6 +1428,7 @@ class AutoSession:
                         )
                     )
                 self._bell.ring()
+            end_hold(victim.hold)
 
     def close(self) -> None:
         """The block ended: take auto's hooks off every loaded model; a released one keeps
@@ -1506,11 +1515,23 @@ class AutoSession:
 
     def _undone(self, model: _Model) -> bool:
         """Under the lock: whether ``model``, kept loaded only for a change the script made,
-        is as auto loaded it again (a LoRA unloaded, a wrapper taken off): then it is staged
-        again, and said (a release reloads the file's weights, which it holds again)."""
+        is as auto loaded it again (a LoRA unloaded, a wrapper taken off), every byte its
+        files' (a model that reloads through its factory stays): then it is staged again,
+        and said (a release reloads the file's weights, which it holds again)."""
         if not (model.pinned and model.undoable and model.state == LOADED):
             return False
         if _changed(model) is not None:
+            return False
+        # As loaded by the version counters, the parts and three values a tensor; but a
+        # change through .data undone by arithmetic (fuse_lora, then unfuse_lora) leaves
+        # rounded values the samples may miss: every byte is compared with the files,
+        # once, and a model that differs stays loaded for good.
+        module, recipe = model.module(), model.recipe
+        if module is None or recipe is None:
+            model.undoable = False
+            return False
+        if not isinstance(learn(module, recipe.files, recipe.names or None, whole=True), Recipe):
+            model.undoable = False
             return False
         model.pinned = model.changed = model.undoable = False
         model.said.discard("pinned")

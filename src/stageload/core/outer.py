@@ -233,15 +233,15 @@ class OuterTrace:
         """Open the file and read the start record; False while it is not there yet."""
         if self._fd is None:
             try:
+                # Before the open: a named pipe's open waits for a reader, for ever.
+                regular = stat.S_ISREG(os.stat(self.path).st_mode)
                 # No O_CREAT: a trace that is not there is not written, never made.
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+                self._fd = None if not regular else os.open(self.path, os.O_WRONLY | os.O_APPEND)
             except OSError as exc:
                 self._give_up(f"cannot open it for appending ({exc.strerror})")
                 return False
-            if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+            if self._fd is None:
                 # /dev/full reads as zeros for ever: the start record would never come.
-                os.close(self._fd)
-                self._fd = None
                 self._give_up("it is not a regular file (a device or a pipe)")
                 return False
         try:

@@ -364,7 +364,8 @@ class StagedPipeline:
                 # Every conversion, in order: fp32 -> bf16 -> fp32 keeps bf16's rounding,
                 # as eager's weights do (the last dtype alone would reload unrounded).
                 target["dtypes"] = converted(target["dtypes"], dtype)
-            if other is not None and other not in target["other"]:  # fresh_copy: once
+            fresh_again = other is _placeholder.fresh_copy and other in target["other"]
+            if other is not None and not fresh_again:  # a fresh copy once: it is idempotent
                 target["other"].append(other)
             if self.models.is_loaded(name):
                 tracked = self._tracked[name]

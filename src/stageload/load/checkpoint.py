@@ -451,7 +451,7 @@ def check_unchanged(stamps: dict[Path, Stamp | None], since: str, fix: str) -> N
     changed = changed_file(stamps)
     if changed is None:  # as it was, but this process may not read it (another user, a mount)
         changed = next(
-            ((p, how) for p in stamps if (how := _unreadable(p)) is not None and stamps[p]), None
+            ((p, how) for p in stamps if stamps[p] and (how := _unreadable(p)) is not None), None
         )
     if changed is not None:
         path, how = changed

@@ -209,10 +209,11 @@ class Pixal3DRun:
         # functions, which the builds replace, and the global random generator).
         if not _LIVE.acquire(blocking=False):
             raise RuntimeError(
-                "another Pixal3D run is open in this process: the port keeps its state in "
-                "globals (its loading functions, the random generator), so two runs at once "
-                "give wrong results; close it first, or run the images as one batch "
-                "(run_many, or several images on the command line)"
+                "another Pixal3D run is open in this process (one made without `with` is "
+                "open until its close()): the port keeps its state in globals (its loading "
+                "functions, the random generator), so two runs at once give wrong results; "
+                "close it first, or run the images as one batch (run_many, or several "
+                "images on the command line)"
             )
         self._live = True
         try:
@@ -716,8 +717,8 @@ class Pixal3DRun:
                     stream.close()  # their models are released: this stops read-ahead threads
                 self._stack.close()
             finally:
-                if getattr(self, "_live", False):
-                    self._live = False
+                live, self._live = getattr(self, "_live", False), False
+                if live:  # once, however often close() is called
                     _LIVE.release()
 
     def __enter__(self) -> Pixal3DRun:
