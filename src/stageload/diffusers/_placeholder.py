@@ -277,9 +277,7 @@ def intercept(skeleton: nn.Module, hook: StageHook) -> None:
                 hook.move(None, None, fn)
             elif where[0] is not None or where[1] is not None:
                 hook.move(*where)
-            elif _weight_dtypes(skeleton) & fresh_memory(
-                fn, _weight_dtypes(skeleton), hook.execution_device
-            ):
+            elif fresh_memory(fn, _weight_dtypes(skeleton), hook.execution_device):
                 # .to("cpu:0") copies a CPU tensor (cpu:0 is not cpu): eager's weights sit
                 # in fresh memory from now on, aligned otherwise than a reload's.
                 hook.move(None, None, fresh_copy)

@@ -364,7 +364,7 @@ class Pixal3DRun:
         )
         # With no budget, hard stages as in the staged build: what the next stage does not
         # use is released, whatever the free memory (the export step needs it).
-        listed = self._stage_objects if budget is None else None
+        listed = self._stages_objects if budget is None else None
         self.auto_stages = AutoStages(self.plan, self._emit, session, listed)
         if not self.stream:
             pipeline = self.port.generate.load_pipeline(self.image.args, self.device)
@@ -397,10 +397,10 @@ class Pixal3DRun:
         # Kept by the run: auto holds its models weakly, and the port holds the network only.
         self._rembg = session.call(rembg, REMBG, (), {})
 
-    def _stage_objects(self, stage: str) -> list[Any]:
-        """The objects ``stage`` uses (its models, extractors, backbone, NAF, remover)."""
+    def _stages_objects(self) -> dict[str, list[Any]]:
+        """The objects each stage uses (its models, extractors, backbone, NAF, remover)."""
         stages = run_stages(self.pipeline, self.image.args.pipeline_type)
-        return dict(zip(self.plan, stages, strict=False)).get(stage, [])  # the same plan
+        return dict(zip(self.plan, stages, strict=False))  # the same plan, in its order
 
     def _note(self, name: str, note: str) -> None:
         self._emit(Event(NOTE, model=name, stage=self.image.stage, note=note))
@@ -744,13 +744,14 @@ class AutoStages:
         stages: Mapping[str, tuple[str, ...]],
         emit: Callable[[Event], None],
         session: Any,
-        listed: Callable[[str], Iterable[Any]] | None = None,
+        listed: Callable[[], Mapping[str, list[Any]]] | None = None,
     ) -> None:
         self.stages = dict(stages)
         self.stage: str | None = None
         self.emit = emit
         self._session = session
-        #: Hard stages (no budget): the objects a stage uses; entering it releases the rest.
+        #: Hard stages (no budget): the objects each stage uses; entering one releases the
+        #: rest, but for what a later stage lists and nothing has called yet.
         self._listed = listed
         self._batch: Batch | None = None
         self._lock = threading.Lock()
@@ -762,10 +763,11 @@ class AutoStages:
             self.stage = stage
             self.emit(Event(STAGE, stage=stage))
             if self._listed is not None:
-                order = list(self.stages)
-                later = order[order.index(stage) + 1 :] if stage in order else []
+                by_stage = list(self._listed().items())
+                at = next((i for i, (name, _) in enumerate(by_stage) if name == stage), None)
+                later = [] if at is None else by_stage[at + 1 :]
                 self._session.release_unlisted(
-                    self._listed(stage), later=[o for s in later for o in self._listed(s)]
+                    dict(by_stage).get(stage, []), later=[o for _, objs in later for o in objs]
                 )
 
     def enter_from_call(self, stage: str) -> None:
