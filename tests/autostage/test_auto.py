@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 
 import stageload.autostage  # noqa: E402
 from fixtures import auto_script  # noqa: E402
-from stageload import ListSink  # noqa: E402
+from stageload import ListSink, StageloadError  # noqa: E402
 from stageload.autostage import auto  # noqa: E402
 from stageload.external import torch_function_off  # noqa: E402
 
@@ -964,27 +964,78 @@ def undo_a_change(folder: str, change: Any, undo: Any) -> tuple[Any, Any, list[s
 
 @pytest.mark.parametrize("undone", [True, False], ids=["undone", "control"])
 def test_a_change_the_script_undoes_stages_its_model_again(st_folder, undone, monkeypatch):
-    """A layer wrapped (as peft's ``load_lora_weights`` does), then unwrapped (its
-    ``unload_lora_weights``): kept loaded while wrapped, and once the model is as loaded
-    again (every byte its file's) it is staged again: ``b``'s load releases it, and its
-    next call reloads it, equal to eager. Control: with the check again undone, it stays
-    loaded for good."""
+    """A weight given other values (``.data`` replaced), then its own again: kept loaded
+    while changed, and once the model is as loaded again (every byte its file's) it is
+    staged again: ``b``'s load releases it, and its next call reloads it, equal to eager.
+    Control: with the check again undone, it stays loaded for good."""
     if not undone:
         monkeypatch.setattr(stageload.autostage.AutoSession, "_undone", lambda self, m: False)
+    kept: list[Any] = []
+
+    def change(a: Any) -> None:
+        kept.append(a.layers[0].weight.data)
+        a.layers[0].weight.data = kept[0] * 2
+
+    def undo(a: Any) -> None:
+        a.layers[0].weight.data = kept.pop()
+
+    got, want, notes, kinds = undo_a_change(st_folder, change, undo)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert notes[0] == (
+        "a.safetensors: changed by the script since its load (layers.0.weight changed): kept "
+        "loaded, not staged"
+    )
+    said = "a.safetensors: as loaded again (its change undone): staged" in notes
+    assert (said, kinds) == ((True, ["release", "reload"]) if undone else (False, []))
+
+
+@pytest.mark.parametrize(
+    ("undo", "retained"),
+    [(False, True), (True, True), (False, False)],
+    ids=["kept", "unwrapped", "control"],
+)
+def test_a_model_the_script_adds_parts_to_is_staged_with_them_kept(
+    st_folder, undo, retained, monkeypatch
+):
+    """A layer wrapped while the model is loaded (as peft's ``load_lora_weights`` does),
+    then, while it is released, the wrapper's weight changed in place (a LoRA trained) or,
+    in another run, the layer unwrapped (``unload_lora_weights``): the model is staged all
+    along, its files' tensors released and reloaded under their new
+    names, the wrapper's own tensors kept in memory (the same objects, never emptied);
+    every output equals eager's. It was kept loaded for good while wrapped. Control: a
+    release that takes the wrapper's tensors too cannot give them back (kept only: once
+    unwrapped, nothing needs them)."""
+    if not retained:
+        monkeypatch.setattr(stageload.autostage._Hook, "retain", lambda self, module: [])
     layers: list[Any] = []
+    lora: list[Any] = []
 
     def wrap(a: Any) -> None:
         layers.append(a.layers[0])
+        torch.manual_seed(0)  # the wrapper's random init: eager's and auto's the same
         a.layers[0] = auto_script.Lora(a.layers[0])
+        lora.append((a.layers[0].lora_a.weight, a.layers[0].lora_a.weight.data_ptr()))
 
     def unwrap(a: Any) -> None:
-        a.layers[0] = layers.pop()
+        if undo:
+            a.layers[0] = layers.pop()
+        else:  # the script's own part changed in place (a LoRA it trains): kept as is
+            a.layers[0].lora_a.weight.mul_(2)
 
+    if not retained:
+        # Its change in place reloads the model, which the files cannot fill.
+        with pytest.raises((StageloadError, NotImplementedError)):
+            undo_a_change(st_folder, wrap, unwrap)
+        return
     got, want, notes, kinds = undo_a_change(st_folder, wrap, unwrap)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
-    assert notes[0].startswith("a.safetensors: changed by the script since its load (parts")
-    said = "a.safetensors: as loaded again (its change undone): staged" in notes
-    assert (said, kinds) == ((True, ["release", "reload"]) if undone else (False, []))
+    assert notes == [
+        "a.safetensors: the parts the script added (layers.0.lora_a.weight) stay in memory "
+        "while it is released; the rest is staged"
+    ]
+    assert kinds == ["release", "reload", "release", "reload"]
+    weight, address = lora[1]  # the auto run's (the first is eager's)
+    assert not on_meta(weight) and weight.data_ptr() == address
 
 
 @pytest.mark.parametrize("compared", [True, False], ids=["compared", "control"])
@@ -1031,29 +1082,35 @@ def test_a_change_undone_by_arithmetic_keeps_its_model_loaded(st_folder, compare
     assert kinds == ([] if compared else ["release", "reload"])
 
 
-@pytest.mark.parametrize("undone", [True, False], ids=["undone", "control"])
-def test_a_diffusers_unet_is_staged_again_once_its_lora_is_unloaded(tmp_path, undone, monkeypatch):
+@pytest.mark.parametrize("first", [False, True], ids=["after a call", "before the first"])
+@pytest.mark.parametrize("kept", [True, False], ids=["kept", "control"])
+def test_a_diffusers_unet_with_a_lora_is_staged_with_the_lora_kept(
+    tmp_path, first, kept, monkeypatch
+):
     """The everyday sequence on a Stable Diffusion pipeline built here, room for no model:
-    a call, ``load_lora_weights``, a call, ``unload_lora_weights``, two calls, each equal
-    to eager's. The UNet is kept loaded with the LoRA, then released again between calls
-    once it is unloaded (helper-50: it stayed loaded for good). Control: as before."""
+    a call (or none: the LoRA loaded right after ``from_pretrained``),
+    ``load_lora_weights``, two calls, ``unload_lora_weights``, a call, each equal to
+    eager's. The UNet is released and reloaded between calls throughout, its LoRA layers
+    kept in memory while it is out (it was kept loaded while the LoRA was in, and for good
+    before helper-50). Control: a release that takes the LoRA's tensors too cannot give
+    them back."""
     pytest.importorskip("diffusers")
     pytest.importorskip("peft")
     from fixtures.lora import lora
     from stageload.testing.families import FAMILIES, folder
 
-    if not undone:
-        monkeypatch.setattr(stageload.autostage.AutoSession, "_undone", lambda self, m: False)
+    if not kept:
+        monkeypatch.setattr(stageload.autostage._Hook, "retain", lambda self, module: [])
     fam = FAMILIES["sd"]
     where = folder(fam, tmp_path)
     weights = lora("sd", tmp_path, "unet", 3)
 
     def calls(pipe: Any) -> list[Any]:
-        outs = [pipe(**fam.call(0))[0]]
+        outs = [] if first else [pipe(**fam.call(0))[0]]
         pipe.load_lora_weights(dict(weights), adapter_name="a")
-        outs.append(pipe(**fam.call(0))[0])
+        outs += [pipe(**fam.call(0))[0], pipe(**fam.call(0))[0]]
         pipe.unload_lora_weights()
-        return [*outs, pipe(**fam.call(0))[0], pipe(**fam.call(0))[0]]
+        return [*outs, pipe(**fam.call(0))[0]]
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -1061,13 +1118,21 @@ def test_a_diffusers_unet_is_staged_again_once_its_lora_is_unloaded(tmp_path, un
         want = calls(fam.load(where))
         sink = ListSink()
         with auto(budget=1, events=sink):
+            if not kept:
+                with pytest.raises(StageloadError, match="lora_A.a.weight' empty"):
+                    calls(fam.cls.from_pretrained(where))
+                return
             got = calls(fam.cls.from_pretrained(where))
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     unet = [e.kind for e in sink.events if e.model == "unet" and e.kind in ("release", "reload")]
-    # Released after the first call; reloaded for the LoRA, then kept; then staged again.
-    assert len(unet) == (7 if undone else 2)
+    # A load a call, and one for unload_lora_weights (peft's unload reads the weights).
+    assert unet == ["release", "reload"] * (3 if first else 4) + ["release"]
+    assert [e.note for e in sink.events if e.kind == "note" and "parts" in e.note] == [
+        "unet: the parts the script added (down_blocks.1.attentions.0.transformer_blocks.0."
+        "attn1.to_q.lora_A.a.weight) stay in memory while it is released; the rest is staged"
+    ]
 
 
 @pytest.mark.parametrize("said", [True, False], ids=["said", "control"])
@@ -2413,7 +2478,7 @@ def test_a_model_holding_gradients_is_kept_until_they_are_cleared(st_folder):
 
 
 def test_control_releasing_a_model_with_gradients_drops_them(st_folder, monkeypatch):
-    monkeypatch.setattr(stageload.autostage, "_with_grad", lambda module: None)
+    monkeypatch.setattr(stageload.autostage, "_with_grad", lambda module, keys: None)
     want, _ = accumulated(st_folder, staged=False)
     got, _ = accumulated(st_folder, staged=True)
     assert not torch.equal(got[1], want[1])
@@ -2643,22 +2708,31 @@ def lora_on_a_released_model(folder: str) -> tuple[Any, Any, list[str]]:
         config = LoraConfig(r=4, target_modules=["layers.0", "layers.2"], init_lora_weights=False)
         return get_peft_model(model, config)
 
+    def script(models: list[Any]) -> tuple[Any, Any]:
+        a = with_lora(models[0])
+        first = a(x)
+        for other in models[1:]:  # release it again
+            other(x)
+        return first, a(x)
+
     sink = ListSink()
     with torch.no_grad():
-        want = with_lora(auto_script.load_st(paths[0]))(x)
+        want = script([auto_script.load_st(p) for p in paths])
         with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False, events=sink):
-            models = [auto_script.load_st(p) for p in paths]
-            got = with_lora(models[0])(x)
+            got = script([auto_script.load_st(p) for p in paths])
     return got, want, [e.note for e in sink.events if e.kind == "note"]
 
 
 def test_a_lora_added_while_its_model_is_released_reloads_it_under_the_new_names(st_folder):
     """The reload reads each weight into the same tensor object, now under the wrapper's
-    name; the LoRA's own tensors stay as peft made them; the model is then kept loaded as
-    changed by the script."""
+    name; the LoRA's own tensors stay as peft made them, and stay in memory when the
+    model is released again (the others' loads), while the rest is staged."""
     got, want, notes = lora_on_a_released_model(st_folder)
-    assert torch.equal(got, want)
-    assert any("a.safetensors" in n and "parts added or removed" in n for n in notes), notes
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert notes == [
+        "a.safetensors: the parts the script added (layers.0.lora_A.default.weight) stay in "
+        "memory while it is released; the rest is staged"
+    ]
 
 
 def test_control_reloading_under_the_old_names_fails(st_folder, monkeypatch):

@@ -175,7 +175,7 @@ def test_a_write_while_its_model_loads_ahead_is_kept_and_said(paths, monkeypatch
 
 
 def test_control_without_the_version_check_the_write_is_lost_at_a_reload(paths, monkeypatch):
-    monkeypatch.setattr(stageload.autostage, "_written", lambda model, seen: [])
+    monkeypatch.setattr(stageload.autostage, "_written", lambda model, seen, keys: [])
     out, _ = edit_during_a_load_ahead(paths, monkeypatch, staged=True)
     eager, _ = edit_during_a_load_ahead(paths, monkeypatch, staged=False)
     assert not torch.equal(out, eager)

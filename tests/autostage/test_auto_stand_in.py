@@ -567,7 +567,7 @@ def test_a_model_whose_graph_awaits_its_backward_stays_until_it_runs(gpt2, other
 
 
 def test_control_unmarked_the_first_tower_goes_under_the_backward(gpt2, other_gpt2, monkeypatch):
-    monkeypatch.setattr(stageload.autostage, "_saved_for_backward", lambda module: None)
+    monkeypatch.setattr(stageload.autostage, "_saved_for_backward", lambda module, kept: None)
     # Released under the graph: the backward is refused (release() bumps the version of
     # what autograd holds), where before it failed deep in a kernel or crashed.
     with (

@@ -210,7 +210,7 @@ class _Model:
     #: Made as a stand-in (:func:`stageload.load.skeleton.stand_in`), not loaded yet: its
     #: first use runs the factory, with the grad mode it was called in, then learns how it
     #: reloads from its files with this.
-    first: Callable[[nn.Module], Recipe | str | None] | None = None
+    first: Callable[..., Recipe | str | None] | None = None
     grad: bool = True
     #: Conversions the script made (``.to``, ``.half``: the function ``_apply`` was given)
     #: before the first load: replayed on it, in order.
@@ -221,6 +221,11 @@ class _Model:
     #: Its files as they were at the factory call, before a deferred first load: the
     #: script gets what the call would have read then, or an error, never other weights.
     stamps: dict[Path, Any] = field(default_factory=dict)
+    #: Staged with parts the script added (a LoRA's layers, a new head): each tensor its
+    #: files hold, by its name now -> its name at the first load (the recipe's). The
+    #: others are the script's: a release leaves them in memory. None: every tensor is
+    #: its files', under the name it loaded with.
+    keys: dict[str, str] | None = None
 
 
 @dataclass
@@ -344,6 +349,14 @@ class _Hook(ModuleHook):
     def released(self, module: nn.Module) -> None:
         if module is self.model.module():  # the model, not one of its children
             mark_empty(module, self)
+
+    def retain(self, module: nn.Module) -> list[Any]:
+        """The parts the script added to the model (:attr:`_Model.keys`): its files cannot
+        give them back, so a release leaves them in memory."""
+        keys = self.model.keys
+        if keys is None or module is not self.model.module():
+            return []
+        return _scripts_parts(module, keys)
 
     def fill_on_use(self) -> None:
         """One of the released model's tensors was used (:mod:`stageload.hooks.empty`)."""
@@ -708,7 +721,9 @@ class AutoSession:
                 state=RELEASED,
                 loads=0,
                 device=torch.device("cpu"),
-                first=lambda module: _learn(module, args, kwargs, whole=not trusted),
+                first=lambda module, names=None: _learn(
+                    module, args, kwargs, whole=not trusted, names=names
+                ),
                 inference=torch.is_inference_mode_enabled(),
                 grad=torch.is_grad_enabled(),
             )
@@ -970,6 +985,7 @@ class AutoSession:
         try:  # first: a Ctrl-C at the clock's call is this load's (see _load)
             start = time.perf_counter()
             renames = _renames(module, model)
+            keys = _keys(model, renames, module)
             replaced = _replaced(module, model) if renames is None else None
             layout = model.layout if renames is None else _renamed(model.layout, renames)
             if ahead is not None and (
@@ -980,8 +996,8 @@ class AutoSession:
                 layout = _layout(module)  # the script's requires_grad and attributes
                 try:
                     _first_load(module, model, renames)
-                    # How it reloads (a renamed one is kept loaded: see below).
-                    recipe = model.first(module) if renames is None else None
+                    # How it reloads: the tensors its files hold, under their names now.
+                    recipe = model.first(module, keys)
                     if model.pending:  # the script's conversions while it waited
                         replayed = _replayed(module, model.pending)
                         model.pending = []
@@ -990,16 +1006,17 @@ class AutoSession:
                         release(module, name=model.name, wait=False)
                     raise
                 how = "first use"
-            elif _refill(module, model, layout, renames):
+            elif _refill(module, model, layout, keys):
                 how = "files"
             elif ahead is not None:  # a factory may draw: never beside the script
                 return False
-            elif renames is not None:
+            elif keys is not None:
+                moved = _moved(renames, model) if renames is not None else _first_own(keys, module)
                 raise StageloadError(
-                    f"{model.name} was changed while auto had it released (parts added or "
-                    f"removed: {_moved(renames, model)}), and it reloads through its factory, "
-                    f"which makes it as it was; change it while it is loaded (call it once "
-                    f"first), or give auto a factory that reads safetensors files"
+                    f"{model.name} has parts the script added or removed ({moved}), and it "
+                    f"reloads through its factory, which makes it as it was; change it while "
+                    f"it is loaded (call it once first) and keep its tensors on one device, or "
+                    f"give auto a factory that reads safetensors files"
                 )
             else:
                 with torch.inference_mode(model.inference):  # the first load's mode
@@ -1015,7 +1032,7 @@ class AutoSession:
             # What the bookkeeping below needs, read here: a Ctrl-C inside it left a loaded
             # model with the last load's addresses, and later reloads placed its tensors
             # otherwise (outputs off by 3e-7, call after call).
-            seen, samples = _seen(module), _samples(module)
+            seen, samples = _seen(module), _samples(module, keys)
             other = (
                 how != "first use"
                 and renames is None
@@ -1051,7 +1068,9 @@ class AutoSession:
                             note=how if ahead is None else f"{how}, for stage {ahead!r}",
                         )
                     )
-                    if renames is not None:  # said as _changed says it, kept loaded
+                    if renames is not None and model.recipe is not None:
+                        model.keys = keys  # staged, the script's parts kept: see _Hook.retain
+                    elif renames is not None:  # said as _changed says it, kept loaded
                         moved = _moved(renames, model)
                         self._pin(
                             model,
@@ -1066,7 +1085,7 @@ class AutoSession:
                         )
                     elif other:
                         self._pin(model, "its factory gave other weights at reload", changed=True)
-                    written = _written(model, model.seen) if ahead is not None else []
+                    written = _written(model, model.seen, keys) if ahead is not None else []
                     if written:  # the script's own: kept, as a change made while loaded is
                         self._pin(
                             model,
@@ -1167,7 +1186,7 @@ class AutoSession:
                 why = f"changed by the script since its load ({changed})"
                 self._pin(model, why, changed=True, undoable=True)
             return None
-        graded = _with_grad(module)
+        graded = _with_grad(module, model.keys)
         if graded is not None:  # a release would drop them: an accumulation loses a step
             if say:
                 self._say(
@@ -1179,7 +1198,8 @@ class AutoSession:
                     f"before the backward)",
                 )
             return None
-        held = _held_elsewhere(module)
+        kept = {id(t) for t in _scripts_parts(module, model.keys)} if model.keys else set()
+        held = _held_elsewhere(module, kept)
         if held is not None:  # freeing it would free memory under the holder
             if say:
                 self._say(
@@ -1196,7 +1216,7 @@ class AutoSession:
         if hold is None:
             return None
         try:
-            saved = _saved_for_backward(module)  # asked in the hold: no call saves more now
+            saved = _saved_for_backward(module, kept)  # in the hold: no call saves more now
         except BaseException:  # a Ctrl-C in the walk: the hold ends with it
             hold.active = False
             end_hold(hold)
@@ -1416,6 +1436,14 @@ class AutoSession:
             victim.hold.active = False  # one store: over, whatever interrupts the rest
             with self._mutex:  # the state first: an interrupt below leaves only tidying
                 model.state, model.owner = (RELEASED if done else LOADED), None
+                if done and model.keys is not None and module is not None:
+                    self._say(
+                        model,
+                        "parts",
+                        f"{model.name}: the parts the script added "
+                        f"({_first_own(model.keys, module)}) stay in memory while it is "
+                        f"released; the rest is staged",
+                    )
                 if done:
                     self._emit(
                         Event(
@@ -1584,14 +1612,19 @@ class AutoSession:
         return leave
 
 
-def _written(model: _Model, seen: Seen) -> list[str]:
+def _written(model: _Model, seen: Seen, keys: dict[str, str] | None) -> list[str]:
     """The tensors written since a reload from the files filled them: it leaves each it
     reads at version 0 (the bytes go in by ``pread``; conversions replace ``.data``, which
     keeps the counter), so a higher one is a write by the script, made while a load ahead
     ran. Tensors the files lack (``position_ids``, computed at the first load and cloned
-    back) are not read: their counter may have moved in the reload itself."""
+    back) are not read: their counter may have moved in the reload itself; nor are the
+    parts the script added (``keys``: :attr:`_Model.keys`), which stayed in memory."""
     computed = model.recipe.computed if model.recipe is not None else {}
-    return [n for n, (_, version, _) in seen.items() if version > 0 and n not in computed]
+    return [
+        n
+        for n, (_, version, _) in seen.items()
+        if version > 0 and n not in computed and (keys is None or n in keys)
+    ]
 
 
 def _reloads_alone(model: _Model) -> bool:
@@ -1614,9 +1647,17 @@ def _moving_elsewhere(model: _Model) -> bool:
     return model.state in (LOADING, RELEASING) and model.owner != threading.get_ident()
 
 
-def _with_grad(module: nn.Module) -> str | None:
-    """The name of a parameter of ``module`` that holds a gradient, or None."""
-    return next((n for n, p in module.named_parameters() if p.grad is not None), None)
+def _with_grad(module: nn.Module, keys: dict[str, str] | None) -> str | None:
+    """The name of a parameter of ``module`` that holds a gradient and that a release
+    takes (every one, or those its files hold: ``keys``, :attr:`_Model.keys`), or None."""
+    return next(
+        (
+            n
+            for n, p in module.named_parameters()
+            if p.grad is not None and (keys is None or n in keys)
+        ),
+        None,
+    )
 
 
 def _module_ids(objects: Iterable[Any]) -> set[int]:
@@ -1667,16 +1708,18 @@ def _seen(module: nn.Module) -> Seen:
         }
 
 
-def _samples(module: nn.Module) -> dict[str, Any]:
+def _samples(module: nn.Module, keys: dict[str, str] | None = None) -> dict[str, Any]:
     """Three values of each tensor (first, middle, last), on the CPU: they tell a change
     made through ``.data``, which no version counter sees, or a reload that made other
-    weights. Three reads a tensor: a change elsewhere in a tensor goes unseen."""
+    weights. Three reads a tensor: a change elsewhere in a tensor goes unseen. ``keys``:
+    only the tensors its files hold (:attr:`_Model.keys`); the script's own parts may
+    change as it likes (a LoRA it trains)."""
     import torch
 
     out: dict[str, Any] = {}
     with torch_function_off(), torch.no_grad():
         for name, t in named_tensors(module):
-            if t.is_meta or t.numel() == 0:
+            if t.is_meta or t.numel() == 0 or keys is not None and name not in keys:
                 continue
             at = [tuple(0 for _ in t.shape), tuple(s // 2 for s in t.shape)]
             at.append(tuple(s - 1 for s in t.shape))
@@ -1711,17 +1754,28 @@ def _changed(model: _Model) -> str | None:
     if module is None:
         return None
     now = _seen(module)
+    keys, renames = model.keys, None
     if now.keys() != model.seen.keys():
-        extra = sorted(now.keys() ^ model.seen.keys())
-        return f"parts added or removed: {extra[0]}"
+        if model.state != LOADED or model.first is not None or model.recipe is None:
+            extra = sorted(now.keys() ^ model.seen.keys())
+            return f"parts added or removed: {extra[0]}"
+        # Parts added or removed (a LoRA loaded or unloaded, a head replaced) in a model
+        # that reloads from its files: no change if the tensors they hold are as loaded;
+        # staged from here on, the script's parts kept (:attr:`_Model.keys`).
+        renames = _renames(module, model)
+        keys = _keys(model, renames, module)
+    back = renames if renames is not None else {n: n for n in now}  # name now -> at load
     for name, (ident, version, address) in now.items():
-        then = model.seen[name]
+        then = model.seen.get(back.get(name, ""))
+        if then is None or keys is not None and name not in keys:
+            continue  # the script's own part
         # The same object and data, another version: changed in place. New data under the
         # same object is a conversion that swapped it in (torch's
         # swap_module_params_on_conversion) or a new ``.data``: the values decide below.
         if then[0] == ident and then[1] != version and then[2] == address:
             return f"{name} changed in place"
-    samples, then_samples = _samples(module), _converted(model.samples, module)
+    loaded = {n: model.samples[b] for n, b in back.items() if b in model.samples}
+    samples, then_samples = _samples(module, keys), _converted(loaded, module)
     if model.state != LOADED:
         # Released by auto (or on its way in or out): its empty tensors have nothing to
         # compare; the ones in memory still must equal their load's.
@@ -1730,8 +1784,46 @@ def _changed(model: _Model) -> str | None:
     if differs is not None:
         return f"{differs} changed"
     if model.state == LOADED:  # a released model's empty tensors are not what to compare to
+        if renames is not None:  # what auto keeps by name follows the tensors
+            model.samples, model.keys = loaded, keys
+            model.placed = {n: model.placed[b] for n, b in back.items() if b in model.placed}
+            model.chains = {n: model.chains[b] for n, b in back.items() if b in model.chains}
+            model.layout = _renamed(model.layout, renames)
         model.seen = now
     return None
+
+
+def _keys(
+    model: _Model, renames: dict[str, str] | None, module: nn.Module
+) -> dict[str, str] | None:
+    """:attr:`_Model.keys` of ``module`` once the script's renames since the last load
+    (``renames``: :func:`_renames`) are taken: None when every tensor is the files',
+    under the name it loaded with."""
+    if renames is None:
+        return model.keys
+    base = model.keys if model.keys is not None else {n: n for n in model.seen}
+    keys = {now: base[then] for now, then in renames.items() if then in base}
+    with torch_function_off():
+        names = [n for n, _ in named_tensors(module)]
+    if len(keys) == len(names) and all(keys.get(n) == n for n in names):
+        return None
+    return keys
+
+
+def _scripts_parts(module: nn.Module, keys: dict[str, str]) -> list[Any]:
+    """The tensors of ``module`` in memory that its files do not hold (``keys``:
+    :attr:`_Model.keys`), each once."""
+    with torch_function_off():
+        tensors = [(n, t, t.is_meta) for n, t in named_tensors(module)]
+    files = {id(t) for n, t, _ in tensors if n in keys}
+    own = {id(t): t for _, t, meta in tensors if id(t) not in files and not meta}
+    return list(own.values())
+
+
+def _first_own(keys: dict[str, str], module: nn.Module) -> str:
+    """The first name of ``module`` that its files do not hold (``keys``)."""
+    with torch_function_off():
+        return next((n for n, _ in named_tensors(module) if n not in keys), "none")
 
 
 def _as_made(model: _Model, module: nn.Module | None = None) -> Any:
@@ -1747,16 +1839,16 @@ def _as_made(model: _Model, module: nn.Module | None = None) -> Any:
     return module.training, tensors, devices or {model.device}
 
 
-def _held_elsewhere(module: nn.Module) -> str | None:
+def _held_elsewhere(module: nn.Module, kept: Collection[int] = ()) -> str | None:
     """The first tensor of ``module`` whose memory something outside the model still
     holds (a view the script took, ``w = model.weight[0:4]``, or a tensor shared with
     another model), or None. A release frees that memory; the holder would read freed
     memory. Counted per storage: the model's own tensors on it, the tensors a view among
     them was made from (a buffer registered as ``x.unsqueeze(0)``, as diffusers' PixArt
     position embedding is: the view holds its base), plus the one storage object held
-    here."""
+    here. ``kept``: the ids of tensors a release leaves in memory (:meth:`_Hook.retain`)."""
     counts: dict[tuple[Any, int], list[Any]] = {}  # storage -> [first name, tensors, storage]
-    seen: set[int] = set()
+    seen: set[int] = set(kept)
     with torch_function_off():
         for name, t in named_tensors(module):
             if id(t) in seen or t.is_meta:
@@ -1776,11 +1868,12 @@ def _held_elsewhere(module: nn.Module) -> str | None:
     return None
 
 
-def _saved_for_backward(module: nn.Module) -> str | None:
+def _saved_for_backward(module: nn.Module, kept: Collection[int] = ()) -> str | None:
     """The first tensor of ``module`` that autograd holds as it is (:func:`held_by_autograd`:
     a graph saved it for a backward still to come, or will accumulate a gradient into it),
     or None. A release would cut that backward off, and a reload would hold it twice. A
-    view it saved counts in the storage too (:func:`_held_elsewhere`)."""
+    view it saved counts in the storage too (:func:`_held_elsewhere`). ``kept``: as
+    there, tensors a release leaves alone."""
     import torch
 
     with torch_function_off():
@@ -1788,7 +1881,7 @@ def _saved_for_backward(module: nn.Module) -> str | None:
             # A TorchScript module's C++ object holds its tensors too (not a graph).
             slots = int(isinstance(sub, torch.jit.ScriptModule))
             for key, t in itertools.chain(*(table.items() for table in own_tensor_tables(sub))):
-                if t is not None and held_by_autograd(t, slots=slots):
+                if t is not None and id(t) not in kept and held_by_autograd(t, slots=slots):
                     return f"{prefix}.{key}" if prefix else key
     return None
 
@@ -2032,12 +2125,20 @@ def _bytes(module: nn.Module) -> int:
     return sum(storage_sizes(module).values())
 
 
-def _learn(module: nn.Module, args: tuple, kwargs: dict, *, whole: bool) -> Recipe | str | None:
+def _learn(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    *,
+    whole: bool,
+    names: dict[str, str] | None = None,
+) -> Recipe | str | None:
     """How ``module``, just made by a factory called with ``args`` and ``kwargs``, reloads
     from the safetensors files those name (a file, an index, a ``from_pretrained`` folder
     with its ``subfolder`` and ``variant``), or why it cannot (with ``whole``, every byte
     of each tensor is compared with the files: a factory that changed a weight after
-    reading it reloads through itself), or None when they name no file."""
+    reading it reloads through itself), or None when they name no file. ``names``: the
+    tensors its files hold, by name now -> name as made (:attr:`_Model.keys`)."""
     files = _checkpoint(args, kwargs)
     if not files:
         return None
@@ -2045,7 +2146,7 @@ def _learn(module: nn.Module, args: tuple, kwargs: dict, *, whole: bool) -> Reci
         with torch_function_off():
             # made_new: transformers maps a base model's names into one with a head, and
             # makes the head new (a classifier on BERT's checkpoint: the fine-tuning load).
-            return learn(module, files, whole=whole, made_new=True)
+            return learn(module, files, names=names, whole=whole, made_new=True)
     except Exception as exc:  # a damaged or unreadable file: the factory still works
         return f"its files cannot be checked ({type(exc).__name__}: {exc})"
 
