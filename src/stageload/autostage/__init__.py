@@ -182,9 +182,6 @@ class _Model:
     #: factory makes a new model. A model pinned for another reason (used from two threads
     #: at once) is still shared.
     changed: bool = False
-    #: Kept loaded only for a change the script may undo (a LoRA unloaded, a wrapper taken
-    #: off): when memory is short, checked again, and staged again if it is as loaded.
-    undoable: bool = False
     said: set[str] = field(default_factory=set)
     #: The tensors as auto last loaded them, and a few of their values: whether the script
     #: changed the model since.
@@ -226,6 +223,8 @@ class _Model:
     #: others are the script's: a release leaves them in memory. None: every tensor is
     #: its files', under the name it loaded with.
     keys: dict[str, str] | None = None
+    #: The bytes of those parts, in memory while it is released (counted in the budget).
+    kept: int = 0
 
 
 @dataclass
@@ -504,7 +503,8 @@ class AutoSession:
                         ticket = self._bell.ticket()
                     else:
                         changed = _changed(known)
-                        if changed is None and _as_made(known) == known.made:
+                        # (a change it keeps marks it changed: never shared again)
+                        if changed is None and not known.changed and _as_made(known) == known.made:
                             if known.drew is None or waited:
                                 return module
                             before, after = known.drew
@@ -518,7 +518,7 @@ class AutoSession:
                             twin = known
                         if changed is not None:  # (an EMA copy, a student): a new one
                             why = f"changed by the script since its load ({changed})"
-                            self._pin(known, why, changed=True, undoable=True)
+                            self._pin(known, why, changed=True)
                         # Converted (.half(), requires_grad_(False), .train()): it stays
                         # staged, and the call makes a new one as it does without auto.
                 if ticket is None:
@@ -1178,13 +1178,13 @@ class AutoSession:
         module = model.module()
         if model.state != LOADED or module is None or _busy(model):
             return None
-        if model.pinned and not self._undone(model):
+        if model.pinned:
             return None
         changed = _changed(model)
         if changed is not None:
             if say:
                 why = f"changed by the script since its load ({changed})"
-                self._pin(model, why, changed=True, undoable=True)
+                self._pin(model, why, changed=True)
             return None
         graded = _with_grad(module, model.keys)
         if graded is not None:  # a release would drop them: an accumulation loses a step
@@ -1369,9 +1369,14 @@ class AutoSession:
             for m in self._models.values()
             if m is not keep and m.state != RELEASED and m.module() is not None
         ]
-        if sum(m.size for m in others) + size <= self.budget:
+        kept = sum(  # what released models keep in memory: the script's parts
+            m.kept
+            for m in self._models.values()
+            if m is not keep and m.state == RELEASED and m.module() is not None
+        )
+        if sum(m.size for m in others) + kept + size <= self.budget:
             return None
-        idle = [m for m in others if m.state == LOADED and (not m.pinned or self._undone(m))]
+        idle = [m for m in others if m.state == LOADED and not m.pinned]
         for m in self._order(idle, others, keep.name if keep is not None else name, size):
             victim = self._held_for_release(m, say=True)
             if victim is not None:
@@ -1379,6 +1384,8 @@ class AutoSession:
         if keep is not None:  # said once per model; the room made before a factory says nothing
             n = len(others)
             what = f"beside {n} model{'s' * (n != 1)} in use" if others else "alone"
+            if kept:
+                what += f" and {format_size(kept)} that released models keep (the script's parts)"
             self._say(
                 keep,
                 "over",
@@ -1424,6 +1431,7 @@ class AutoSession:
             if module is not None:
                 model.layout = _layout(module, model.chains, model.placed, model.layout)
                 model.size = _bytes(module)
+                model.kept = _kept_bytes(module, model.keys)
                 model.device = next(iter(model.layout.values()), (None, model.device))[1]
                 # The hook's released() marks its tensors. A Ctrl-C is raised once the
                 # release is done (release() finishes first), so the model is released.
@@ -1440,7 +1448,7 @@ class AutoSession:
                     self._say(
                         model,
                         "parts",
-                        f"{model.name}: the parts the script added "
+                        f"{model.name}: the parts the script added or changed "
                         f"({_first_own(model.keys, module)}) stay in memory while it is "
                         f"released; the rest is staged",
                     )
@@ -1527,44 +1535,13 @@ class AutoSession:
         self._clock += 1
         return self._clock
 
-    def _pin(
-        self, model: _Model, why: str, *, changed: bool = False, undoable: bool = False
-    ) -> None:
+    def _pin(self, model: _Model, why: str, *, changed: bool = False) -> None:
         """Keep ``model`` loaded from now on, and say why once; ``changed``: it is not as
-        its factory makes it (no later factory call shares it); ``undoable``: only for a
-        change the script made while it was loaded, which it may undo (:meth:`_undone`)."""
+        its factory makes it (no later factory call shares it)."""
         model.changed = model.changed or changed
         if not model.pinned:
-            model.pinned, model.undoable = True, undoable
-            model.said.discard("undone")
+            model.pinned = True
             self._say(model, "pinned", f"{model.name}: {why}: kept loaded, not staged")
-        elif not undoable:
-            model.undoable = False
-
-    def _undone(self, model: _Model) -> bool:
-        """Under the lock: whether ``model``, kept loaded only for a change the script made,
-        is as auto loaded it again (a LoRA unloaded, a wrapper taken off), every byte its
-        files' (a model that reloads through its factory stays): then it is staged again,
-        and said (a release reloads the file's weights, which it holds again)."""
-        if not (model.pinned and model.undoable and model.state == LOADED):
-            return False
-        if _changed(model) is not None:
-            return False
-        # As loaded by the version counters, the parts and three values a tensor; but a
-        # change through .data undone by arithmetic (fuse_lora, then unfuse_lora) leaves
-        # rounded values the samples may miss: every byte is compared with the files,
-        # once, and a model that differs stays loaded for good.
-        module, recipe = model.module(), model.recipe
-        if module is None or recipe is None:
-            model.undoable = False
-            return False
-        if not isinstance(learn(module, recipe.files, recipe.names or None, whole=True), Recipe):
-            model.undoable = False
-            return False
-        model.pinned = model.changed = model.undoable = False
-        model.said.discard("pinned")
-        self._say(model, "undone", f"{model.name}: as loaded again (its change undone): staged")
-        return True
 
     def _through_factory(self, model: _Model, why: str) -> None:
         """Say once that ``model`` reloads by calling its factory again, and why: its
@@ -1729,42 +1706,53 @@ def _samples(module: nn.Module, keys: dict[str, str] | None = None) -> dict[str,
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     """The first name whose samples differ (a NaN equal to a NaN), or None."""
+    differs = _differing(a, b)
+    return differs[0] if differs else None
+
+
+def _differing(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The names whose samples differ (a NaN equal to a NaN), in order."""
     import torch
 
+    out = []
     for name in sorted(a.keys() | b.keys()):
         x, y = a.get(name), b.get(name)
         if x is None or y is None:
-            return name
-        if not torch.equal(x, y):
+            out.append(name)
+        elif not torch.equal(x, y):
             both_nan = x.isnan() & y.isnan() if x.is_floating_point() else x != x
             if not bool(((x == y) | both_nan).all()):
-                return name
-    return None
+                out.append(name)
+    return out
 
 
 def _changed(model: _Model) -> str | None:
-    """What the script changed in ``model`` since auto loaded it, or None: parts added or
-    removed, a tensor changed in place (its version counter), or values that differ from
-    the loaded ones (changed through ``.data``, or a tensor replaced by other values). A
-    tensor replaced by its own values converted (``.to``, ``.half``: buffers get new
-    objects) is no change: a reload converts the same way. A released model's empty
-    tensors are no change either. None also records a loaded model's tensors as they are
-    now, for the next check."""
+    """What the script changed in ``model`` since auto loaded it that a release would lose,
+    or None. A loaded model that reloads from its files loses nothing: parts added or
+    removed (a LoRA), tensors changed in place (their version counters) and tensors whose
+    values differ from the loaded ones (changed through ``.data``, or replaced) become the
+    script's own (:attr:`_Model.keys`), which its releases leave in memory. For any other
+    model, the first of these is said. A tensor replaced by its own values converted
+    (``.to``, ``.half``: buffers get new objects) is no change: a reload converts the same
+    way. A released model's empty tensors are no change either. None also records a loaded
+    model's tensors as they are now, for the next check."""
     module = model.module()
     if module is None:
         return None
     now = _seen(module)
+    from_files = model.first is None and model.recipe is not None
+    staged = from_files and model.state == LOADED  # what it changed is kept, not said
     keys, renames = model.keys, None
     if now.keys() != model.seen.keys():
-        if model.state != LOADED or model.first is not None or model.recipe is None:
+        if from_files and model.state != LOADED:
+            return None  # its reload takes the new names (_fill)
+        if not staged:
             extra = sorted(now.keys() ^ model.seen.keys())
             return f"parts added or removed: {extra[0]}"
-        # Parts added or removed (a LoRA loaded or unloaded, a head replaced) in a model
-        # that reloads from its files: no change if the tensors they hold are as loaded;
-        # staged from here on, the script's parts kept (:attr:`_Model.keys`).
         renames = _renames(module, model)
         keys = _keys(model, renames, module)
     back = renames if renames is not None else {n: n for n in now}  # name now -> at load
+    changed: set[str] = set()
     for name, (ident, version, address) in now.items():
         then = model.seen.get(back.get(name, ""))
         if then is None or keys is not None and name not in keys:
@@ -1773,22 +1761,30 @@ def _changed(model: _Model) -> str | None:
         # same object is a conversion that swapped it in (torch's
         # swap_module_params_on_conversion) or a new ``.data``: the values decide below.
         if then[0] == ident and then[1] != version and then[2] == address:
-            return f"{name} changed in place"
+            if not staged:
+                return f"{name} changed in place"
+            changed.add(name)
     loaded = {n: model.samples[b] for n, b in back.items() if b in model.samples}
     samples, then_samples = _samples(module, keys), _converted(loaded, module)
     if model.state != LOADED:
         # Released by auto (or on its way in or out): its empty tensors have nothing to
         # compare; the ones in memory still must equal their load's.
         then_samples = {n: s for n, s in then_samples.items() if n in samples}
-    differs = _same(samples, then_samples)
-    if differs is not None:
-        return f"{differs} changed"
+    differs = _differing(samples, then_samples)
+    if differs and not staged:
+        return f"{differs[0]} changed"
     if model.state == LOADED:  # a released model's empty tensors are not what to compare to
-        if renames is not None:  # what auto keeps by name follows the tensors
-            model.samples, model.keys = loaded, keys
+        changed.update(differs)
+        if changed:  # the script's from now on; a factory call makes a new model
+            keys = {n: k for n, k in (keys or {n: n for n in now}).items() if n not in changed}
+            model.changed = True
+        if renames is not None or changed:  # what auto keeps by name follows the tensors
+            model.samples = {n: v for n, v in loaded.items() if keys is None or n in keys}
+            model.keys = keys
             model.placed = {n: model.placed[b] for n, b in back.items() if b in model.placed}
             model.chains = {n: model.chains[b] for n, b in back.items() if b in model.chains}
-            model.layout = _renamed(model.layout, renames)
+            if renames is not None:
+                model.layout = _renamed(model.layout, renames)
         model.seen = now
     return None
 
@@ -1818,6 +1814,11 @@ def _scripts_parts(module: nn.Module, keys: dict[str, str]) -> list[Any]:
     files = {id(t) for n, t, _ in tensors if n in keys}
     own = {id(t): t for _, t, meta in tensors if id(t) not in files and not meta}
     return list(own.values())
+
+
+def _kept_bytes(module: nn.Module, keys: dict[str, str] | None) -> int:
+    """The bytes a release of ``module`` leaves in memory: the script's parts (``keys``)."""
+    return sum(t.nbytes for t in _scripts_parts(module, keys)) if keys is not None else 0
 
 
 def _first_own(keys: dict[str, str], module: nn.Module) -> str:
