@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from stageload.meter import MemoryMeter
-from stageload.meter.tracefile import TraceBusyError, TraceWriter, read_records
+from stageload.meter.tracefile import NotATraceError, TraceBusyError, TraceWriter, read_records
 from stageload.report.trace import read_trace
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -155,6 +155,69 @@ def test_writer_lock_refuses_a_second_writer_and_lets_appenders_in(tmp_path: Pat
     with TraceWriter(path) as again:  # the lock went with the first writer
         again.mark("next run")
     assert [json.loads(line)["label"] for line in path.read_text().splitlines()] == ["next run"]
+
+
+SCRIPT = "import torch\nprint('a user script, not a trace')\n"
+
+
+@pytest.mark.parametrize("refused", [True, False], ids=["fixed", "control"])
+def test_a_file_that_is_not_a_trace_is_not_overwritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: bool
+) -> None:
+    """``MemoryMeter(gen.py)`` (a script mixed up with the trace) is refused and the script
+    stays whole. Control: without the check, the first record empties the script."""
+    if not refused:
+        monkeypatch.setattr(TraceWriter, "_refuse_other_files", lambda self: None)
+    path = tmp_path / "gen.py"
+    path.write_text(SCRIPT)
+    if refused:
+        with pytest.raises(NotATraceError) as raised:
+            MemoryMeter(path, sampler="thread").start()
+        assert str(path) in str(raised.value) and "is not a stageload trace" in str(raised.value)
+        assert "give another file name, or delete the file" in str(raised.value)
+        assert path.read_text() == SCRIPT
+        with TraceWriter(path, append=True) as appender:  # appenders add, never empty
+            appender.mark("x")
+        assert path.read_text().startswith(SCRIPT)
+    else:
+        MemoryMeter(path, sampler="thread").start().stop()
+        assert read_records(path)[0]["type"] == "start"
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["", OLD, '{"type":"mark","t":0.1,"label":"a"}\n', '{"type":"start","version":1,"mon'],
+    ids=["empty", "trace", "trace-without-start", "start-cut-short"],
+)
+def test_an_empty_file_or_a_trace_is_still_overwritten(tmp_path: Path, content: str) -> None:
+    """What docs/meter.md promised stays: an existing trace (or an empty file, or a trace
+    killed while writing its first line) is replaced by the new run's."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(content)
+    with TraceWriter(path) as trace:
+        trace.mark("new")
+    assert [r["label"] for r in read_records(path)] == ["new"]
+
+
+def test_meter_and_guard_refuse_a_file_that_is_not_a_trace(tmp_path: Path) -> None:
+    """``stageload meter -o gen.py`` and ``guard --trace gen.py``: one line, exit 2, the
+    command not run, the script whole."""
+    path = tmp_path / "gen.py"
+    path.write_text(SCRIPT)
+    ran = tmp_path / "ran"
+    command = ["--", sys.executable, "-c", f"open({str(ran)!r}, 'w')"]
+    guard = subprocess.run(
+        [sys.executable, "-m", "stageload", "guard", "--trace", str(path), *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
+    for result, tool in ((_meter("-o", str(path), *command), "meter"), (guard, "guard")):
+        assert result.returncode == 2, result.stderr
+        assert f"stageload {tool}: error:" in result.stderr
+        assert "is not a stageload trace" in result.stderr and "Traceback" not in result.stderr
+        assert path.read_text() == SCRIPT and not ran.exists()
 
 
 def test_discard_keeps_an_older_file_and_removes_a_created_one(tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ from typing import Any
 from .._version import __version__
 from ..core.events import Event
 from ..core.outer import encode, event_record
-from ..traceformat import END, ERROR, FORMAT_VERSION, MARK, SAMPLE, START
+from ..traceformat import END, ERROR, EVENT, FORMAT_VERSION, MARK, SAMPLE, START, line_prefix
 
 try:
     import fcntl
@@ -64,6 +64,33 @@ class TraceBusyError(OSError):
     trace file's lock: two runs' records would mix in one file."""
 
 
+class NotATraceError(FileExistsError):
+    """The trace path holds a file that is not a stageload trace (a script, say, given to
+    ``-o`` by mistake): a trace writer does not empty it."""
+
+
+#: The record types a writer puts on a trace's first line (``start``, or any record of a
+#: writer used without one); a file whose first line is none of them is not a trace.
+_RECORD_TYPES = (START, SAMPLE, EVENT, MARK, ERROR, END)
+#: How much of the first line is read to tell: a start record with a long command is under
+#: 1 MiB (``core.outer``), and a record's type is in its first bytes.
+_FIRST_LINE_MAX = 1 << 20
+
+
+def _is_trace(path: Path) -> bool:
+    """Whether the first line of the file at ``path`` is a stageload trace record, or the
+    start of one cut short (a run killed while writing its first line)."""
+    with open(path, "rb") as f:
+        first = f.readline(_FIRST_LINE_MAX)
+    if not first.endswith(b"\n"):
+        return any(first.startswith(line_prefix(kind)) for kind in _RECORD_TYPES)
+    try:
+        record = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and record.get("type") in _RECORD_TYPES
+
+
 class TraceWriter:
     """Writes trace records to ``path``, one flushed JSON line each; safe to share between threads.
 
@@ -71,11 +98,12 @@ class TraceWriter:
     (``flock``) until closed, so a second such writer of the same file raises
     ``TraceBusyError``, and it empties an existing file only at its first record (or
     ``claim()``): a run that never writes leaves a file that was there as it was (see
-    ``discard()``). ``append=True`` adds to a trace another writer started (the sampler
-    process does that; so do the command's processes through ``stageload.outer``) and
-    takes no lock. ``monotonic0`` is the ``time.monotonic()`` that ``t = 0`` stands for; it
-    defaults to now, and a second writer of the same trace must pass the first one's so
-    both write comparable ``t``.
+    ``discard()``); an existing non-empty file that is not a trace raises
+    ``NotATraceError`` and is left alone. ``append=True`` adds to a trace another writer
+    started (the sampler process does that; so do the command's processes through
+    ``stageload.outer``) and takes no lock. ``monotonic0`` is the ``time.monotonic()``
+    that ``t = 0`` stands for; it defaults to now, and a second writer of the same trace
+    must pass the first one's so both write comparable ``t``.
     """
 
     def __init__(
@@ -118,6 +146,32 @@ class TraceWriter:
             ) from exc
         if not append:
             self._take_lock(self._fd)
+            if not self._created:
+                self._refuse_other_files()
+
+    def _refuse_other_files(self) -> None:
+        """Raise ``NotATraceError`` (closing the file) when the existing file is not empty
+        and not a trace: a user's script mixed up with ``-o`` would be lost at the first
+        record. Devices (``/dev/null``) and empty files are written as before."""
+        assert self._fd is not None
+        info = os.fstat(self._fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
+            return
+        try:
+            is_trace = _is_trace(self.path)
+        except OSError as exc:
+            is_trace, why = False, f"it cannot be read to check ({exc.strerror or exc})"
+        else:
+            why = "its first line is not a trace record"
+        if is_trace:
+            return
+        os.close(self._fd)
+        self._fd = None
+        raise NotATraceError(
+            errno.EEXIST,
+            f"{str(self.path)!r} exists and is not a stageload trace ({why}), so it is not "
+            "overwritten; give another file name, or delete the file if it is not needed",
+        )
 
     def _take_lock(self, fd: int) -> None:
         """Hold the file's exclusive lock, or raise ``TraceBusyError`` (closing the file)."""
