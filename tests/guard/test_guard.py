@@ -652,6 +652,61 @@ def test_bad_flags_exit_2_with_a_clear_message(
     no_traceback(err)
 
 
+@pytest.mark.parametrize("refused", [True, False], ids=["fixed", "control"])
+def test_an_empty_busy_pattern_exits_2(
+    refused: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--busy ''`` matches every process, so the command waited for ever. Control: with
+    the pattern compiled as given, the guard waits until --start-timeout (exit 4)."""
+    import re
+
+    import stageload.guard.config
+
+    if not refused:
+        monkeypatch.setattr(stageload.guard, "compile_busy", re.compile)  # the flag's check
+        monkeypatch.setattr(stageload.guard.config, "compile_busy", re.compile)  # GuardConfig's
+    ran = tmp_path / "ran"
+    argv = ["guard", "--wait-free", "0", "--busy", "", "--start-timeout", "0.3s", "--",
+            PY, "-c", f"open({str(ran)!r}, 'w')"]  # fmt: skip
+    if refused:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "an empty --busy pattern matches every process" in err and "--busy ffmpeg" in err
+        with pytest.raises(ValueError, match="empty --busy pattern"):
+            GuardConfig(["true"], busy=[""])
+    else:
+        assert main(argv) == EXIT_NO_ROOM
+        err = capsys.readouterr().err
+    no_traceback(err)
+    assert not ran.exists()
+
+
+@pytest.mark.parametrize("refused", [True, False], ids=["fixed", "control"])
+def test_a_plain_string_for_a_list_is_a_type_error(
+    refused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``busy='ffmpeg'`` was the patterns 'f', 'f', 'm', ... (matching nearly every
+    process) and ``GuardConfig('true')`` ran ``t``. Control: without the check, letters."""
+    import stageload.guard.config as config_module
+
+    if not refused:
+        monkeypatch.setattr(config_module, "_not_a_string", lambda name, value: value)
+    if refused:
+        with pytest.raises(TypeError, match=r"busy must be a list of strings, got the plain "
+                           r"string 'ffmpeg' .*give a list: busy=\['ffmpeg'\]"):  # fmt: skip
+            GuardConfig(["true"], busy="ffmpeg")
+        with pytest.raises(TypeError, match=r"command=\['python', 'run.py'\]"):
+            GuardConfig("python run.py")
+    else:
+        assert GuardConfig(["true"], busy="ffmpeg").busy == tuple("ffmpeg")
+        assert GuardConfig("true").command == ["t", "r", "u", "e"]
+
+
 def test_no_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["guard", "--wait-free", "0"]) == 2
     assert "no command given; put it after '--'" in capsys.readouterr().err

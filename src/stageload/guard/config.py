@@ -6,11 +6,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from ..errors import StageloadError
 from ..memory import SystemMemory
@@ -112,7 +114,7 @@ class GuardConfig:
     ) -> None:
         from ..units import parse_duration
 
-        self.command = list(command)
+        self.command = list(_not_a_string("command", command))
         if not self.command:
             raise ValueError("no command given: put it after '--', e.g. -- python run.py")
         self.wait_free = Amount.parse(wait_free)
@@ -132,15 +134,37 @@ class GuardConfig:
         self.poll = None if poll is None else parse_duration(poll)
         if self.poll is not None and self.poll <= 0:
             raise ValueError(f"poll interval must be above 0, got {self.poll!r}: e.g. '0.5s'")
-        self.busy = tuple(busy)
+        self.busy = tuple(_not_a_string("busy", busy))
         self.busy_patterns = tuple(compile_busy(p) for p in self.busy)
         self.trace = trace
         self.events = events
         self.leave_group = leave_group
 
 
+def _not_a_string(name: str, value: Any) -> Any:
+    """``value`` as given, or ``TypeError`` for a plain string where a sequence of strings
+    belongs: iterating ``"ffmpeg"`` gives ``"f"``, ``"m"``, ... (a --busy ``"f"`` matches
+    nearly every process; a command ``"true"`` runs ``t``)."""
+    if not isinstance(value, (str, bytes)):
+        return value
+    example: list[Any] = [value]
+    if name == "command" and isinstance(value, str):
+        with contextlib.suppress(ValueError):  # unbalanced quotes: the one-item example
+            example = shlex.split(value)  # "python run.py" -> ['python', 'run.py']
+    raise TypeError(
+        f"{name} must be a list of strings, got the plain string {value!r} (which would be "
+        f"read letter by letter); give a list: {name}={example!r}"
+    )
+
+
 def compile_busy(pattern: str | re.Pattern[str]) -> re.Pattern[str]:
     """Compile a --busy pattern, with a message that names it when it is not a regex."""
+    if (pattern.pattern if isinstance(pattern, re.Pattern) else pattern) == "":
+        # re.search("", line) is true for every line: the command would wait for ever.
+        raise ValueError(
+            "an empty --busy pattern matches every process, so the command would never "
+            "start; give a part of the other program's command line, e.g. --busy ffmpeg"
+        )
     if isinstance(pattern, re.Pattern):
         return pattern
     try:
