@@ -71,8 +71,11 @@ def _status_footprint(pid: int, procfs: str) -> int:
     fields = parse_kib_fields(text)
     missing = [name for name in FOOTPRINT_FIELDS if name not in fields]
     if missing:
-        # A zombie has released its memory and the kernel omits its Vm*/Rss* lines.
-        if re.search(r"^State:\s+Z", text, re.MULTILINE):
+        # The kernel omits the Vm*/Rss* lines once a process has let go of its memory: a
+        # zombie (Z), and before that an exiting one (exit_mm drops the mm, then frees its
+        # pages; Linux 6.18 showed "State: R" with PF_EXITING for the ~0.1 s that freeing
+        # 1 GiB took), or one gone by the time its stat is read. None of it is counted.
+        if re.search(r"^State:\s+[ZX]", text, re.MULTILINE) or _exiting(pid, procfs):
             return 0
         raise ValueError(f"{path} has no {'/'.join(missing)} (needs Linux >= 4.5)")
     return sum(fields[name] for name in FOOTPRINT_FIELDS)
