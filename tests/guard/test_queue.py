@@ -547,6 +547,43 @@ def test_a_folder_in_place_of_a_state_file_is_one_line_naming_it(
     assert path.is_dir() and (path / "keep").exists()
 
 
+@pytest.mark.parametrize("said", [True, False], ids=["fixed", "control"])
+@pytest.mark.parametrize("name", ["lanes/ram/tickets", "lanes/ram/traces", "lanes/ram"])
+def test_a_file_in_place_of_a_state_folder_is_one_line_naming_it(
+    name: str,
+    said: bool,
+    home: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """``lanes/ram/tickets`` a file: ``stageload queue`` raised NotADirectoryError (a
+    traceback) and ``stageload run`` said 'File exists; set STAGELOAD_HOME ...', a fix
+    that does not help. Both now name the file and say to move it. Control: without the
+    file found, the old advice is back (the messages are all that changes there)."""
+    import stageload.guard.queue as queue_module
+
+    if not said:
+        monkeypatch.setattr(queue_module, "_file_in_the_way", lambda folder: None)
+    path = home / name
+    path.parent.mkdir(parents=True)
+    path.write_text("not a folder\n")
+    ran = tmp_path / "ran"
+    assert main(["run", *FLAGS, "--", "touch", str(ran)]) == 2
+    code = main(["queue"])
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line]
+    assert not ran.exists() and path.read_text() == "not a folder\n"
+    if name.endswith("traces"):  # only a run makes and uses it
+        assert code == 0 and len(lines) == 1, lines
+    else:
+        assert code == 2 and len(lines) == 2, lines
+    fixed = f"{str(path)!r} is a file, not a folder; move it away or remove it"
+    for line in lines:
+        assert (fixed in line) is said and ("STAGELOAD_HOME" not in line) is said, line
+
+
 def test_emptying_seq_while_a_ticket_lives_keeps_numbers_and_order(
     home: Path, tmp_path: Path, spawn: Spawn
 ) -> None:

@@ -26,6 +26,8 @@ def lane_snapshot(lane: Lane, history: int = 0) -> dict[str, Any]:
     system = read_system()
     running: list[dict[str, Any]] = []
     waiting: list[dict[str, Any]] = []
+    if os.path.lexists(lane.dir) and not lane.dir.is_dir():  # listed, but a file
+        raise QueueSetupError(_folder_error(lane.home, lane.dir, NotADirectoryError(20, "")))
     if lane.dir.is_dir():
         with lane.locked():
             tickets = lane.tickets()

@@ -400,6 +400,8 @@ class Lane:
             names = sorted(os.listdir(self.tickets_dir))
         except FileNotFoundError:
             return []
+        except OSError as exc:  # a file in its place: say which, not a traceback
+            raise QueueSetupError(_folder_error(self.home, self.tickets_dir, exc)) from None
         found = []
         skipped = 0
         for name in names:
@@ -479,6 +481,8 @@ class Lane:
             names = os.listdir(self.tickets_dir)
         except FileNotFoundError:
             names = []
+        except OSError as exc:
+            raise QueueSetupError(_folder_error(self.home, self.tickets_dir, exc)) from None
         for name in names:
             match = _TICKET_NAME.fullmatch(name)
             if match:
@@ -546,7 +550,33 @@ def _file_error(path: Path, exc: OSError) -> str:
 
 
 def _folder_error(home: Path, folder: Path, exc: OSError) -> str:
+    """Why ``folder`` cannot be used, naming a file in its way and the fix for it."""
+    blocker = _file_in_the_way(folder)
+    if blocker is not None:
+        what = f"state folder {str(folder)!r} is a file, not a folder"
+        if blocker != folder:
+            what = (
+                f"cannot use state folder {str(folder)!r}: {str(blocker)!r} is a file, not a folder"
+            )
+        if blocker != home and home in blocker.parents:
+            # A file where a lane needs a folder (lanes/ram/tickets made by hand): another
+            # STAGELOAD_HOME would not fix this one, moving the file does.
+            return f"{what}; move it away or remove it, and the queue makes the folder again"
+        return (
+            f"{what}; move it away, or set {HOME_ENV} to a folder (now {str(home)!r}), e.g. "
+            "STAGELOAD_HOME=/tmp/stageload"
+        )
     return (
         f"cannot use state folder {str(folder)!r}: {exc.strerror or exc}; set {HOME_ENV} to a "
         f"writable folder (now {str(home)!r}), e.g. STAGELOAD_HOME=/tmp/stageload"
     )
+
+
+def _file_in_the_way(folder: Path) -> Path | None:
+    """The nearest of ``folder`` and its parents that exists and is not a folder, if any."""
+    for path in (folder, *folder.parents):
+        if path.is_dir():
+            return None
+        if os.path.lexists(path):
+            return path
+    return None
