@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 import pytest
 
+from fixtures.full_disk import fill, small_tmpfs
 from stageload.cli import main
 from stageload.guard.board import snapshot
 from stageload.guard.history import check_record, learned_need, read_history, read_records
@@ -793,6 +794,65 @@ def test_a_bad_pattern_in_busy_txt_is_one_line_naming_file_and_line(
     assert f"{home / 'busy.txt'}:2: invalid --busy pattern '(['" in line, line
     # Control: another lane does not read busy.txt.
     assert finish(spawn("--lane", "other", "--", "touch", str(ran)))[0] == 0 and ran.exists()
+
+
+@pytest.mark.parametrize("said", [True, False], ids=["fixed", "control"])
+def test_busy_txt_as_a_folder_is_called_the_users_file(
+    said: bool,
+    home: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """busy.txt is the user's list, never made by the queue: a folder in its place is to be
+    made a file or removed, not 'the queue makes a new one'. Control: the message of the
+    queue's own files."""
+    import stageload.guard.queue as queue_module
+
+    if not said:
+        monkeypatch.setattr(queue_module, "_busy_file_error", queue_module._file_error)
+    (home / "busy.txt").mkdir(parents=True)
+    ran = tmp_path / "ran"
+    assert main(["run", *FLAGS, "--", "touch", str(ran)]) == 2
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and not ran.exists()
+    (line,) = [line for line in err.splitlines() if line]
+    assert str(home / "busy.txt") in line
+    fixed = "your list of --busy patterns, cannot be read (Is a directory); make it a file"
+    assert (fixed in line) is said and ("makes a new one" in line) is not said, line
+
+
+@pytest.mark.parametrize("said", [True, False], ids=["fixed", "control"])
+def test_a_full_disk_says_to_free_space_not_to_remove_the_file(
+    said: bool,
+    home: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A real full disk (a 64 KiB tmpfs, filled; skipped where it cannot be mounted): the
+    write of the lane's seq fails with ENOSPC, and the line said 'remove it and the queue
+    makes a new one', which frees nothing. Control: with ENOSPC not told apart, that line."""
+    import types
+
+    import stageload.guard.queue as queue_module
+
+    if not said:
+        monkeypatch.setattr(queue_module, "errno", types.SimpleNamespace(ENOSPC=-1, EDQUOT=-1))
+    ran = tmp_path / "ran"
+    with small_tmpfs(tmp_path / "disk") as disk:
+        monkeypatch.setenv("STAGELOAD_HOME", str(disk / "state"))
+        assert main(["run", *FLAGS, "--no-trace", "--", "true"]) == 0  # the lane, made
+        fill(disk)
+        capfd.readouterr()
+        code = main(["run", *FLAGS, "--no-trace", "--", "touch", str(ran)])
+        err = capfd.readouterr().err
+    assert code == 2 and not ran.exists()
+    assert "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line]
+    assert str(disk / "state" / "lanes" / "ram" / "seq") in line
+    assert "No space left on device" in line
+    assert ("free space on its disk" in line) is said and ("remove it" in line) is not said, line
 
 
 @pytest.mark.parametrize("hidden", [True, False], ids=["handed-over", "control-visible"])

@@ -32,13 +32,14 @@ lock, so no reader sees one that is not locked yet.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import math
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -147,7 +148,8 @@ def busy_patterns(home: str | os.PathLike[str] | None = None) -> list[str]:
 
     path = state_dir(home) / BUSY_FILE
     patterns = []
-    for number, line in enumerate((_read_state(path) or "").splitlines(), start=1):
+    text = _read_state(path, _busy_file_error) or ""
+    for number, line in enumerate(text.splitlines(), start=1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -519,15 +521,16 @@ def list_lanes(home: str | os.PathLike[str] | None = None) -> list[str]:
     return sorted(n for n in names if _LANE_RE.fullmatch(n))
 
 
-def _read_state(path: Path) -> str | None:
-    """The text of a lane's state file, None when there is none yet; ``QueueSetupError``
-    naming the file when it cannot be read (a folder in its place, no permission)."""
+def _read_state(path: Path, error: Callable[[Path, OSError], str] | None = None) -> str | None:
+    """The text of a state file, None when there is none yet; ``QueueSetupError`` naming
+    the file when it cannot be read (a folder in its place, no permission), its message
+    from ``error`` (default ``_file_error``, for the queue's own files)."""
     try:
         return path.read_text(errors="replace")
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise QueueSetupError(_file_error(path, exc)) from None
+        raise QueueSetupError((error or _file_error)(path, exc)) from None
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -542,11 +545,29 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def _file_error(path: Path, exc: OSError) -> str:
+    """Why a state file cannot be used, with the fix for that cause."""
+    why = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # removing the file would not help
+        return (
+            f"state file {str(path)!r} cannot be written ({why}); free space on its disk, "
+            f"or set {HOME_ENV} to a folder on another one, e.g. STAGELOAD_HOME=/tmp/stageload"
+        )
     what = "a folder" if path.is_dir() else "not usable"
     return (
-        f"state file {str(path)!r} is {what} ({exc.strerror or exc}); remove it and the "
-        "queue makes a new one (it holds no run's data)"
+        f"state file {str(path)!r} is {what} ({why}); remove it and the queue makes a new "
+        "one (it holds no run's data)"
     )
+
+
+def _busy_file_error(path: Path, exc: OSError) -> str:
+    """Why ``busy.txt`` cannot be read: the user's own file, which the queue never makes."""
+    fix = (
+        "make it a file of --busy patterns, one a line, or remove the folder"
+        if path.is_dir()
+        else "make it readable, or remove it"
+    )
+    why = exc.strerror or exc
+    return f"{str(path)!r}, your list of --busy patterns, cannot be read ({why}); {fix}"
 
 
 def _folder_error(home: Path, folder: Path, exc: OSError) -> str:
