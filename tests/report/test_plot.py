@@ -32,10 +32,39 @@ def pair(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_plot_writes_a_png(pair, tmp_path: Path) -> None:
-    out = plot_traces(pair, tmp_path / "sub" / "out.png")
+    out = plot_traces(pair, tmp_path / "out.png")
     width, height = png_size(out)
     assert width > 500 and height > 500
     assert out.stat().st_size > 10_000  # a drawn figure, not an empty canvas
+
+
+@pytest.mark.parametrize("refused", [True, False], ids=["fixed", "control"])
+def test_a_missing_folder_is_refused_not_made(
+    pair, tmp_path: Path, monkeypatch, capsys, refused
+) -> None:
+    """``plot -o /nonexist/x.png`` made ``/nonexist`` (a typo became a folder). Now the
+    library raises and the CLI exits 2, naming the folder and the fix. Control: with the
+    folder made as before, both write the image into a new folder."""
+    import stageload.report.plot as plot_module
+
+    if not refused:
+        monkeypatch.setattr(
+            plot_module, "_check_folder", lambda out: out.parent.mkdir(parents=True)
+        )
+        monkeypatch.setattr("stageload.cli.args.unwritable_file", lambda path: None)
+    folder = tmp_path / "nonexist"
+    cli = ["plot", *map(str, pair), "-o", str(folder / "cli" / "x.png")]
+    if refused:
+        with pytest.raises(FileNotFoundError, match=r"folder '.*nonexist' does not exist; create"):
+            plot_traces(pair, folder / "x.png")
+        assert main(cli) == 2
+        err = capsys.readouterr().err
+        assert f"folder {str(folder / 'cli')!r} does not exist; create it" in err
+        assert "Traceback" not in err
+        assert not folder.exists()
+    else:
+        png_size(plot_traces(pair, folder / "x.png"))
+        assert main(cli) == 0 and png_size(folder / "cli" / "x.png")
 
 
 def test_more_traces_make_a_taller_figure(pair, tmp_path: Path) -> None:

@@ -101,7 +101,10 @@ def _unwritable_file(path: Path) -> str | None:
     if path.is_dir():
         return f"{str(path)!r} is a folder; give the path of a file"
     if not path.parent.is_dir():
-        return f"folder {str(path.parent)!r} does not exist"
+        return (
+            f"folder {str(path.parent)!r} does not exist; create it, or give a path in a "
+            "folder that exists"
+        )
     existed = path.exists()
     try:
         with open(path, "a"):

@@ -18,8 +18,8 @@ examples:
   stageload plot run.jsonl -o run.png --dpi 150
   stageload plot run.jsonl -o run.pdf
 
-exit codes: 0 ok, 1 matplotlib missing, 2 a file is missing or is not a trace, or the
--o suffix names no image format matplotlib writes.
+exit codes: 0 ok, 1 matplotlib missing, 2 a file is missing or is not a trace, the -o
+suffix names no image format matplotlib writes, or the -o folder does not exist.
 """
 
 
@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         plot_traces,
     )
     from ..report.records import TraceError
+    from .args import unwritable_file
 
     if not MIN_DPI <= args.dpi <= MAX_DPI:
         print(
@@ -53,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
             f"got {args.dpi!r}; e.g. --dpi 150",
             file=sys.stderr,
         )
+        return 2
+    problem = unwritable_file(args.output)  # a missing folder, before the traces are read
+    if problem is not None:
+        print(f"stageload plot: error: cannot write {args.output!r}: {problem}", file=sys.stderr)
         return 2
     try:
         out = plot_traces(args.traces, args.output, dpi=args.dpi)

@@ -7,6 +7,7 @@ the Agg canvas, never pyplot, so the caller's matplotlib backend is left alone.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -214,16 +215,28 @@ def plot_traces(traces: Sequence[str | Path | Trace], out: str | Path, *, dpi: i
     The figure has one panel per trace (footprint and swap growth on the left axis,
     available memory on the right, stage windows as bands with their names, marks as
     dotted lines) on a shared time axis, and below them a bar chart of the peak footprint
-    per stage, one bar per trace. Raises ``PlotUnavailableError`` without matplotlib.
+    per stage, one bar per trace. Raises ``PlotUnavailableError`` without matplotlib, and
+    ``FileNotFoundError`` when the folder of ``out`` does not exist.
     """
     if isinstance(dpi, bool) or not isinstance(dpi, int) or not MIN_DPI <= dpi <= MAX_DPI:
         raise ValueError(f"dpi must be a whole number from {MIN_DPI} to {MAX_DPI}, got {dpi!r}")
     kind = image_format(out)
-    fig = draw_traces(traces)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _check_folder(out)
+    fig = draw_traces(traces)
     fig.savefig(out, dpi=dpi, format=kind)
     return out
+
+
+def _check_folder(out: Path) -> None:
+    """``FileNotFoundError`` naming the folder of ``out`` when it does not exist: it is
+    never made for you (``-o /nonexist/x.png``, a typo, made ``/nonexist``)."""
+    if not out.parent.is_dir():
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"folder {str(out.parent)!r} does not exist; create it, or give a path in a "
+            "folder that exists",
+        )
 
 
 def draw_traces(traces: Sequence[str | Path | Trace]) -> Figure:
