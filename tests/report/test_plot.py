@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.full_disk import fill, small_tmpfs
 from fixtures.traces import eager_records, staged_records, write_real_trace, write_trace
 from stageload.cli import main
 from stageload.report.plot import draw_traces, plot_traces
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+IEND = b"IEND\xaeB`\x82"  # the last chunk of a whole PNG
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -65,6 +67,52 @@ def test_a_missing_folder_is_refused_not_made(
     else:
         png_size(plot_traces(pair, folder / "x.png"))
         assert main(cli) == 0 and png_size(folder / "cli" / "x.png")
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["fixed", "control"])
+def test_a_full_disk_leaves_the_older_image_whole_and_no_empty_file(
+    pair, tmp_path: Path, monkeypatch, capsys, whole
+) -> None:
+    """On a real full disk (a 256 KiB tmpfs, filled; skipped where it cannot be mounted)
+    the image was saved in place: a good PNG became a truncated one, and a first image a
+    0-byte file. Now it goes to a temporary file renamed over -o: exit 1 (as --help says,
+    as report's full disk), the older PNG byte for byte, no new or temporary file.
+    Control: saved in place as before."""
+    import stageload.report.plot as plot_module
+
+    if not whole:
+        monkeypatch.setattr(
+            plot_module, "_save_whole", lambda fig, out, **kw: fig.savefig(out, **kw)
+        )
+    with small_tmpfs(tmp_path / "disk", size="256k") as disk:
+        good, new = disk / "good.png", disk / "new.png"
+        assert main(["plot", str(pair[0]), "-o", str(good)]) == 0
+        before = good.read_bytes()
+        fill(disk)
+        capsys.readouterr()
+        codes = [main(["plot", *map(str, pair), "-o", str(out)]) for out in (good, new)]
+        err = capsys.readouterr().err
+        after, left = good.read_bytes(), sorted(p.name for p in disk.iterdir())
+    assert "Traceback" not in err
+    if whole:
+        assert codes == [1, 1], err
+        assert err.count("No space left on device") == 2, err
+        assert after == before and after.endswith(IEND) and left == ["filler", "good.png"]
+    else:
+        assert not after.endswith(IEND) and "new.png" in left  # cut short, and a stub
+
+
+def test_an_image_is_replaced_whole_keeping_its_mode(pair, tmp_path: Path) -> None:
+    """A second plot to the same name replaces the image and keeps its mode; nothing else
+    is left in the folder."""
+    out = tmp_path / "out.png"
+    plot_traces(pair[:1], out)
+    out.chmod(0o640)
+    one = out.read_bytes()
+    plot_traces(pair, out)
+    assert out.read_bytes() != one and png_size(out)
+    assert out.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eager.jsonl", "out.png", "staged.jsonl"]
 
 
 def test_more_traces_make_a_taller_figure(pair, tmp_path: Path) -> None:

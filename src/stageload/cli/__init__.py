@@ -44,7 +44,8 @@ INTERRUPTED = Interrupted(130)
 # went away (`stageload report | head`) took what it wanted, so a broken pipe is a success
 # for them and for them only; any other failure to write it is an error (exit 1).
 _OUTPUT_COMMANDS = {"report": "the report", "queue": "the queue's state"}
-#: Exit code when the output of ``report`` or ``queue`` cannot be written.
+#: Exit code when the output of ``report`` or ``queue``, or ``plot``'s image, cannot be
+#: written.
 EXIT_OUTPUT = 1
 # Commands that run a command and exit with its code: their stderr never fails them
 # (`stageload guard -- CMD 2>&1 | true` exits with CMD's code, not 0 or 1).

@@ -18,8 +18,13 @@ examples:
   stageload plot run.jsonl -o run.png --dpi 150
   stageload plot run.jsonl -o run.pdf
 
-exit codes: 0 ok, 1 matplotlib missing, 2 a file is missing or is not a trace, the -o
-suffix names no image format matplotlib writes, or the -o folder does not exist.
+The image is written whole or not at all: it goes to a temporary file beside -o, renamed
+over -o once complete, so a failed write (a full disk) leaves an image already there as
+it was.
+
+exit codes: 0 ok, 1 matplotlib missing or the image cannot be written (e.g. a full disk),
+2 a file is missing or is not a trace, the -o suffix names no image format matplotlib
+writes, or the -o folder does not exist.
 """
 
 
@@ -46,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         plot_traces,
     )
     from ..report.records import TraceError
+    from . import EXIT_OUTPUT
     from .args import unwritable_file
 
     if not MIN_DPI <= args.dpi <= MAX_DPI:
@@ -70,11 +76,12 @@ def run(args: argparse.Namespace) -> int:
     except PlotUnavailableError as exc:
         print(f"stageload plot: error: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:
+    except OSError as exc:  # while writing (-o was checked above), as report's full disk
         print(
-            f"stageload plot: error: cannot write {args.output!r}: {exc.strerror or exc}",
+            f"stageload plot: error: cannot write {args.output!r}: {exc.strerror or exc}; "
+            "nothing was written there (an image already there is as it was)",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_OUTPUT
     print(f"wrote {out}")
     return 0

@@ -7,7 +7,10 @@ the Agg canvas, never pyplot, so the caller's matplotlib backend is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -224,8 +227,30 @@ def plot_traces(traces: Sequence[str | Path | Trace], out: str | Path, *, dpi: i
     out = Path(out)
     _check_folder(out)
     fig = draw_traces(traces)
-    fig.savefig(out, dpi=dpi, format=kind)
+    _save_whole(fig, out, dpi=dpi, format=kind)
     return out
+
+
+def _save_whole(fig: Figure, out: Path, **savefig: Any) -> None:
+    """Save ``fig`` to a temporary file beside ``out``, then rename it over ``out``: a write
+    that fails (a full disk) leaves an older image whole and no part-written file (saved in
+    place, a good PNG became a truncated one, and a first image a 0-byte file)."""
+    target = Path(os.path.realpath(out)) if out.is_symlink() else out
+    if target.exists() and not target.is_file():  # a device or a pipe: nothing to replace
+        fig.savefig(target, **savefig)
+        return
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
+    try:
+        with os.fdopen(fd, "wb") as file:
+            fig.savefig(file, **savefig)
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(tmp, target.stat().st_mode & 0o7777)  # an older image keeps its mode
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def _check_folder(out: Path) -> None:
