@@ -181,6 +181,32 @@ def test_sharded_index_and_folder(tmp_path):
         from_safetensors(lambda: Net(torch.bfloat16), tmp_path / "a.safetensors")()
 
 
+@pytest.mark.parametrize("checked", [True, False], ids=["fixed", "control"])
+@pytest.mark.parametrize("value", [5, None, ["a.safetensors"], ""])
+def test_an_index_value_that_is_not_a_file_name_is_a_checkpoint_error(
+    tmp_path, monkeypatch, checked, value
+):
+    """A weight_map value of 5 raised a bare TypeError from the path join. Control: with
+    the values unchecked, no CheckpointError naming the index and the key."""
+    import stageload.load.checkpoint as checkpoint
+
+    state = _random_state(torch.float32)
+    save_file(state, str(tmp_path / "a.safetensors"))
+    weight_map = dict.fromkeys(sorted(state), "a.safetensors")
+    weight_map["norm.bias"] = value
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    if not checked:
+        monkeypatch.setattr(checkpoint, "_shard_name", lambda index, key, name: name)
+    with pytest.raises(Exception) as raised:
+        load_weights(Net(), index)
+    said = isinstance(raised.value, CheckpointError) and str(index) in str(raised.value)
+    said = said and f"weight_map['norm.bias'] is {value!r}, not the name of a shard" in str(
+        raised.value
+    )
+    assert said is checked, raised.value
+
+
 def test_strict_lists_every_problem_with_file_names(tmp_path):
     state = _random_state(torch.float32)
     del state["norm.bias"]

@@ -317,10 +317,26 @@ def pretrained_checkpoint(folder: Path, kwargs: Mapping[str, Any]) -> list[Path]
 def _index_files(index: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-        names = sorted(set(weight_map.values()))
+        items = weight_map.items()
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(index, f"not a sharded-checkpoint index ({exc!r})") from None
-    return [index.parent / name for name in names]
+    names = {_shard_name(index, key, name) for key, name in items}
+    return [index.parent / name for name in sorted(names)]
+
+
+def _shard_name(index: Path, key: str, name: object) -> str:
+    """``name``, a ``weight_map`` value, when it can name a shard file; else a
+    ``CheckpointError`` naming the index and the key (a number or null here made a bare
+    ``TypeError`` in the path join)."""
+    if isinstance(name, str) and name:
+        return name
+    raise CheckpointError(
+        index,
+        f"weight_map[{key!r}] is {name!r}, not the name of a shard file",
+        tensor=key,
+        fix="each value must name a file beside the index, e.g. "
+        "'model-00001-of-00002.safetensors'; save or download the index again",
+    )
 
 
 def read_entries(files: list[Path]) -> dict[str, Entry]:
