@@ -935,6 +935,29 @@ def test_an_unusable_trace_is_refused_before_queueing(
     assert last["type"] == "end"  # the running command's trace is whole
 
 
+@pytest.mark.parametrize("checked", [True, False], ids=["fixed", "control"])
+def test_run_queued_refuses_a_path_as_trace(
+    checked: bool, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run_queued(trace='/tmp')`` was taken as trace=True: the command ran, its trace
+    under the lane. Now a ValueError that shows where a trace file goes, nothing run.
+    Control: with the flag unchecked, the command runs and the lane gets the trace."""
+    from stageload.guard import GuardConfig, runner
+
+    if not checked:
+        monkeypatch.setattr(runner, "_trace_flag", lambda trace: trace)
+    ran = tmp_path / "ran"
+    config = GuardConfig(["touch", str(ran)], wait_free="0", poll="0.05", grace="1")
+    if checked:
+        with pytest.raises(ValueError, match=r"trace=\.\.\.\) is True or False .*got '/tmp'"):
+            runner.run_queued(config, trace="/tmp", stderr=None)  # type: ignore[arg-type]
+        assert not ran.exists() and not (home / "lanes/ram/traces").exists()
+    else:
+        result = runner.run_queued(config, trace="/tmp", stderr=None)  # type: ignore[arg-type]
+        assert result.exit_code == 0 and ran.exists()
+        assert len(list((home / "lanes/ram/traces").iterdir())) == 1
+
+
 def test_no_trace_writes_no_trace(home: Path, spawn: Spawn) -> None:
     """Control: the same run without --no-trace leaves its trace under traces/."""
     assert finish(spawn("--no-trace", "--", "true"))[0] == 0

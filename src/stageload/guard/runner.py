@@ -225,6 +225,17 @@ class QueuedRun:
             self._say(f"warning: history not written ({exc.strerror or exc})")
 
 
+def _trace_flag(trace: object) -> bool:
+    """``run_queued``'s ``trace``, a bool: a path there (``trace='/tmp'``) was taken as
+    True, its trace written under the lane instead of where it was meant to go."""
+    if isinstance(trace, bool):
+        return trace
+    raise ValueError(
+        f"run_queued(trace=...) is True or False (whether to write a trace), got {trace!r}; "
+        "give a trace file in the config instead, e.g. GuardConfig([...], trace='run.jsonl')"
+    )
+
+
 #: ``Lane.skipped``'s kinds, as a warning names one of them and several.
 _SKIPPED = {
     "tickets": ("ticket file", "ticket files"),
@@ -259,15 +270,17 @@ def run_queued(
     line to the lane's history. ``home`` overrides the state directory, ``poll`` the seconds
     between looks while waiting (default ``$STAGELOAD_QUEUE_POLL`` or 0.5).
 
-    Raises ``ValueError`` for a bad lane, owner or size and ``QueueError`` when the state
-    directory cannot be used. Exit codes are the guard's (``GuardResult.exit_code``); a
-    ``start_timeout`` covers the wait in the queue and the guard's admission together.
+    Raises ``ValueError`` for a bad lane, owner or size, or a ``trace`` that is not a bool,
+    and ``QueueError`` when the state directory cannot be used. Exit codes are the guard's
+    (``GuardResult.exit_code``); a ``start_timeout`` covers the wait in the queue and the
+    guard's admission together.
 
     Example::
 
         result = run_queued(GuardConfig(["python", "gen.py"]), memory="6G", owner="alice")
         sys.exit(result.exit_code)
     """
+    trace = _trace_flag(trace)
     owner, who = resolve_owner(owner, who)
     seconds = poll_interval() if poll is None else float(poll)
     if seconds <= 0:
