@@ -836,7 +836,7 @@ PART_CALL = "import sys; from fixtures import auto_script; print(auto_script.cal
 # ``_saved_for_backward``): every check off.
 BROKEN = (
     "import stageload.autostage as a; a._busy = lambda model: False; "
-    "a._held_elsewhere = a._saved_for_backward = lambda module: None; " + PART_CALL
+    "a._held_elsewhere = a._saved_for_backward = lambda *args: None; " + PART_CALL
 )
 
 
@@ -1783,7 +1783,7 @@ CALLS_ONLY = (
     "    return False\n"
     "a._busy = busy\n"
     # the method's view, and the graph of its output, would keep it too
-    "a._held_elsewhere = a._saved_for_backward = lambda module: None\n"
+    "a._held_elsewhere = a._saved_for_backward = lambda *args: None\n"
 ) + METHOD_CALL
 
 
@@ -1967,7 +1967,7 @@ def test_a_view_the_script_keeps_keeps_its_model_loaded_while_it_lives(folder, t
 def test_control_without_the_check_the_view_reads_freed_memory(folder, tmp_path):
     code = (
         "import stageload.autostage as a\n"
-        "a._held_elsewhere = a._saved_for_backward = lambda m: None\n" + VIEW_KEPT
+        "a._held_elsewhere = a._saved_for_backward = lambda *args: None\n" + VIEW_KEPT
     )
     done = _run(["-c", code, folder], tmp_path)
     assert done.returncode != 0 or done.stdout.split()[0] != "True"
