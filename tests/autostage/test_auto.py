@@ -1539,7 +1539,7 @@ def viewed_then_another(keep_base: bool, inference: bool = False) -> list[str]:
     measures what holds a view's base: measured once per process). Returns auto's notes
     and releases."""
     auto_script.BASES.clear()
-    stageload.autostage._refs_of_a_lone_base.cache_clear()
+    stageload.hooks.release._refs_of_a_lone_base.cache_clear()
     sink = ListSink()
     factories = ["fixtures.auto_script:make_viewed", "fixtures.auto_script:make_wide"]
     with auto(budget=int(1.5 * SIZE), factories=factories, defaults=False, events=sink):

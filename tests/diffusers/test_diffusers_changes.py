@@ -257,3 +257,30 @@ def test_attention_processors_and_fused_projections_are_kept(root: Path) -> None
 def test_fusing_projections_of_an_unloaded_component_loads_it(root: Path) -> None:
     """fuse_qkv_projections concatenates the weights' values: reading them loads them."""
     compare("sd", root, "default", [lambda p: p.fuse_qkv_projections()])
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["kept", "control"])
+def test_a_state_dict_the_script_keeps_and_edits_reaches_the_component(
+    root: Path, held: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sd = pipe.unet.state_dict()`` kept across a call, then edited in place: in eager
+    the edit is the UNet's (its tensors alias the weights). Staged, the tensors held
+    outside stay in memory through releases, so the edit reaches every later call, and
+    that is said once (helper-56: the next calls silently used the checkpoint's bias,
+    0.05 off). Control: a release that takes them too."""
+    from stageload.diffusers._placeholder import StageHook
+
+    if not held:
+        monkeypatch.setattr(StageHook, "retain", lambda self, module: self.tracked.retain(module))
+    fam = FAMILIES["sd"]
+    sink = ListSink()
+    outs = []
+    for pipe in (fam.load(folder(fam, root)), staged("sd", root, "default", sink)):
+        sd = pipe.unet.state_dict()
+        first = run(pipe, "sd", "default")  # staged: the UNet is released at decode
+        with torch.no_grad():
+            sd["conv_out.bias"].add_(0.5)
+        outs.append([first, run(pipe, "sd", "default"), run(pipe, "sd", "default")])
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True)) == held
+    notes = [e.note for e in sink.events if e.kind == "note" and "held outside" in e.note]
+    assert len(notes) == held

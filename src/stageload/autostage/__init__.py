@@ -84,7 +84,6 @@ from ..external import (
     from_pretrained_dtype,
     library_model,
     own_tensor_tables,
-    storage_use_count,
     tensor_version,
     torch_function_off,
 )
@@ -92,6 +91,7 @@ from ..hooks.empty import mark_empty, own_attributes, unmark_empty
 from ..hooks.registry import Hold, HookRegistry, ModuleHook, end_hold, patch, try_hold
 from ..hooks.release import (
     held_by_autograd,
+    held_outside,
     is_released,
     release,
     releasing,
@@ -1842,31 +1842,12 @@ def _as_made(model: _Model, module: nn.Module | None = None) -> Any:
 
 def _held_elsewhere(module: nn.Module, kept: Collection[int] = ()) -> str | None:
     """The first tensor of ``module`` whose memory something outside the model still
-    holds (a view the script took, ``w = model.weight[0:4]``, or a tensor shared with
-    another model), or None. A release frees that memory; the holder would read freed
-    memory. Counted per storage: the model's own tensors on it, the tensors a view among
-    them was made from (a buffer registered as ``x.unsqueeze(0)``, as diffusers' PixArt
-    position embedding is: the view holds its base), plus the one storage object held
-    here. ``kept``: the ids of tensors a release leaves in memory (:meth:`_Hook.retain`)."""
-    counts: dict[tuple[Any, int], list[Any]] = {}  # storage -> [first name, tensors, storage]
-    seen: set[int] = set(kept)
+    holds (:func:`~stageload.hooks.release.held_outside`), or None: a release would free
+    memory under the holder. ``kept``: the ids of tensors a release leaves in memory
+    (:meth:`_Hook.retain`)."""
     with torch_function_off():
-        for name, t in named_tensors(module):
-            if id(t) in seen or t.is_meta:
-                continue
-            seen.add(id(t))
-            storage = t.untyped_storage()
-            entry = counts.setdefault((t.device, storage.data_ptr()), [name, 0, storage])
-            entry[1] += 1
-            base = t._base
-            if base is not None and id(base) not in seen and _only_its_views_hold(base):
-                seen.add(id(base))
-                entry[1] += 1
-            del storage, base
-        for name, tensors, storage in counts.values():
-            if storage.nbytes() and storage_use_count(storage) > tensors + 1:
-                return name
-    return None
+        held = held_outside(named_tensors(module), kept)
+    return held[0][0] if held else None
 
 
 def _saved_for_backward(module: nn.Module, kept: Collection[int] = ()) -> str | None:
@@ -1885,32 +1866,6 @@ def _saved_for_backward(module: nn.Module, kept: Collection[int] = ()) -> str | 
                 if t is not None and id(t) not in kept and held_by_autograd(t, slots=slots):
                     return f"{prefix}.{key}" if prefix else key
     return None
-
-
-def _only_its_views_hold(base: Any) -> bool:
-    """No Python object other than the views made from it holds ``base`` (the tensor a
-    view among a model's tensors was made from, held in the caller's local): the script
-    has no way to read it."""
-    return sys.getrefcount(base) <= _refs_of_a_lone_base()
-
-
-@functools.cache
-def _refs_of_a_lone_base() -> int:
-    """What :func:`_only_its_views_hold` counts for a tensor nothing but its view holds,
-    counted the same way (a local, a parameter, getrefcount's argument): the count
-    depends on the interpreter, the comparison does not."""
-    import torch
-
-    with torch.inference_mode(False):  # an inference tensor's view records no base
-        view = torch.zeros(1).unsqueeze(0)
-    base = view._base
-    if base is None:  # never: then no base counts as the model's own
-        return 0
-    return _count(base)
-
-
-def _count(base: Any) -> int:
-    return sys.getrefcount(base)
 
 
 def _converted(samples: dict[str, Any], module: nn.Module) -> dict[str, Any]:

@@ -51,15 +51,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.events import NOTE, Event
 from ..errors import StageloadError
 from ..external import (
     CONVERT_METHOD,
     HF_HOOK_ATTR,
     tensor_version,
+    torch_function_off,
 )
 from ..hooks.empty import mark_empty
 from ..hooks.registry import HookRegistry, ModuleHook, patch
-from ..hooks.release import unmark_released
+from ..hooks.release import held_outside, unmark_released
 from ..load.refill import conversion_probes, fresh_memory
 from ..load.skeleton import build_empty, fill_from
 from ..load.weights import like, named_tensors
@@ -126,6 +128,7 @@ class StageHook(ModuleHook):
         self.tracked = tracked
         self.execution_device = device
         self.stager: Callable[[], Any] | None = None  # a weakref to the StagedPipeline
+        self._held_said = False  # a note that tensors held outside stay, said once
         self._local = threading.local()
 
     @property
@@ -148,7 +151,27 @@ class StageHook(ModuleHook):
         return True
 
     def retain(self, module: nn.Module) -> list[torch.Tensor]:
-        return self.tracked.retain(module)
+        """What the checkpoint cannot give back (:meth:`Tracked.retain`), and the tensors
+        something outside the component still holds (a ``state_dict()`` the script keeps
+        and edits, a view): released, the holder's edits would go to memory the component
+        no longer reads, and its next load the checkpoint's values (helper-56)."""
+        kept = self.tracked.retain(module)
+        with torch_function_off():
+            held = held_outside(named_tensors(module), {id(t) for t in kept})
+        if held and not self._held_said:
+            self._held_said = True
+            state = self.stager() if self.stager is not None else None
+            if state is not None:
+                state.emit(
+                    Event(
+                        NOTE,
+                        model=self.name,
+                        note=f"{self.name}: {held[0][0]} and {len(held) - 1} more tensors are "
+                        f"held outside the component (a state_dict() or a view the script "
+                        f"keeps): they stay in memory while it is released",
+                    )
+                )
+        return kept + [t for _, t in held]
 
     def released(self, module: nn.Module) -> None:
         mark_empty(module, self)

@@ -11,7 +11,7 @@ import functools
 import gc
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -74,6 +74,68 @@ def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
 def _own_tensors(sub: nn.Module) -> Iterable[torch.Tensor]:
     yield from sub.parameters(recurse=False)
     yield from sub.buffers(recurse=False)
+
+
+def held_outside(
+    tensors: Iterable[tuple[str, torch.Tensor]], skip: Collection[int] = ()
+) -> list[tuple[str, torch.Tensor]]:
+    """Of a module's ``tensors`` (name, tensor: ``named_tensors``), those whose memory
+    something outside the module still holds, in order: a view the script took (``w =
+    model.weight[0:4]``), a ``state_dict()`` it keeps, a tensor shared with another model.
+    A release would free memory under the holder (or, where the holder keeps the storage
+    alive, leave it a copy the model no longer reads). Counted per storage: the module's
+    own tensors on it, the tensors a view among them was made from (a buffer registered as
+    ``x.unsqueeze(0)``, as diffusers' PixArt position embedding is: the view holds its
+    base), plus the one storage object held here. ``skip``: ids of tensors left out (ones
+    a release keeps anyway). Read with torch functions off for a released module."""
+    from ..external import storage_use_count
+
+    by_storage: dict[tuple[Any, int], list[Any]] = {}  # -> [tensors counted, storage, named]
+    seen: set[int] = set(skip)
+    for name, t in tensors:
+        if id(t) in seen or t.is_meta:
+            continue
+        seen.add(id(t))
+        storage = t.untyped_storage()
+        entry = by_storage.setdefault((t.device, storage.data_ptr()), [0, storage, []])
+        entry[0] += 1
+        entry[2].append((name, t))
+        base = t._base
+        if base is not None and id(base) not in seen and _only_its_views_hold(base):
+            seen.add(id(base))
+            entry[0] += 1
+        del storage, base
+    held = []
+    for counted, storage, named in by_storage.values():
+        if storage.nbytes() and storage_use_count(storage) > counted + 1:
+            held.extend(named)
+    return held
+
+
+def _only_its_views_hold(base: Any) -> bool:
+    """No Python object other than the views made from it holds ``base`` (the tensor a
+    view among a module's tensors was made from, held in the caller's local): the script
+    has no way to read it."""
+    return sys.getrefcount(base) <= _refs_of_a_lone_base()
+
+
+@functools.cache
+def _refs_of_a_lone_base() -> int:
+    """What :func:`_only_its_views_hold` counts for a tensor nothing but its view holds,
+    counted the same way (a local, a parameter, getrefcount's argument): the count
+    depends on the interpreter, the comparison does not."""
+    import torch
+
+    with torch.inference_mode(False):  # an inference tensor's view records no base
+        view = torch.zeros(1).unsqueeze(0)
+    base = view._base
+    if base is None:  # never: then no base counts as the module's own
+        return 0
+    return _count(base)
+
+
+def _count(base: Any) -> int:
+    return sys.getrefcount(base)
 
 
 def storage_sizes(module: nn.Module) -> dict[tuple[str, int], int]:
