@@ -1054,3 +1054,31 @@ def test_control_undelivered_the_other_calls_return_none(
     monkeypatch.setattr("stageload.diffusers._Gather._undelivered", staticmethod(lambda *a: None))
     got = interrupted_batch(path)
     assert [str(got[seed]) for seed in (1, 2)] == ["'NoneType' object is not subscriptable"] * 2
+
+
+# -- diffusers' AutoPipeline classes -------------------------------------------------------------
+@pytest.mark.parametrize("task", ["sd", "sd-img2img"])
+@pytest.mark.parametrize("resolved", [True, False], ids=["resolved", "control"])
+def test_an_auto_pipeline_class_stages_the_pipeline_it_would_load(
+    path: Path, task: str, resolved: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``staged_pipeline(AutoPipelineForText2Image, path)``, as users write
+    ``AutoPipelineForText2Image.from_pretrained(path)`` (helper-56: refused): the class its
+    ``from_pretrained`` picks from the folder (Stable Diffusion, or its img2img pipeline),
+    staged, with eager's images. Control: the AutoPipeline class itself is refused."""
+    from diffusers import AutoPipelineForImage2Image, AutoPipelineForText2Image
+
+    import stageload.diffusers as sd
+
+    auto_cls = AutoPipelineForText2Image if task == "sd" else AutoPipelineForImage2Image
+    if not resolved:
+        monkeypatch.setattr(sd, "_is_auto_pipeline", lambda cls: False)
+        with pytest.raises(TypeError, match="not a diffusers.DiffusionPipeline"):
+            staged_pipeline(auto_cls, path, keep=())
+        return
+    family = FAMILIES[task]
+    eager_pipe = auto_cls.from_pretrained(path)
+    pipe = staged_pipeline(auto_cls, path, keep=())
+    assert type(pipe) is type(eager_pipe) is family.cls
+    want = eager_pipe(**family.call(0))[0]
+    assert all(torch.equal(pipe(**family.call(0))[0], want) for _ in range(2))

@@ -41,7 +41,9 @@ from ._args import (
     _MODEL_KWARGS,
     _check_device,
     _check_pipeline_cls,
+    _concrete_pipeline,
     _dtype_kwarg,
+    _is_auto_pipeline,
     _load_component,
     _resolve_folder,
     check_keep,
@@ -552,6 +554,11 @@ def staged_pipeline(
 
     from ..core.rng import preserved_rng
 
+    if _is_auto_pipeline(pipeline_cls):  # AutoPipelineForText2Image: the class it would load
+        from diffusers import DiffusionPipeline
+
+        found = _resolve_folder(DiffusionPipeline, path, from_pretrained_kwargs)
+        pipeline_cls = _concrete_pipeline(pipeline_cls, found)
     _check_pipeline_cls(pipeline_cls)
     if "dtype" in from_pretrained_kwargs:  # diffusers >= 0.42 spells it dtype
         if torch_dtype is not None:

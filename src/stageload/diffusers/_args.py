@@ -41,6 +41,50 @@ def _check_pipeline_cls(pipeline_cls: Any) -> None:
     )
 
 
+#: diffusers' AutoPipeline classes, each with the mapping its ``from_pretrained`` picks the
+#: pipeline from (by the folder's ``model_index.json``).
+_AUTO_PIPELINES = {
+    "AutoPipelineForText2Image": "AUTO_TEXT2IMAGE_PIPELINES_MAPPING",
+    "AutoPipelineForImage2Image": "AUTO_IMAGE2IMAGE_PIPELINES_MAPPING",
+    "AutoPipelineForInpainting": "AUTO_INPAINT_PIPELINES_MAPPING",
+}
+
+
+def _is_auto_pipeline(pipeline_cls: Any) -> bool:
+    return (
+        isinstance(pipeline_cls, type)
+        and pipeline_cls.__name__ in _AUTO_PIPELINES
+        and pipeline_cls.__module__.startswith("diffusers.")
+    )
+
+
+def _concrete_pipeline(pipeline_cls: type, folder: Path) -> type:
+    """The pipeline class diffusers' AutoPipeline ``pipeline_cls`` loads from ``folder``
+    (``AutoPipelineForText2Image`` on a Stable Diffusion folder: ``StableDiffusionPipeline``;
+    ``AutoPipelineForImage2Image``: ``StableDiffusionImg2ImgPipeline``), as its
+    ``from_pretrained`` picks it; a TypeError naming the class to pass where it has none."""
+    import json
+
+    import diffusers.pipelines.auto_pipeline as auto
+
+    task = getattr(auto, _AUTO_PIPELINES[pipeline_cls.__name__])
+    try:
+        name = json.loads((folder / "model_index.json").read_text())["_class_name"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TypeError(
+            f"{pipeline_cls.__name__} reads the pipeline's class from {folder}/model_index.json, "
+            f"which cannot be read ({exc!r}); pass the pipeline class itself"
+        ) from None
+    for mapping in auto.SUPPORTED_TASKS_MAPPINGS:  # the model family, then the task's class
+        family = next((key for key, cls in mapping.items() if cls.__name__ == name), None)
+        if family is not None and family in task:
+            return task[family]
+    raise TypeError(
+        f"{pipeline_cls.__name__} has no pipeline for {name} (from {folder}/model_index.json); "
+        f"pass the pipeline class itself, e.g. staged_pipeline({name}, path)"
+    )
+
+
 def _check_device(device: Any) -> torch.device:
     import torch
 
