@@ -1082,3 +1082,26 @@ def test_an_auto_pipeline_class_stages_the_pipeline_it_would_load(
     assert type(pipe) is type(eager_pipe) is family.cls
     want = eager_pipe(**family.call(0))[0]
     assert all(torch.equal(pipe(**family.call(0))[0], want) for _ in range(2))
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
+def test_weights_under_a_variant_only_are_said_at_the_build(
+    path: Path, tmp_path: Path, checked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder saved with ``variant="fp16"`` loaded without ``variant=``: eager's
+    ``from_pretrained`` raises at once; so does ``staged_pipeline``, saying the variant to
+    pass (helper-56: it built, and the first call failed in a component's load). Control:
+    without the check, the build goes through."""
+    import stageload.diffusers as sd
+
+    saved = tmp_path / "fp16"
+    SD.load(path).save_pretrained(saved, variant="fp16")
+    with pytest.raises(OSError):
+        SD.cls.from_pretrained(saved)
+    if not checked:
+        monkeypatch.setattr(sd, "_check_variant", lambda folder, names, kwargs: None)
+        staged_pipeline(SD.cls, saved, keep=())
+        return
+    with pytest.raises(OSError, match="variant only \\(fp16\\).*pass variant='fp16'"):
+        staged_pipeline(SD.cls, saved, keep=())
+    assert same_twice(staged_pipeline(SD.cls, saved, keep=(), variant="fp16"), image(eager(path)))

@@ -41,6 +41,7 @@ from ._args import (
     _MODEL_KWARGS,
     _check_device,
     _check_pipeline_cls,
+    _check_variant,
     _concrete_pipeline,
     _dtype_kwarg,
     _is_auto_pipeline,
@@ -582,6 +583,7 @@ def staged_pipeline(
     check_fits(pipeline_cls, folder, from_pretrained_kwargs)
     given = {name for name in from_pretrained_kwargs if name in models}
     plan, staged, marks = choose_plan(pipeline_cls, folder, models, given, stages)
+    _check_variant(folder, staged, from_pretrained_kwargs)
     streaming = _streamed_names(
         stream, models, staged, folder, torch_dtype, budget, from_pretrained_kwargs
     )

@@ -85,6 +85,31 @@ def _concrete_pipeline(pipeline_cls: type, folder: Path) -> type:
     )
 
 
+#: The weight files' stems diffusers and transformers models are saved under.
+_WEIGHT_STEMS = ("diffusion_pytorch_model", "model", "pytorch_model")
+
+
+def _check_variant(folder: Path, names: Iterable[str], kwargs: Mapping[str, Any]) -> None:
+    """Before any loading: an OSError, as eager's ``from_pretrained`` raises at once, when a
+    staged component has only weights saved under a variant and none was given (the first
+    call failed instead, deep in its first load: helper-56)."""
+    if kwargs.get("variant"):
+        return
+    for name in names:
+        sub = folder / name
+        found = sorted(p.name for p in sub.iterdir() if p.is_file()) if sub.is_dir() else []
+        parts = [f.split(".") for f in found if f.endswith((".safetensors", ".bin", ".json"))]
+        weights = [p for p in parts if p[0] in _WEIGHT_STEMS]
+        plain = [p for p in weights if p[1] in ("safetensors", "bin")]
+        variants = sorted({p[1] for p in weights if len(p) >= 3 and p[2] in ("safetensors", "bin")})
+        if variants and not plain:
+            raise OSError(
+                f"{name}: {sub} holds weights saved under a variant only "
+                f"({', '.join(variants)}), and no variant was given; pass "
+                f"variant={variants[0]!r}, as from_pretrained needs it"
+            )
+
+
 def _check_device(device: Any) -> torch.device:
     import torch
 
