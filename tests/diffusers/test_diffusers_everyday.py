@@ -1105,3 +1105,45 @@ def test_weights_under_a_variant_only_are_said_at_the_build(
     with pytest.raises(OSError, match="variant only \\(fp16\\).*pass variant='fp16'"):
         staged_pipeline(SD.cls, saved, keep=())
     assert same_twice(staged_pipeline(SD.cls, saved, keep=(), variant="fp16"), image(eager(path)))
+
+
+@pytest.mark.parametrize("quiet", [True, False], ids=["once", "control"])
+def test_a_bin_checkpoints_messages_are_said_once_as_eager_says_them(
+    path: Path, tmp_path: Path, quiet: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pipeline saved without safetensors (``.bin``): diffusers logs "An error occurred
+    while trying to fetch ..." and "Defaulting to unsafe serialization" for the UNet and
+    the VAE, once in eager (at its build); staged, once too, at their first load, not at
+    each reload (helper-56: on every call of a server). Control: reloads as loud."""
+    import logging
+
+    import stageload.diffusers._args as args
+
+    if not quiet:
+        monkeypatch.setattr(args, "_libraries_quiet", contextlib.nullcontext)
+    saved = tmp_path / "bin"
+    SD.load(path).save_pretrained(saved, safe_serialization=False)
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logger = diffusers.utils.logging.get_logger("diffusers")
+    handler = Keep()
+    logger.addHandler(handler)
+    level = diffusers.utils.logging.get_verbosity()  # this module sets "error"
+    diffusers.utils.logging.set_verbosity_warning()  # a user's default
+    try:
+        eager_pipe = SD.load(saved)
+        want = [image(eager_pipe) for _ in range(3)]
+        eager_said, said[:] = list(said), []
+        pipe = staged_pipeline(SD.cls, saved, keep=())
+        got = [image(pipe) for _ in range(3)]
+    finally:
+        diffusers.utils.logging.set_verbosity(level)
+        logger.removeHandler(handler)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    for text in ("An error occurred while trying to fetch", "unsafe serialization"):
+        assert sum(text in m for m in eager_said) == 2  # the UNet's and the VAE's
+        assert (sum(text in m for m in said) == 2) == quiet, said

@@ -128,6 +128,7 @@ class StagedPipeline:
         self.gather = _Gather(self)  # calls that arrive while one runs: the next batch
         # How each component refills from its files, learned at its first load.
         self._recipes: dict[str, Recipe] = {}
+        self._read: set[str] = set()  # loaded through from_pretrained once: said its warnings
         # Which tensors each component's checkpoint holds, and which the user changed.
         self._tracked = {name: _placeholder.Tracked(s) for name, s in self._skeletons.items()}
         self._used: set[str] = set()  # components used at least once, for adaptive plans
@@ -205,8 +206,13 @@ class StagedPipeline:
             fix="restore the file, or build the staged pipeline again to use the new one",
         )
         loaded = _load_component(
-            self._classes[name], self.path / name, self.torch_dtype, self._model_kwargs
+            self._classes[name],
+            self.path / name,
+            self.torch_dtype,
+            self._model_kwargs,
+            quiet=name in self._read,
         )
+        self._read.add(name)
         if target["device"].type != "cpu":
             loaded = _placeholder.real_to(loaded, device=target["device"])
         for dtype in target["dtypes"]:

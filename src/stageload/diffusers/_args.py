@@ -3,8 +3,9 @@ and the ``from_pretrained`` arguments as each library version spells them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -195,9 +196,16 @@ _MODEL_KWARGS = (
 
 
 def _load_component(
-    cls: type, folder: Path, torch_dtype: torch.dtype | None, kwargs: Mapping[str, Any]
+    cls: type,
+    folder: Path,
+    torch_dtype: torch.dtype | None,
+    kwargs: Mapping[str, Any],
+    *,
+    quiet: bool = False,
 ) -> nn.Module:
-    """``cls.from_pretrained`` the way DiffusionPipeline.from_pretrained calls it."""
+    """``cls.from_pretrained`` the way DiffusionPipeline.from_pretrained calls it. ``quiet``:
+    a reload, whose warnings the first load gave (a ``.bin`` checkpoint's "no file named
+    ...safetensors" and "unsafe serialization", on every call: helper-56)."""
     kwargs = dict(kwargs)
     if is_transformers_model(cls):
         # As the pipeline's loader passes it: transformers 4.56 renamed torch_dtype to dtype,
@@ -206,8 +214,28 @@ def _load_component(
         kwargs[key] = torch_dtype
     else:
         kwargs["torch_dtype"] = torch_dtype
-    with external.BUILD_LOCK:  # a call's first load, on the caller's thread
+    # A call's first load, on the caller's thread.
+    with external.BUILD_LOCK, _libraries_quiet() if quiet else contextlib.nullcontext():
         return cls.from_pretrained(str(folder), **kwargs)
+
+
+@contextlib.contextmanager
+def _libraries_quiet() -> Iterator[None]:
+    """diffusers' and transformers' loggers silent but for critical messages, then as they
+    were: a reload is the first load's call again, which said what it logs (diffusers logs
+    a ``.bin`` checkpoint's missing safetensors file as an error, and then loads it). Their
+    level is process-wide: another thread's messages in the meantime are dropped too."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("diffusers", "transformers")]
+    levels = [logger.level for logger in loggers]
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def _dtype_kwarg(torch_dtype: torch.dtype | None) -> dict[str, Any]:
