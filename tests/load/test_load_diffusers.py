@@ -43,9 +43,9 @@ def from_pretrained_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]
     calls: list[str] = []
     real = sd._load_component
 
-    def counted(cls: type, folder: Path, *args: Any) -> Any:
+    def counted(cls: type, folder: Path, *args: Any, **kwargs: Any) -> Any:
         calls.append(folder.name)
-        return real(cls, folder, *args)
+        return real(cls, folder, *args, **kwargs)
 
     monkeypatch.setattr(sd, "_load_component", counted)
     yield calls
