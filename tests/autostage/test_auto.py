@@ -3034,3 +3034,149 @@ def test_what_auto_cannot_stage_is_one_line_each_in_the_report(folder, tmp_path)
         "note   run: b.pt: 1.0 MiB beside 2 models in use is over the budget of 2.0 MiB; "
         "loaded anyway",
     ]
+
+
+# -- helper-59's review: requires_grad, the script's parts at a reload, a factory's chains ---
+def two_models(folder: str, script: Any, **options: Any) -> tuple[Any, Any, Any]:
+    """``script(load)`` in eager, then under auto with room for one model (the ``ST``
+    factory, no loads ahead); returns (eager's result, auto's, the session)."""
+    paths = {n: f"{folder}/{n}.safetensors" for n in ("a", "b")}
+
+    def load(name: str) -> Any:
+        return auto_script.load_st(paths[name])
+
+    want = script(load)
+    with auto(
+        budget=int(1.5 * SIZE), factories=[ST], defaults=False, prefetch=False, **options
+    ) as s:
+        got = script(load)
+    return want, got, s
+
+
+@pytest.mark.parametrize("now", [True, False], ids=["as-set", "control"])
+def test_requires_grad_set_while_its_model_is_released_holds_at_the_reload(
+    st_folder, now, monkeypatch
+):
+    """``a.requires_grad_(False)`` and one layer back on, while ``a`` is released (peft's
+    ``get_peft_model`` freezes a base model so): after the reload and a backward, the same
+    parameters require and hold gradients as in eager (helper-59: all of them did, and an
+    optimizer over ``a.parameters()`` trained the frozen base). Control: the reload gives
+    back the flags as they were at the release."""
+    if not now:
+        monkeypatch.setattr(stageload.autostage, "_grads_now", lambda module, layout: layout)
+    x = torch.randn(2, auto_script.WIDTH, generator=torch.Generator().manual_seed(5))
+
+    def script(load: Any) -> list[tuple[str, bool, bool]]:
+        a, b = load("a"), load("b")
+        with torch.no_grad():
+            a(x)
+            b(x)  # a released
+        a.requires_grad_(False)
+        a.layers[2].weight.requires_grad_(True)
+        a(x).square().mean().backward()
+        return [(n, p.requires_grad, p.grad is not None) for n, p in a.named_parameters()]
+
+    want, got, _ = two_models(st_folder, script)
+    assert (got == want) == now
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["left-alone", "control"])
+def test_a_reload_leaves_the_scripts_parts_as_they_are(st_folder, left, monkeypatch):
+    """A layer wrapped (the script's parts, kept through releases), the model converted to
+    float64 while loaded, the wrapper's weight memory held by the script (``v = w.data``),
+    then ``a`` released and reloaded: the wrapper's weight is the same memory, so the
+    script's edit through ``v`` reaches the model, as in eager (helper-59: each reload
+    converted and copied the script's parts too, which it never released). Control: the
+    reload converts every tensor."""
+    if not left:
+        monkeypatch.setattr(stageload.autostage, "_filled_only", lambda layout, keys: layout)
+    x = torch.randn(2, auto_script.WIDTH, generator=torch.Generator().manual_seed(5))
+
+    def script(load: Any) -> list[Any]:
+        a, b = load("a"), load("b")
+        with torch.no_grad():
+            a(x)
+            torch.manual_seed(0)
+            a.layers[0] = auto_script.Lora(a.layers[0])
+            b(x)  # a released, the wrapper kept
+            a(x)
+            a.to(torch.float64)
+            v = a.layers[0].lora_a.weight.data
+            b(x)  # released again
+            out = [a(x.double())]
+            v.mul_(3.0)  # eager: the model's own memory
+            return [*out, a(x.double())]
+
+    want, got, _ = two_models(st_folder, script)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)) == left
+
+
+@pytest.mark.parametrize("chained", [True, False], ids=["chained", "control"])
+def test_a_round_trip_of_a_factorys_model_is_made_again_at_its_reload(
+    st_folder, chained, monkeypatch
+):
+    """A model from a named factory converted to bfloat16 and back while loaded (its
+    weights rounded), released, reloaded: the reload rounds them the same, equal to eager,
+    and nothing is said (helper-59: the factory's models had no dtype chains, so the reload
+    gave the file's values, 8e-3 off, and said "its factory gave other weights"). Control:
+    the chains the factory call records, cleared."""
+    x = torch.randn(2, auto_script.WIDTH, generator=torch.Generator().manual_seed(5))
+    session: list[Any] = []
+
+    def script(load: Any) -> list[Any]:
+        a = load("a")  # loaded by the factory's call, not reloaded yet
+        if session and not chained:  # as before the fix: no chain to extend
+            for model in session[0]._models.values():
+                model.chains = {}
+        with torch.no_grad():
+            a(x)
+            a.to(torch.bfloat16)
+            a.to(torch.float32)
+            first = a(x)
+            load("b")(x)  # a released
+            return [first, a(x)]
+
+    paths = {n: f"{st_folder}/{n}.safetensors" for n in ("a", "b")}
+    want = script(lambda n: auto_script.load_st(paths[n]))
+    with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False, prefetch=False) as s:
+        session.append(s)
+        got = script(lambda n: auto_script.load_st(paths[n]))
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)) == chained
+    assert (s.notes == []) == chained, s.notes
+
+
+@pytest.mark.parametrize("changed", ["one weight", "every tensor", "control"])
+def test_a_release_says_what_it_gave_back_and_a_model_changed_whole_stays(
+    st_folder, changed, monkeypatch
+):
+    """One weight of ``a`` changed in place: its releases give back the rest, and the trace
+    says so (the event's bytes: its size less that weight's). Every tensor changed (a
+    fine-tune's ``load_state_dict``): nothing would go, so it is kept loaded and said, not
+    released and reloaded for nothing (helper-59: both events said its whole size, and a
+    release freed nothing). Control (one weight): the kept bytes not counted."""
+    if changed == "control":
+        monkeypatch.setattr(stageload.autostage, "_kept_bytes", lambda module, keys: 0)
+    x = torch.randn(2, auto_script.WIDTH, generator=torch.Generator().manual_seed(5))
+    weight = auto_script.WIDTH * auto_script.WIDTH * 4
+
+    def script(load: Any) -> list[Any]:
+        a = load("a")
+        with torch.no_grad():
+            a(x)
+            if changed != "every tensor":
+                a.layers[0].weight.mul_(2)
+            else:
+                a.load_state_dict({k: v * 2 for k, v in a.state_dict().items()})
+            load("b")(x)
+            return [a(x)]
+
+    sink = ListSink()
+    want, got, s = two_models(st_folder, script, events=sink)
+    assert torch.equal(got[0], want[0])
+    sizes = [(e.kind, e.bytes) for e in sink.events if e.model == "a.safetensors"]
+    if changed != "every tensor":
+        freed = SIZE - weight if changed == "one weight" else SIZE
+        assert sizes == [("load", SIZE), ("release", freed), ("reload", freed)]
+    else:
+        assert sizes == [("load", SIZE)]
+        assert s.notes[0].startswith("a.safetensors: changed by the script since its load (")

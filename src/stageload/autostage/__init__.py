@@ -223,8 +223,6 @@ class _Model:
     #: others are the script's: a release leaves them in memory. None: every tensor is
     #: its files', under the name it loaded with.
     keys: dict[str, str] | None = None
-    #: The bytes of those parts, in memory while it is released (counted in the budget).
-    kept: int = 0
 
 
 @dataclass
@@ -601,6 +599,9 @@ class AutoSession:
             model.device = next((t.device for _, t in named_tensors(obj)), None)
             model.seen, model.samples = _seen(obj), _samples(obj)
             model.placed = {n: address for n, (_, _, address) in model.seen.items()}
+            # Each tensor's dtype as read: a round trip the script makes while it is loaded
+            # extends it (converted_loaded), and its reloads round as the script's did.
+            model.chains = {n: (t.dtype,) for n, t in named_tensors(obj)}
             model.made = _as_made(model, obj)
             model.inference = any(t.is_inference() for _, t in named_tensors(obj))
             model.drew = None if same_rng(rng, after) else (rng, after)
@@ -988,6 +989,7 @@ class AutoSession:
             keys = _keys(model, renames, module)
             replaced = _replaced(module, model) if renames is None else None
             layout = model.layout if renames is None else _renamed(model.layout, renames)
+            layout = _grads_now(module, layout)  # set while it was out: peft's freeze
             if ahead is not None and (
                 model.first is not None or renames is not None or replaced is not None
             ):
@@ -1063,7 +1065,7 @@ class AutoSession:
                         Event(
                             kind if ahead is None else PREFETCH,
                             model=model.name,
-                            bytes=model.size,
+                            bytes=model.size - _kept_bytes(module, keys),  # what it read
                             seconds=seconds,
                             note=how if ahead is None else f"{how}, for stage {ahead!r}",
                         )
@@ -1369,11 +1371,11 @@ class AutoSession:
             for m in self._models.values()
             if m is not keep and m.state != RELEASED and m.module() is not None
         ]
-        kept = sum(  # what released models keep in memory: the script's parts
-            m.kept
-            for m in self._models.values()
-            if m is not keep and m.state == RELEASED and m.module() is not None
-        )
+        kept = 0  # what released models keep in memory: the script's parts, as they are now
+        for m in self._models.values():
+            held = m.module() if m is not keep and m.state == RELEASED else None
+            if held is not None and m.keys is not None:
+                kept += _kept_bytes(held, m.keys)
         if sum(m.size for m in others) + kept + size <= self.budget:
             return None
         idle = [m for m in others if m.state == LOADED and not m.pinned]
@@ -1424,14 +1426,14 @@ class AutoSession:
     def _release(self, victim: _Victim, note: str | None = None, reason: str = REASON_AUTO) -> None:
         """Release the victim's model, marked ``releasing`` and held by this thread, without
         the lock; ``reason``: the release event's."""
-        model, done, module = victim.model, False, None
+        model, done, module, kept = victim.model, False, None, 0
         try:  # first: a Ctrl-C at the clock's call below is this release's (see _unchoose)
             start = time.perf_counter()
             module = model.module()
             if module is not None:
                 model.layout = _layout(module, model.chains, model.placed, model.layout)
                 model.size = _bytes(module)
-                model.kept = _kept_bytes(module, model.keys)
+                kept = _kept_bytes(module, model.keys)
                 model.device = next(iter(model.layout.values()), (None, model.device))[1]
                 # The hook's released() marks its tensors. A Ctrl-C is raised once the
                 # release is done (release() finishes first), so the model is released.
@@ -1457,7 +1459,7 @@ class AutoSession:
                         Event(
                             RELEASE,
                             model=model.name,
-                            bytes=model.size,
+                            bytes=model.size - kept,  # what it gave back
                             seconds=time.perf_counter() - start,
                             reason=reason,
                             note=note,
@@ -1777,14 +1779,22 @@ def _changed(model: _Model) -> str | None:
         changed.update(differs)
         if changed:  # the script's from now on; a factory call makes a new model
             keys = {n: k for n, k in (keys or {n: n for n in now}).items() if n not in changed}
-            model.changed = True
+            if not keys:  # nothing left to release: kept loaded, as said
+                return f"{sorted(changed)[0]} changed"
         if renames is not None or changed:  # what auto keeps by name follows the tensors
-            model.samples = {n: v for n, v in loaded.items() if keys is None or n in keys}
-            model.keys = keys
-            model.placed = {n: model.placed[b] for n, b in back.items() if b in model.placed}
-            model.chains = {n: model.chains[b] for n, b in back.items() if b in model.chains}
-            if renames is not None:
-                model.layout = _renamed(model.layout, renames)
+            samples = {n: v for n, v in loaded.items() if keys is None or n in keys}
+            placed = {n: model.placed[b] for n, b in back.items() if b in model.placed}
+            chains = {n: model.chains[b] for n, b in back.items() if b in model.chains}
+            layout = _renamed(model.layout, renames) if renames is not None else model.layout
+            # Stored together, with no call between: a Ctrl-C lands before or after.
+            model.samples, model.keys, model.placed, model.chains, model.layout = (
+                samples,
+                keys,
+                placed,
+                chains,
+                layout,
+            )
+            model.changed = model.changed or bool(changed)
         model.seen = now
     return None
 
@@ -2226,13 +2236,11 @@ def _checkpoint(args: tuple, kwargs: dict) -> list[Path]:
     return list(dict.fromkeys(found))
 
 
-def _refill(
-    module: nn.Module, model: _Model, layout: Layout, renames: dict[str, str] | None
-) -> bool:
+def _refill(module: nn.Module, model: _Model, layout: Layout, keys: dict[str, str] | None) -> bool:
     """Reload ``module`` in place from its files, as its first load read them (its
     recipe), then convert it to ``layout``, the one the script left; False when it has no
     recipe or its tensors sat on more than one device (the factory reloads it then).
-    ``renames``: see :func:`_renames`."""
+    ``keys``: the tensors its files hold, by name now (:attr:`_Model.keys`)."""
     import torch
 
     devices = {want[1] for want in layout.values()}
@@ -2242,8 +2250,11 @@ def _refill(
     # inference_mode must not make a converted weight an inference tensor.
     with torch.inference_mode(model.inference):
         with torch_function_off():
-            reload(module, model.recipe, devices.pop(), names=renames, progress=False)
-        _convert(module, layout)
+            reload(module, model.recipe, devices.pop(), names=keys, progress=False)
+        # What the files filled, not the script's parts, which stayed as they were
+        # (converted again, a round trip would round them once more; copied, memory the
+        # script holds would no longer be theirs).
+        _convert(module, _filled_only(layout, keys))
     return True
 
 
@@ -2358,6 +2369,20 @@ def _replaced(module: nn.Module, model: _Model) -> str | None:
             if name in model.seen and _scripts_own(model, name, t):
                 return f"{name} replaced"
     return None
+
+
+def _filled_only(layout: Layout, keys: dict[str, str] | None) -> Layout:
+    """``layout`` for the tensors a reload fills: those its files hold (``keys``)."""
+    return layout if keys is None else {n: w for n, w in layout.items() if n in keys}
+
+
+def _grads_now(module: nn.Module, layout: Layout) -> Layout:
+    """``layout`` with each tensor's ``requires_grad`` as it is now: the script may set it
+    on a released model's empty tensors (``get_peft_model`` freezes the base, a script
+    calls ``requires_grad_(False)``), and the reload gives that, not the release's."""
+    with torch_function_off():
+        now = {n: t.requires_grad for n, t in named_tensors(module)}
+    return {n: (w[0], w[1], now.get(n, w[2]), w[3], w[4], w[5]) for n, w in layout.items()}
 
 
 def _renamed(layout: Layout, renames: dict[str, str]) -> Layout:
