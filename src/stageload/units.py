@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import re
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+# The unit is a prefix with an optional "i" and an optional "B" (G, GB, Gi, GiB), or "B"
+# alone. An "i" needs a prefix: "2ib" was once read as 2 bytes.
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])i?)?b?\s*$", re.IGNORECASE)
+# A number followed by anything, to say which part is not a unit.
+_NUMBER_THEN_RE = re.compile(r"^\s*\d+(?:\.\d+)?\s*(\S.*?)\s*$")
+_SIZE_UNITS = "units are B, K, M, G, T and P, also written KB or KiB, all binary (1K = 1024 B)"
 _SIZE_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40, "p": 50}
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$", re.IGNORECASE)
 _DURATION_SCALE = {"ms": 0.001, "s": 1.0, "": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
@@ -28,7 +33,8 @@ def _shown(text: object) -> str:
 def parse_size(text: str | int) -> int:
     """Parse a size such as ``"12G"``, ``"512MiB"``, ``"1.5g"`` or ``"4096"`` into bytes.
 
-    Suffixes are binary (``G`` means GiB), as in ``free -h`` and ``sysctl vm.swapusage``.
+    Suffixes are binary (``G``, ``GB``, ``Gb`` and ``GiB`` all mean GiB), as in ``free -h``
+    and ``sysctl vm.swapusage``; anything else after the number is refused.
     """
     if isinstance(text, int):
         if text < 0:
@@ -38,15 +44,25 @@ def parse_size(text: str | int) -> int:
         return text
     match = _SIZE_RE.match(str(text))
     if not match:
-        raise ValueError(
-            f"invalid size {_shown(text)}: use a number with an optional unit, "
-            "e.g. '8G', '512M' or '1.5GiB'"
-        )
-    number, unit, _ = match.groups()
-    value = float(number) * (1 << _SIZE_SHIFT[unit.lower()])  # inf for 400 digits
+        raise ValueError(_invalid_size(text))
+    number, unit = match.groups()
+    value = float(number) * (1 << _SIZE_SHIFT[(unit or "").lower()])  # inf for 400 digits
     if not value <= SIZE_MAX:
         raise ValueError(_too_large_size(text))
     return int(value)
+
+
+def _invalid_size(text: object) -> str:
+    unit = _NUMBER_THEN_RE.match(str(text))
+    if unit:
+        return (
+            f"invalid size {_shown(text)}: {_shown(unit.group(1))} is not a unit; "
+            f"{_SIZE_UNITS}, e.g. '8G', '512M' or '1.5GiB'"
+        )
+    return (
+        f"invalid size {_shown(text)}: use a number with an optional unit; {_SIZE_UNITS}, "
+        "e.g. '8G', '512M' or '1.5GiB'"
+    )
 
 
 def _too_large_size(text: object) -> str:

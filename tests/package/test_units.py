@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from stageload import units
+from stageload.cli import main
 from stageload.units import (
     format_duration,
     format_size,
@@ -25,6 +29,45 @@ def test_parse_size(text, expected):
 def test_parse_size_rejects_with_an_example(bad):
     with pytest.raises(ValueError, match="e.g. '8G'"):
         parse_size(bad)
+
+
+# The size pattern before the fix: "i" and "B" were one optional suffix, with or without a
+# prefix, so "2ib" was 2 bytes.
+_OLD_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)i?b?\s*$", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control"])
+@pytest.mark.parametrize(("bad", "unit"), [("2ib", "'ib'"), ("2i", "'i'"), ("2 iB", "'iB'")])
+def test_an_i_without_a_prefix_is_not_a_unit(monkeypatch, capsys, fixed, bad, unit):
+    """'2ib' was read as 2 bytes. Now it is refused with the value, the part that is not a
+    unit and examples, by the library and by a flag (exit 2). Control: the old pattern."""
+    if not fixed:
+        monkeypatch.setattr(units, "_SIZE_RE", _OLD_SIZE_RE)
+    try:
+        parse_size(bad)
+    except ValueError as exc:
+        said = str(exc)
+    else:
+        said = ""
+    refused = f"invalid size {bad!r}: {unit} is not a unit" in said and "e.g. '8G'" in said
+    assert refused is fixed, said
+    try:
+        # Nothing to wait for in the control, where the flag is taken and `true` runs.
+        code = main(["guard", "--wait-free", "0%", "--swap-budget", bad, "--", "true"])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert (code == 2 and f"{unit} is not a unit" in err) is fixed, (code, err)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("2 GiB", 2 << 30), ("2GB", 2 << 30), ("2Gb", 2 << 30), ("2Ki", 2048), ("2b", 2), ("2 B", 2)],
+)
+def test_documented_units_still_parse(text, expected):
+    """What the docs and the docstring promise stays: binary units, B/iB optional, a space
+    allowed (format_size writes '1.5 GiB')."""
+    assert parse_size(text) == expected
 
 
 def test_percent_or_size():
