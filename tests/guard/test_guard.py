@@ -759,6 +759,41 @@ def test_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
         assert line in out
 
 
+def _option_help(out: str, option: str) -> str:
+    """The help of ``option`` in a rendered ``--help``, on one line."""
+    import re
+
+    found = re.search(rf"^  {re.escape(option)} .*?(?=^  -|^\S|\Z)", out, re.M | re.S)
+    assert found, f"{option} not in --help"
+    return " ".join(found.group(0).split())
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control"])
+@pytest.mark.parametrize("command", ["guard", "run"])
+def test_help_says_what_a_bare_number_means(monkeypatch, capsys, fixed, command) -> None:
+    """`--wait-free 50` is 50 % and `--swap-budget 50` is 50 bytes; each flag's help now
+    says which, and that 2GB is GiB. Control: the help without those words."""
+    import stageload.cli.guard as guard_cli
+    import stageload.cli.run as run_cli
+
+    if not fixed:
+        for module in (guard_cli, run_cli):
+            monkeypatch.setattr(module, "SIZE_HELP", "a size")
+        monkeypatch.setattr(guard_cli, "AMOUNT_HELP", "a percent or a size")
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    percent = ("a bare number is one (40 is 40%)", "12G, 12GB, 12GiB: 12 GiB")
+    size = ("a bare number is bytes (50 is 50 B)", "8G, 8GB, 8GiB: 8 GiB")
+    options = {"--wait-free": percent, "--kill-free": percent}
+    options |= {"--swap-budget": size, "--swap-limit": size}
+    if command == "run":
+        options["--memory"] = size
+    for option, (bare, units) in options.items():
+        said = _option_help(out, option)
+        assert (bare in said and units in said) is fixed, said
+
+
 def test_config_rejects_bad_values_like_the_flags() -> None:
     with pytest.raises(ValueError, match="invalid amount 'lots'"):
         GuardConfig(["true"], wait_free="lots")

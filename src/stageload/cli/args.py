@@ -17,6 +17,15 @@ from pathlib import Path
 
 from ..units import parse_duration, parse_percent_or_size, parse_size
 
+# What a bare number and a unit mean, in the help of every flag of each kind: `--wait-free 50`
+# is 50 % while `--swap-budget 50` is 50 bytes, and `2GB` is GiB, not 10**9 bytes. Escaped
+# for argparse, which %-formats help text.
+SIZE_HELP = "a bare number is bytes (50 is 50 B) and units are binary (8G, 8GB, 8GiB: 8 GiB)"
+AMOUNT_HELP = (
+    "a percentage of memory, where a bare number is one (40 is 40%%), or a size with a "
+    "unit, binary (12G, 12GB, 12GiB: 12 GiB)"
+)
+
 
 def size(text: str) -> int:
     """A size such as ``8G`` or ``512M``, in bytes."""

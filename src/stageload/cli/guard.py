@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ..units import parse_size
-from .args import amount, command_after_dashes, duration, size
+from .args import AMOUNT_HELP, SIZE_HELP, amount, command_after_dashes, duration, size
 
 if TYPE_CHECKING:
     from ..guard import GuardConfig
@@ -80,15 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser, quiet_for: float = 60.0) -> N
         type=amount,
         default="40%",
         metavar="AMOUNT",
-        help="start only when available memory is at least this: a percent or a size "
-        "such as 12G (default: 40%%)",
+        help=f"start only when available memory is at least this: {AMOUNT_HELP} (default: 40%%)",
     )
     admit.add_argument(
         "--swap-limit",
         type=size,
         default=None,
         metavar="SIZE",
-        help="start only when swap used plus --swap-budget stays under this size",
+        help=f"start only when swap used plus --swap-budget stays under this size: {SIZE_HELP}",
     )
     admit.add_argument(
         "--busy",
@@ -119,16 +118,16 @@ def add_arguments(parser: argparse.ArgumentParser, quiet_for: float = 60.0) -> N
         type=size,
         default=parse_size("8G"),
         metavar="SIZE",
-        help="stop the command when swap grows more than this over its value at start "
-        "(default: 8G)",
+        help="stop the command when swap grows more than this over its value at start: "
+        f"{SIZE_HELP} (default: 8G)",
     )
     watch.add_argument(
         "--kill-free",
         type=amount,
         default="10%",
         metavar="AMOUNT",
-        help="stop the command when available memory stays under this (percent or size) "
-        "for two samples in a row (default: 10%%)",
+        help="stop the command when available memory stays under this for two samples in "
+        f"a row: {AMOUNT_HELP} (default: 10%%)",
     )
     watch.add_argument(
         "--poll",

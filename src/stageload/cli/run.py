@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from .args import size
+from .args import SIZE_HELP, size
 
 #: ``--quiet-for``'s default here: waiting in the queue is the normal case, so a shorter
 #: quiet period than the guard's (60 s) after a --busy process was last seen.
@@ -145,8 +145,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_memory,
         default="auto",
         metavar="SIZE|auto",
-        help="the command's memory need, e.g. 6G; 'auto' (default) learns it from the "
-        "lane's history, and a command never seen runs alone",
+        help=f"the command's memory need, e.g. 6G: {SIZE_HELP}. 'auto' (default) learns "
+        "it from the lane's history, and a command never seen runs alone",
     )
     queue.add_argument(
         "--no-trace",
