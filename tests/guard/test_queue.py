@@ -466,6 +466,27 @@ def test_help_states_the_rules(capsys: pytest.CaptureFixture[str]) -> None:
     assert "need <= available" in text and "runs alone" in text and "--swap-budget" in text
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control"])
+def test_a_who_that_starts_with_a_dash_is_said_how_to_give(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], fixed: bool
+) -> None:
+    """`--who -x` (a name docs/queue.md allows) got only argparse's "expected one argument";
+    the error now says to write --who=-x, which gives '-x'. Control: without the hint."""
+    import re
+
+    import stageload.cli as cli
+
+    if not fixed:
+        monkeypatch.setattr(cli, "_ONE_ARGUMENT", re.compile("(?!)"))
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--who", "-x", "--", "true"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err, err
+    assert "argument --who: expected one argument" in err, err
+    assert ("e.g. --who=-x" in err) is fixed, err
+    assert cli.build_parser().parse_args(["run", "--who=-x", "--", "true"]).who == "-x"
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memory cgroups are Linux only")
 def test_memory_admission_under_a_real_cgroup_limit(
     home: Path, tmp_path: Path, spawn: Spawn, request: pytest.FixtureRequest

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from .._version import __version__
 
@@ -63,6 +65,20 @@ class _CommandParser(argparse.ArgumentParser):
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return namespace, extras
+
+    def error(self, message: str) -> NoReturn:
+        # argparse takes a value that starts with '-' for a flag (`--who -x`, a name the
+        # queue accepts) and says only "expected one argument"; '=' is how to give it.
+        missing = _ONE_ARGUMENT.fullmatch(message)
+        if missing:
+            flag = missing.group(1).split("/")[-1]
+            message += f"; a value that starts with '-' goes after '=', e.g. {flag}=-x"
+        super().error(message)
+
+
+# argparse's message for a flag given without its value: "argument --who: expected one
+# argument" ("-o/--output" for a flag with two names).
+_ONE_ARGUMENT = re.compile(r"argument (\S+): expected one argument")
 
 
 def build_parser() -> argparse.ArgumentParser:
