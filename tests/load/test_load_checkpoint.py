@@ -131,6 +131,13 @@ DAMAGE: dict[str, tuple[dict[str, Any] | bytes, bytes, str | None, str]] = {
         "nested too deeply",
     ),
     "metadata not strings": ({"__metadata__": {"x": 1}, **GOOD}, DATA[:32], None, "__metadata__"),
+    "metadata a list": ({"__metadata__": [], **GOOD}, DATA[:32], None, "__metadata__"),
+    "a null metadata value": (
+        {"__metadata__": {"x": None}, **GOOD},
+        DATA[:32],
+        None,
+        "__metadata__",
+    ),
 }
 
 
@@ -214,6 +221,37 @@ def test_control_the_undamaged_file_loads_in_both(tmp_path: Path) -> None:
     load_weights(module, path)
     assert torch.equal(module.a, want["a"]) and torch.equal(module.b, want["b"])
     assert module.b.tolist() == [4.0, 5.0, 6.0, 7.0]
+
+
+def _old_check_metadata(path: Path, info: Any) -> None:
+    """The metadata check before null was allowed."""
+    if not isinstance(info, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in info.items()
+    ):
+        raise CheckpointError(path, f"bad __metadata__: {info!r}")
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control"])
+def test_null_metadata_loads_as_safetensors_loads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fixed: bool
+) -> None:
+    """`"__metadata__": null` (no metadata to safetensors) was refused as a damaged header.
+    Now it loads, equal to safetensors' own load. Control: the old check."""
+    path = write(tmp_path / "null.safetensors", {"__metadata__": None, **GOOD}, DATA[:32])
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() is None
+        want = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    if not fixed:
+        monkeypatch.setattr(checkpoint, "_check_metadata", _old_check_metadata)
+    module = Pair()
+    try:
+        load_weights(module, path)
+    except CheckpointError as exc:
+        loaded = False
+        assert "__metadata__" in str(exc)
+    else:
+        loaded = torch.equal(module.a, want["a"]) and torch.equal(module.b, want["b"])
+    assert loaded is fixed
 
 
 def test_control_without_the_range_check_a_shifted_header_fills_wrong_bytes(

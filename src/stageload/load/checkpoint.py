@@ -158,6 +158,10 @@ def _parse(path: Path, raw: bytes) -> dict[str, Any]:
 
 
 def _check_metadata(path: Path, info: Any) -> None:
+    if info is None:
+        # safetensors reads __metadata__ into an Option<HashMap<String, String>>, so null is
+        # no metadata: safe_open loads such a file and its metadata() is None.
+        return
     if not isinstance(info, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in info.items()
     ):
