@@ -503,14 +503,30 @@ def test_meter_command_forwards_signals_to_the_command(tmp_path: Path, sig: int)
     assert end["type"] == "end" and end["exit_code"] == 128 + sig
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control"])
 def test_readme_example_runs(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    fixed: bool,
 ) -> None:
-    """The Python example of docs/meter.md, as written, then `stageload report` on it."""
+    """The Python example of docs/meter.md, as written, then `stageload report` on it. It
+    warns of nothing: it ran the models with gradients on, so the encoder's release warned
+    of the autograd graph that held its weights. Control: the example without no_grad."""
+    import warnings
+
     text = (Path(__file__).resolve().parents[2] / "docs" / "meter.md").read_text()
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    if not fixed:
+        broken = code.replace("with torch.no_grad():", "if True:", 1)
+        assert broken != code
+        code = broken
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "docs/meter.md", "exec"), {"__name__": "__readme__"})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        exec(compile(code, "docs/meter.md", "exec"), {"__name__": "__readme__"})
+    assert (not said) is fixed, [str(w.message) for w in said]
+    assert fixed or any("an autograd graph held" in str(w.message) for w in said)
     records = read_records(tmp_path / "staged.jsonl")
     kinds = [r["kind"] for r in records if r["type"] == "event"]
     assert kinds == ["stage", "load", "stage", "release", "load"]

@@ -92,18 +92,29 @@ def test_control_the_example_check_fails_when_the_code_no_longer_does_what_is_sh
     assert run_example(broken).strip() != shown.strip()
 
 
-def test_readme_meter_example_writes_a_trace_with_the_events(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control"])
+def test_readme_meter_example_writes_a_trace_with_the_events(tmp_path, monkeypatch, fixed):
+    """The example runs clean as copied: it ran the models with gradients on, so releasing
+    the encoder warned of the autograd graph that held it. Control: without no_grad."""
     from stageload.report.trace import read_trace
 
     first = blocks("python")[0]
     meter = next(b for b in blocks("python") if "MemoryMeter(" in b)
+    if not fixed:
+        broken = meter.replace("with torch.no_grad():", "if True:", 1)
+        assert broken != meter
+        meter = broken
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "readme"}
     run_example(first, namespace)
-    run_example(meter, namespace)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        run_example(meter, namespace)
     trace = read_trace(tmp_path / "staged.jsonl")
     kinds = [e.kind for e in trace.events]
     assert kinds == ["stage", "load", "stage", "release", "load"]
+    assert (not said) is fixed, [str(w.message) for w in said]
+    assert fixed or any("an autograd graph held" in str(w.message) for w in said)
 
 
 # -- the diffusers example ---------------------------------------------------------------
