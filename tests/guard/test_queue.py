@@ -385,6 +385,40 @@ def test_queue_json_shows_running_and_waiting(
     assert all(Path(h["trace"]).is_file() for h in done["history"])
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control"])
+def test_a_command_with_a_newline_or_an_escape_is_shown_escaped(
+    home: Path,
+    tmp_path: Path,
+    spawn: Spawn,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    fixed: bool,
+) -> None:
+    """A queued command's newline or ESC was printed raw by `stageload queue`: one user's
+    command broke the table and wrote terminal escapes into another user's view. Now shown
+    as \\n, \\x1b, running and in the history; --json keeps the argv. Control: unescaped."""
+    import stageload.guard.board as board
+
+    if not fixed:
+        monkeypatch.setattr(board, "printable", lambda text: text)
+    log, go = tmp_path / "log", tmp_path / "go"
+    odd = "X=x\n\x1b[2J"  # a variable for env to set: first, so the table shows it whole
+    held = spawn("--who", "alice", "--memory", "1M", "--", "env", odd, *gate(log, "held", go)[1:])
+    wait_until(lambda: log_lines(log) == ["held"], "alice's command to start")
+    assert main(["queue"]) == 0
+    running = capsys.readouterr().out
+    go.touch()
+    assert finish(held)[0] == 0
+    assert main(["queue", "--history", "1"]) == 0
+    history = capsys.readouterr().out
+    for out in (running, history):
+        shown = "\x1b" not in out and len(out.splitlines()) == (2 if out is running else 3)
+        assert shown is fixed, out
+        assert ("env X=x\\n\\x1b[2J sh -c" in out) is fixed, out
+    assert main(["queue", "--json", "--history", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["lanes"][0]["history"][0]["command"][1] == odd
+
+
 def test_the_runs_trace_receives_the_commands_own_events(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

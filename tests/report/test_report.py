@@ -186,3 +186,38 @@ def test_a_reader_that_goes_away_is_no_error(tmp_path: Path) -> None:
     proc.stdout.close()
     _, err = proc.communicate(timeout=60)
     assert (proc.returncode, err) == (0, b"")
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control"])
+def test_a_label_or_stage_with_a_newline_or_an_escape_is_printed_escaped(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    fixed: bool,
+) -> None:
+    """A `--label` or a stage name with a newline or an ESC was printed raw: it broke the
+    table and could drive the reader's terminal. Now shown as \\n, \\x1b; plain text and
+    the JSON keep it as it is. Control: the report without the escaping."""
+    import stageload.report.tables as tables
+
+    if not fixed:
+        monkeypatch.setattr(tables, "printable", lambda text: text)
+    label = "two\nlines\x1b[2J"
+    metered = tmp_path / "metered.jsonl"
+    assert main(["meter", "-o", str(metered), "--label", label, "--", "true"]) == 0
+    records = staged_records("café 日本")
+    for record in records:
+        if record.get("stage") == "decode":
+            record["stage"] = "de\x1b[31mcode\n"
+    written = write_trace(tmp_path / "staged.jsonl", records)
+    capsys.readouterr()
+    assert main(["report", str(metered), str(written)]) == 0
+    out = capsys.readouterr().out
+    first_table = out.split("\n\n")[1]
+    clean = "\x1b" not in out and all(line.startswith("|") for line in first_table.splitlines())
+    assert clean is fixed, out
+    if fixed:
+        assert _row(out, "stage") == ["stage", "two\\nlines\\x1b[2J", "café 日本"]
+        assert len(_row(out, "de\\x1b[31mcode\\n")) == 3  # one row of its own
+    assert main(["report", "--json", str(metered)]) == 0
+    assert json.loads(capsys.readouterr().out)["traces"][0]["column"] == label

@@ -11,6 +11,7 @@ import os
 import time
 from typing import Any
 
+from ..text import printable
 from ..units import format_duration, format_size
 from .history import read_history
 from .queue import Lane, QueueSetupError, _folder_error, list_lanes, state_dir
@@ -115,8 +116,14 @@ def _need(entry: dict[str, Any]) -> str:
 
 
 def _command(argv: list[str], width: int = 48) -> str:
-    text = " ".join(argv)
+    # Escaped: another user's command must not write a newline or a terminal escape here.
+    text = printable(" ".join(map(str, argv)))
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _text(value: Any) -> str:
+    """A name from a ticket or a history line, shown escaped (``printable``)."""
+    return printable(str(value))
 
 
 def _clock(when: float | None) -> str:
@@ -130,7 +137,7 @@ def format_text(doc: dict[str, Any]) -> str:
         return f"no lanes yet in {doc['state_dir']} (stageload run creates them)\n"
     for lane in doc["lanes"]:
         lines.append(
-            f"lane {lane['lane']}: {len(lane['running'])} running, {len(lane['waiting'])} "
+            f"lane {_text(lane['lane'])}: {len(lane['running'])} running, {len(lane['waiting'])} "
             f"waiting; available {format_size(lane['available'])}"
         )
         for r in lane["running"]:
@@ -140,16 +147,17 @@ def format_text(doc: dict[str, Any]) -> str:
                 "orphaned": "orphaned: client gone, still running unguarded",
             }[r["state"]]
             lines.append(
-                f"  {state}  {r['owner']}  {_command(r['command'])}  since {_clock(r['since'])} "
+                f"  {state}  {_text(r['owner'])}  {_command(r['command'])}  "
+                f"since {_clock(r['since'])} "
                 f"({format_duration(r['seconds'])})  memory {format_size(r['memory_now'])} / "
                 + _need(r)
             )
         for w in lane["waiting"]:
             lines.append(
-                f"  #{w['position']} waiting ({w['why']})  {w['owner']}  "
+                f"  #{w['position']} waiting ({w['why']})  {_text(w['owner'])}  "
                 f"{_command(w['command'])}  since {_clock(w['since'])} "
                 f"({format_duration(w['seconds'])})  {_need(w)}; "
-                f"{w['detail']}"
+                f"{_text(w['detail'])}"
             )
         if lane["skipped"]:
             what = ", ".join(f"{n} {kind}" for kind, n in lane["skipped"].items())
@@ -161,6 +169,7 @@ def format_text(doc: dict[str, Any]) -> str:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(start)) if start else "-"
             who = h.get("who")
             owner = h.get("owner") if who in (None, h.get("owner")) else f"{h.get('owner')} ({who})"
+            owner = _text(owner)
             lines.append(
                 f"    {when}  {owner}  {_command(h.get('command') or [])}  "
                 f"waited {format_duration(h.get('wait'))}, ran "

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..memory import DEVICE_KEYS
+from ..text import printable
 from ..traceformat import MAX_T
 from ..units import format_duration, format_size
 from .trace import NO_REASON, Activity, Blocks, Summary
@@ -34,12 +35,14 @@ def stage_order(summaries: Sequence[Summary]) -> list[str]:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+    return printable(text).replace("|", "\\|")
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A Markdown table padded so it also reads well in a terminal. A ``|`` in a cell (a
-    label, a stage name) is escaped as ``\\|``: bare, it would start another cell."""
+    label, a stage name) is escaped as ``\\|``: bare, it would start another cell; a newline
+    or an ESC as ``\\n``, ``\\x1b`` (``text.printable``): raw, it would break the row or
+    drive the terminal."""
     header = [_cell(h) for h in header]
     rows = [[_cell(c) for c in row] for row in rows]
     widths = [len(h) for h in header]
@@ -191,8 +194,8 @@ def format_report(summaries: Sequence[Summary]) -> str:
                 f"unread {label}: {name} ({message})" if message else f"unread {label}: {name}"
             )
         notes += _skipped_notes(label, summary)
-    if notes:
-        parts += ["", *notes]
+    if notes:  # one line each, whatever a label or a trace's text holds
+        parts += ["", *map(printable, notes)]
     return "\n".join(parts)
 
 
