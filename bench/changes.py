@@ -2,11 +2,11 @@
 a load and a release, and the memory a kept LoRA holds.
 
 Change tracking (``stageload.diffusers._placeholder.Tracked``) records each checkpoint
-tensor after a fill (address, version counter, a strided sample of ``SAMPLES`` elements) and
-checks it at release. Measured on a model of ``--gib`` GiB of float32 Linear layers,
-already in memory (the VM's first-touch cost is paid before timing), medians of
-``--repeat`` runs; printed as seconds and as a share of reading the same bytes from a warm
-page cache.
+tensor after a fill (address, version counter, a strided sample of ``SAMPLES`` elements:
+``stageload.load.changes``, the check auto's session makes too) and checks it at release.
+Measured on a model of ``--gib`` GiB of float32 Linear layers, already in memory (the VM's
+first-touch cost is paid before timing), medians of ``--repeat`` runs; printed as seconds
+and as a share of reading the same bytes from a warm page cache.
 
     python bench/changes.py --gib 1 --repeat 7
 """

@@ -160,7 +160,10 @@ def edit_during_a_load_ahead(paths: list[str], monkeypatch: Any, *, staged: bool
                     x = model(x)
                     if (lap, i) == (2, 2):
                         assert not staged or filled.wait(30)
-                        models[0].layers[0].weight[1].mul_(2)
+                        # One value, between the samples of the values' check
+                        # (stageload.load.changes: every 17th of 128 x 128): its version
+                        # counter alone tells.
+                        models[0].layers[0].weight[1, 3].mul_(2)
                         edited.set()
                 outs.append(x)
     return torch.stack(outs), sink

@@ -30,6 +30,7 @@ import stageload.hooks.registry  # noqa: E402
 from stageload import ModelLoadError, StageloadError  # noqa: E402
 from stageload.diffusers import _placeholder, staged_pipeline  # noqa: E402
 from stageload.external import tensor_version  # noqa: E402
+from stageload.load import changes  # noqa: E402
 from stageload.testing.families import FAMILIES, folder  # noqa: E402
 
 diffusers.utils.logging.set_verbosity_error()
@@ -247,7 +248,7 @@ def test_calls_under_inference_mode_and_no_grad_equal_eager(path: Path, mode: st
 def test_control_change_tracking_by_version_counters_fails_under_inference_mode(
     path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_placeholder, "_version", tensor_version)
+    monkeypatch.setattr(changes, "version", tensor_version)
     monkeypatch.setattr("stageload.diffusers._normal_tensors", contextlib.nullcontext)
     pipe = staged(path)
     with torch.inference_mode(), pytest.raises((ModelLoadError, RuntimeError), match="nference"):

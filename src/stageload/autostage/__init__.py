@@ -84,7 +84,6 @@ from ..external import (
     from_pretrained_dtype,
     library_model,
     own_tensor_tables,
-    tensor_version,
     torch_function_off,
 )
 from ..hooks.empty import mark_empty, own_attributes, unmark_empty
@@ -99,6 +98,7 @@ from ..hooks.release import (
     unmark_released,
 )
 from ..hooks.share import call_key
+from ..load import changes
 from ..load.checkpoint import (
     INDEX_SUFFIX,
     changed_file,
@@ -150,7 +150,7 @@ class AutoError(StageloadError, ValueError):
 
 #: Each tensor of a model by name: (the tensor object's id, its version counter, the
 #: address of its data).
-Seen = dict[str, tuple[int, int, int]]
+Seen = dict[str, tuple[int, int | None, int]]
 #: Each tensor of a model by name: (the dtypes its values went through since they were
 #: read, the last its dtype now: :func:`stageload.load.refill.converted`; its device,
 #: requires_grad, its strides when it is in channels_last (None otherwise), its own
@@ -1070,6 +1070,7 @@ class AutoSession:
                             note=how if ahead is None else f"{how}, for stage {ahead!r}",
                         )
                     )
+                    written = _written(model, model.seen, keys) if ahead is not None else []
                     if renames is not None and model.recipe is not None:
                         model.keys = keys  # staged, the script's parts kept: see _Hook.retain
                     elif renames is not None:  # said as _changed says it, kept loaded
@@ -1085,9 +1086,8 @@ class AutoSession:
                             f"changed by the script while released ({replaced})",
                             changed=True,
                         )
-                    elif other:
+                    elif other and not written:  # a write while it loaded ahead: said below
                         self._pin(model, "its factory gave other weights at reload", changed=True)
-                    written = _written(model, model.seen, keys) if ahead is not None else []
                     if written:  # the script's own: kept, as a change made while loaded is
                         self._pin(
                             model,
@@ -1602,7 +1602,7 @@ def _written(model: _Model, seen: Seen, keys: dict[str, str] | None) -> list[str
     return [
         n
         for n, (_, version, _) in seen.items()
-        if version > 0 and n not in computed and (keys is None or n in keys)
+        if (version or 0) > 0 and n not in computed and (keys is None or n in keys)
     ]
 
 
@@ -1678,31 +1678,28 @@ def _busy(model: _Model) -> bool:
 
 
 def _seen(module: nn.Module) -> Seen:
-    """Each tensor's id and version counter (-1 for a tensor made in ``inference_mode``,
-    which has none: a change there shows only in its values, :func:`_samples`)."""
+    """Each tensor's id, version counter (:func:`stageload.load.changes.version`: None for
+    a tensor made in ``inference_mode``, whose change shows only in its values) and
+    address."""
     with torch_function_off():
         return {
-            name: (id(t), -1 if t.is_inference() else tensor_version(t), t.data_ptr())
-            for name, t in named_tensors(module)
+            name: (id(t), changes.version(t), t.data_ptr()) for name, t in named_tensors(module)
         }
 
 
 def _samples(module: nn.Module, keys: dict[str, str] | None = None) -> dict[str, Any]:
-    """Three values of each tensor (first, middle, last), on the CPU: they tell a change
-    made through ``.data``, which no version counter sees, or a reload that made other
-    weights. Three reads a tensor: a change elsewhere in a tensor goes unseen. ``keys``:
-    only the tensors its files hold (:attr:`_Model.keys`); the script's own parts may
-    change as it likes (a LoRA it trains)."""
-    import torch
-
+    """A sample of each tensor's values (:func:`stageload.load.changes.sample`): it tells a
+    change made through ``.data``, which no version counter sees, or a reload that made
+    other weights. ``keys``: only the tensors its files hold (:attr:`_Model.keys`); the
+    script's own parts may change as it likes (a LoRA it trains)."""
     out: dict[str, Any] = {}
-    with torch_function_off(), torch.no_grad():
+    with torch_function_off():
         for name, t in named_tensors(module):
-            if t.is_meta or t.numel() == 0 or keys is not None and name not in keys:
+            if keys is not None and name not in keys:
                 continue
-            at = [tuple(0 for _ in t.shape), tuple(s // 2 for s in t.shape)]
-            at.append(tuple(s - 1 for s in t.shape))
-            out[name] = torch.stack([t[i] for i in at]).cpu()
+            values = changes.sample(t)
+            if values is not None:
+                out[name] = values
     return out
 
 
@@ -1713,19 +1710,8 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> str | None:
 
 
 def _differing(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """The names whose samples differ (a NaN equal to a NaN), in order."""
-    import torch
-
-    out = []
-    for name in sorted(a.keys() | b.keys()):
-        x, y = a.get(name), b.get(name)
-        if x is None or y is None:
-            out.append(name)
-        elif not torch.equal(x, y):
-            both_nan = x.isnan() & y.isnan() if x.is_floating_point() else x != x
-            if not bool(((x == y) | both_nan).all()):
-                out.append(name)
-    return out
+    """The names whose samples differ (:func:`stageload.load.changes.same`), in order."""
+    return [n for n in sorted(a.keys() | b.keys()) if not changes.same(a.get(n), b.get(n))]
 
 
 def _changed(model: _Model) -> str | None:
@@ -1882,7 +1868,7 @@ def _converted(samples: dict[str, Any], module: nn.Module) -> dict[str, Any]:
     """``samples`` in the dtypes the module's tensors have now (a conversion is no change)."""
     with torch_function_off():
         dtypes = {name: t.dtype for name, t in named_tensors(module)}
-    return {n: v.to(dtypes[n]) if n in dtypes else v for n, v in samples.items()}
+    return {n: changes.converted(v, dtypes[n]) if n in dtypes else v for n, v in samples.items()}
 
 
 def _layout(

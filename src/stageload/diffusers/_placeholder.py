@@ -56,12 +56,12 @@ from ..errors import StageloadError
 from ..external import (
     CONVERT_METHOD,
     HF_HOOK_ATTR,
-    tensor_version,
     torch_function_off,
 )
 from ..hooks.empty import mark_empty
 from ..hooks.registry import HookRegistry, ModuleHook, patch
 from ..hooks.release import held_outside, unmark_released
+from ..load import changes
 from ..load.refill import conversion_probes, fresh_memory
 from ..load.skeleton import build_empty, fill_from
 from ..load.weights import like, named_tensors
@@ -417,11 +417,6 @@ def keep_own(skeleton: nn.Module, built: dict[str, torch.Tensor], files: list[Pa
 
 
 # -- what the checkpoint holds, and what a user changed -----------------------------------------
-#: Elements sampled per tensor for the fingerprint that catches changes made through
-#: ``tensor.data`` (which torch's version counter does not see).
-SAMPLES = 1024
-
-
 @dataclass
 class _Mark:
     """A tensor as it was filled from the checkpoint."""
@@ -444,10 +439,8 @@ class Tracked:
     was built is found again after peft moved it to ``to_q.base_layer.weight``.
 
     A checkpoint tensor counts as changed once what it holds differs from when it was
-    filled: its address, shape or dtype, or a strided sample of its elements (a change to
-    fewer than one element in ``SAMPLES`` made through ``.data`` can go unseen). Where the
-    tensor counts versions (not an ``inference_mode`` tensor), an in-place change under
-    ``no_grad`` is seen by its version counter too.
+    filled: its address, shape, dtype, version counter or a sample of its values
+    (:mod:`stageload.load.changes`, the check auto's session makes too).
     """
 
     def __init__(self, skeleton: nn.Module) -> None:
@@ -489,10 +482,10 @@ class Tracked:
             return True
         return (
             mark.ptr != t.data_ptr()
-            or (mark.version is not None and mark.version != _version(t))
+            or (mark.version is not None and mark.version != changes.version(t))
             or mark.shape != tuple(t.shape)
             or mark.dtype != t.dtype
-            or not _same_sample(mark.sample, t)
+            or not changes.same(mark.sample, changes.sample(t))
         )
 
     def added_empty(self, module: nn.Module) -> list[str]:
@@ -510,7 +503,7 @@ class Tracked:
         for name, t in named_tensors(module):
             if name in fresh and not t.is_meta and self.key(name, t) is not None:
                 self._marks[id(t)] = _Mark(
-                    t.data_ptr(), _version(t), tuple(t.shape), t.dtype, _sample(t)
+                    t.data_ptr(), changes.version(t), tuple(t.shape), t.dtype, changes.sample(t)
                 )
 
     def retain(self, module: nn.Module) -> list[torch.Tensor]:
@@ -525,26 +518,6 @@ class Tracked:
             if self.key(name, t) is None or self.changed(t) or t.grad is not None:
                 kept[id(t)] = t
         return list(kept.values())
-
-
-def _version(t: torch.Tensor) -> int | None:
-    return None if t.is_inference() else tensor_version(t)
-
-
-def _sample(t: torch.Tensor) -> torch.Tensor | None:
-    if not t.is_contiguous():
-        return None
-    flat = t.detach().reshape(-1)
-    return flat[:: flat.numel() // SAMPLES + 1].clone()  # a stride that drifts across rows
-
-
-def _same_sample(sample: torch.Tensor | None, t: torch.Tensor) -> bool:
-    import torch
-
-    now = _sample(t)
-    if sample is None or now is None:
-        return sample is None and now is None
-    return now.shape == sample.shape and bool(torch.equal(now, sample))
 
 
 # -- filling -------------------------------------------------------------------------------------
