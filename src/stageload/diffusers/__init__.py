@@ -192,10 +192,15 @@ class StagedPipeline:
                 name=name,
                 progress=not quiet,
             )
-            for dtype in target["dtypes"]:  # pipe.to(dtype) calls since, each as eager did
-                _placeholder.real_to(skeleton, dtype=dtype)
-            for fn in target["other"]:  # .to(memory_format=...) since
-                _placeholder.real_apply(skeleton, fn)
+            # pipe.to(dtype) calls since, each as eager did, then .to(memory_format=...):
+            # on what the files filled only. The tensors that stayed in memory (the
+            # script's changes, ones it holds) had each conversion when it was made; again,
+            # a state_dict() the script holds lost its tensors (its edits went nowhere).
+            filled = _placeholder.tensor_ids(skeleton, fresh)
+            for dtype in target["dtypes"]:
+                _placeholder.real_apply_to(skeleton, _placeholder.to_dtype(dtype), filled)
+            for fn in target["other"]:
+                _placeholder.real_apply_to(skeleton, fn, filled)
             tracked.filled(skeleton, fresh)
             _placeholder.check_added(name, skeleton, tracked)
             return
