@@ -1148,3 +1148,55 @@ def test_a_bin_checkpoints_messages_are_said_once_as_eager_says_them(
     for text in ("An error occurred while trying to fetch", "unsafe serialization"):
         assert sum(text in m for m in eager_said) == 2  # the UNet's and the VAE's
         assert (sum(text in m for m in said) == 2) == quiet, said
+
+
+@pytest.mark.parametrize("extra", ["controlnet", "enable_pag"])
+@pytest.mark.parametrize("followed", [True, False], ids=["followed", "control"])
+def test_an_auto_pipeline_picks_by_its_arguments_as_its_from_pretrained(
+    path: Path, extra: str, followed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``AutoPipelineForText2Image.from_pretrained(path, controlnet=cn)`` loads a ControlNet
+    pipeline, and ``enable_pag=True`` a PAG one; staged, the class was picked from
+    model_index.json alone: a plain StableDiffusionPipeline, which ignored the argument
+    (diffusers logs 'will be ignored') and made another image. Control: the class picked
+    from model_index.json alone, every argument passed on."""
+    from diffusers import AutoPipelineForText2Image, ControlNetModel
+
+    import stageload.diffusers as sd
+
+    if not followed:
+        real = sd._concrete_pipeline
+        monkeypatch.setattr(
+            sd, "_concrete_pipeline", lambda cls, found, kw: (real(cls, found, {})[0], kw)
+        )
+    if extra == "controlnet":
+        family = FAMILIES["sd-controlnet"]
+        net = folder(family, path.parent) / "controlnet"
+        kwargs: dict[str, Any] = {"controlnet": ControlNetModel.from_pretrained(net)}
+    else:
+        family = SD
+        kwargs = {"enable_pag": True}
+    eager_pipe = AutoPipelineForText2Image.from_pretrained(path, **kwargs)
+    pipe = staged_pipeline(AutoPipelineForText2Image, path, keep=(), **kwargs)
+    assert (type(pipe) is type(eager_pipe)) == followed
+    want = eager_pipe(**family.call(0))[0]
+    assert torch.equal(pipe(**family.call(0))[0], want) == followed
+
+
+def test_an_auto_pipeline_with_no_pipeline_for_the_folder_says_which_class_to_pass(
+    path: Path, tmp_path: Path
+) -> None:
+    """A model_index.json class that AutoPipelineForInpainting has no pipeline for: a
+    TypeError naming the class to pass."""
+    import json
+    import shutil
+
+    from diffusers import AutoPipelineForInpainting
+
+    other = tmp_path / "other"
+    shutil.copytree(path, other)
+    index = json.loads((other / "model_index.json").read_text())
+    index["_class_name"] = "AudioLDM2Pipeline"
+    (other / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(TypeError, match="has no pipeline for AudioLDM2Pipeline"):
+        staged_pipeline(AutoPipelineForInpainting, other, keep=())

@@ -570,7 +570,9 @@ def staged_pipeline(
         from diffusers import DiffusionPipeline
 
         found = _resolve_folder(DiffusionPipeline, path, from_pretrained_kwargs)
-        pipeline_cls = _concrete_pipeline(pipeline_cls, found)
+        pipeline_cls, from_pretrained_kwargs = _concrete_pipeline(
+            pipeline_cls, found, from_pretrained_kwargs
+        )
     _check_pipeline_cls(pipeline_cls)
     if "dtype" in from_pretrained_kwargs:  # diffusers >= 0.42 spells it dtype
         if torch_dtype is not None:

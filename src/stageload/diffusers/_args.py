@@ -59,16 +59,21 @@ def _is_auto_pipeline(pipeline_cls: Any) -> bool:
     )
 
 
-def _concrete_pipeline(pipeline_cls: type, folder: Path) -> type:
+def _concrete_pipeline(
+    pipeline_cls: type, folder: Path, kwargs: Mapping[str, Any]
+) -> tuple[type, dict[str, Any]]:
     """The pipeline class diffusers' AutoPipeline ``pipeline_cls`` loads from ``folder``
-    (``AutoPipelineForText2Image`` on a Stable Diffusion folder: ``StableDiffusionPipeline``;
-    ``AutoPipelineForImage2Image``: ``StableDiffusionImg2ImgPipeline``), as its
-    ``from_pretrained`` picks it; a TypeError naming the class to pass where it has none."""
+    given ``kwargs`` (``AutoPipelineForText2Image`` on a Stable Diffusion folder:
+    ``StableDiffusionPipeline``; with ``controlnet=``: ``StableDiffusionControlNetPipeline``;
+    with ``enable_pag=True``: ``StableDiffusionPAGPipeline``), and ``kwargs`` less those its
+    ``from_pretrained`` takes for itself (``enable_pag``). Picked by that ``from_pretrained``
+    itself, stopped before it loads anything: picked from model_index.json alone, a
+    ``controlnet=`` went to a pipeline without one (ignored, another image than eager's).
+    A TypeError naming the class to pass where it has none."""
     import json
 
     import diffusers.pipelines.auto_pipeline as auto
 
-    task = getattr(auto, _AUTO_PIPELINES[pipeline_cls.__name__])
     try:
         name = json.loads((folder / "model_index.json").read_text())["_class_name"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -76,14 +81,50 @@ def _concrete_pipeline(pipeline_cls: type, folder: Path) -> type:
             f"{pipeline_cls.__name__} reads the pipeline's class from {folder}/model_index.json, "
             f"which cannot be read ({exc!r}); pass the pipeline class itself"
         ) from None
-    for mapping in auto.SUPPORTED_TASKS_MAPPINGS:  # the model family, then the task's class
-        family = next((key for key, cls in mapping.items() if cls.__name__ == name), None)
-        if family is not None and family in task:
-            return task[family]
-    raise TypeError(
+    none = TypeError(
         f"{pipeline_cls.__name__} has no pipeline for {name} (from {folder}/model_index.json); "
         f"pass the pipeline class itself, e.g. staged_pipeline({name}, path)"
     )
+    pick = getattr(auto, "_get_task_class", None)
+    if pick is None:  # another diffusers: its choice cannot be followed
+        raise none
+    picked: list[tuple[type, dict[str, Any]]] = []
+
+    class Picked(Exception):
+        pass
+
+    def stop(mapping: Any, class_name: str, *args: Any, **kw: Any) -> Any:
+        found = pick(mapping, class_name, *args, **kw)
+
+        class Stop:
+            @staticmethod
+            def from_pretrained(_path: Any, **passed: Any) -> Any:
+                picked.append((found, passed))
+                raise Picked
+
+        return Stop
+
+    with external.BUILD_LOCK, _patched(auto, "_get_task_class", stop):
+        try:
+            pipeline_cls.from_pretrained(os.fspath(folder), **kwargs)
+        except Picked:
+            pass
+        except ValueError:  # diffusers' "AutoPipeline can't find a pipeline linked to"
+            raise none from None
+    if not picked:
+        raise none
+    cls, passed = picked[0]
+    return cls, {k: v for k, v in kwargs.items() if k in passed}
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    before = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
 
 
 #: The weight files' stems diffusers and transformers models are saved under.
