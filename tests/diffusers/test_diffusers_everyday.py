@@ -1085,18 +1085,24 @@ def test_an_auto_pipeline_class_stages_the_pipeline_it_would_load(
     assert all(torch.equal(pipe(**family.call(0))[0], want) for _ in range(2))
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
 @pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
 def test_weights_under_a_variant_only_are_said_at_the_build(
-    path: Path, tmp_path: Path, checked: bool, monkeypatch: pytest.MonkeyPatch
+    path: Path, tmp_path: Path, checked: bool, sharded: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A folder saved with ``variant="fp16"`` loaded without ``variant=``: eager's
     ``from_pretrained`` raises at once; so does ``staged_pipeline``, saying the variant to
-    pass (helper-56: it built, and the first call failed in a component's load). Control:
-    without the check, the build goes through."""
+    pass (helper-56: it built, and the first call failed in a component's load). Sharded
+    too (``model.fp16-00001-of-00002.safetensors`` beside ``model.safetensors.index.fp16
+    .json``, whose index the check took for a plain file). Control: without the check, the
+    build goes through."""
     import stageload.diffusers as sd
 
     saved = tmp_path / "fp16"
-    SD.load(path).save_pretrained(saved, variant="fp16")
+    shards = {"max_shard_size": "100KB"} if sharded else {}
+    SD.load(path).save_pretrained(saved, variant="fp16", **shards)
+    if sharded:
+        assert list(saved.glob("unet/*.fp16-00001-of-*.safetensors"))
     with pytest.raises(OSError):
         SD.cls.from_pretrained(saved)
     if not checked:
@@ -1105,7 +1111,8 @@ def test_weights_under_a_variant_only_are_said_at_the_build(
         return
     with pytest.raises(OSError, match="variant only \\(fp16\\).*pass variant='fp16'"):
         staged_pipeline(SD.cls, saved, keep=())
-    assert same_twice(staged_pipeline(SD.cls, saved, keep=(), variant="fp16"), image(eager(path)))
+    want = image(SD.cls.from_pretrained(saved, variant="fp16"))
+    assert same_twice(staged_pipeline(SD.cls, saved, keep=(), variant="fp16"), want)
 
 
 @pytest.mark.parametrize("quiet", [True, False], ids=["once", "control"])

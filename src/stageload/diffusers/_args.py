@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -127,8 +128,15 @@ def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
         setattr(owner, name, before)
 
 
-#: The weight files' stems diffusers and transformers models are saved under.
-_WEIGHT_STEMS = ("diffusion_pytorch_model", "model", "pytorch_model")
+#: A weight file diffusers or transformers saves, plain or under a variant: whole
+#: (``model.safetensors``, ``model.fp16.safetensors``), a shard (``model-00001-of-00002
+#: .safetensors``, ``model.fp16-00001-of-00002.safetensors``) or a shard index
+#: (``model.safetensors.index.json``, ``model.safetensors.index.fp16.json``).
+_WEIGHT_FILE = re.compile(
+    r"(?:diffusion_pytorch_model|model|pytorch_model)"
+    r"(?:(?:\.(?P<variant>[^.]+?))?(?:-\d+-of-\d+)?\.(?:safetensors|bin)"
+    r"|\.(?:safetensors|bin)\.index(?:\.(?P<index_variant>[^.]+))?\.json)"
+)
 
 
 def _check_variant(folder: Path, names: Iterable[str], kwargs: Mapping[str, Any]) -> None:
@@ -140,15 +148,14 @@ def _check_variant(folder: Path, names: Iterable[str], kwargs: Mapping[str, Any]
     for name in names:
         sub = folder / name
         found = sorted(p.name for p in sub.iterdir() if p.is_file()) if sub.is_dir() else []
-        parts = [f.split(".") for f in found if f.endswith((".safetensors", ".bin", ".json"))]
-        weights = [p for p in parts if p[0] in _WEIGHT_STEMS]
-        plain = [p for p in weights if p[1] in ("safetensors", "bin")]
-        variants = sorted({p[1] for p in weights if len(p) >= 3 and p[2] in ("safetensors", "bin")})
-        if variants and not plain:
+        matches = [m for m in map(_WEIGHT_FILE.fullmatch, found) if m is not None]
+        variants = {m["variant"] or m["index_variant"] for m in matches}
+        if variants and None not in variants:  # None: a plain weight file
+            shown = sorted(variants)
             raise OSError(
                 f"{name}: {sub} holds weights saved under a variant only "
-                f"({', '.join(variants)}), and no variant was given; pass "
-                f"variant={variants[0]!r}, as from_pretrained needs it"
+                f"({', '.join(shown)}), and no variant was given; pass "
+                f"variant={shown[0]!r}, as from_pretrained needs it"
             )
 
 
