@@ -136,3 +136,28 @@ def test_pretrained_checkpoint_follows_variant_and_use_safetensors(flux):
         pretrained_checkpoint(flux / "vae", {"use_safetensors": False}) == "use_safetensors=False"
     )
     assert "for variant 'fp16'" in str(pretrained_checkpoint(flux / "vae", {"variant": "fp16"}))
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control"])
+def test_a_sharded_variant_checkpoint_is_its_shards(
+    flux: Path, tmp_path: Path, fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transformer saved sharded under variant fp16 (``...safetensors.index.fp16.json``,
+    which does not end in ``.index.json``): its checkpoint is the shards the index names,
+    holding every tensor of the model, so a reload is learned from them. It was the index
+    JSON itself, taken for a safetensors file. Control: the index read as a plain file."""
+    from diffusers import FluxTransformer2DModel
+
+    import stageload.load.checkpoint as checkpoint
+
+    if not fixed:
+        monkeypatch.setattr(checkpoint, "_index_files", lambda index: [index])
+    model = FluxTransformer2DModel.from_pretrained(flux / "transformer")
+    model.save_pretrained(tmp_path, variant="fp16", max_shard_size="50KB")
+    assert (tmp_path / "diffusion_pytorch_model.safetensors.index.fp16.json").is_file()
+    files = pretrained_checkpoint(tmp_path, {"variant": "fp16"})
+    assert isinstance(files, list)
+    assert all(f.name.endswith(".safetensors") for f in files) == fixed
+    if fixed:
+        assert len(files) > 1
+        assert isinstance(learn(model, files), Recipe)

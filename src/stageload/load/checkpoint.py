@@ -314,7 +314,11 @@ def pretrained_checkpoint(folder: Path, kwargs: Mapping[str, Any]) -> list[Path]
             names = [f"{stem}.safetensors", f"{stem}.safetensors.index.json"]
         for name in names:
             if (folder / name).is_file():
-                return checkpoint_files(folder / name)
+                # The shards an index names: diffusers' and transformers' variant index
+                # (model.safetensors.index.fp16.json) does not end in .index.json, and was
+                # taken for a safetensors file (no reload learned; keep_own opened the JSON).
+                index = ".index." in name
+                return _index_files(folder / name) if index else checkpoint_files(folder / name)
     return f"no safetensors checkpoint{f' for variant {variant!r}' if variant else ''} in {folder}"
 
 
