@@ -160,6 +160,14 @@ def from_pretrained_dtype(cls: type, torch_dtype: Any) -> Any:
 HF_HOOK_ATTR = "_hf_hook"
 
 
+#: The function of ``diffusers.pipelines.auto_pipeline`` through which an AutoPipeline's
+#: ``from_pretrained`` picks its pipeline class, once its own arguments (``controlnet=``,
+#: ``enable_pag=``) have named the family's variant; it then calls that class's
+#: ``from_pretrained`` with the arguments it passes on. A stand-in for it shows the choice
+#: before anything loads.
+AUTO_PIPELINE_PICK = "_get_task_class"
+
+
 def progress_bars_disabled(pipeline: Any) -> bool:
     """Whether ``pipeline.set_progress_bar_config(disable=True)`` was called: diffusers
     keeps the settings in a private dict that it passes to every ``tqdm`` of the pipeline."""

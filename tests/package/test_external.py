@@ -299,3 +299,49 @@ def test_a_tensor_saved_for_backward_as_it_is_counts_in_its_use_count() -> None:
     assert external.tensor_use_count(norm.weight) > 1  # the graph is alive, out holds it
     del out
     assert external.tensor_use_count(norm.weight) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "picked"),
+    [
+        ({}, "StableDiffusionPipeline"),
+        ({"controlnet": "cn"}, "StableDiffusionControlNetPipeline"),
+        ({"enable_pag": True}, "StableDiffusionPAGPipeline"),
+    ],
+)
+def test_an_auto_pipeline_picks_its_class_through_one_function(tmp_path, kwargs, picked) -> None:
+    """AutoPipeline's ``from_pretrained`` names the class through
+    ``external.AUTO_PIPELINE_PICK``, then calls that class's ``from_pretrained`` with what
+    it passes on (``enable_pag`` taken, ``controlnet`` passed)."""
+    pytest.importorskip("diffusers")
+    import json
+
+    import diffusers.pipelines.auto_pipeline as auto
+
+    (tmp_path / "model_index.json").write_text(
+        json.dumps({"_class_name": "StableDiffusionPipeline"})
+    )
+    seen: list[Any] = []
+
+    class Stop(Exception):
+        pass
+
+    def pick(mapping: Any, name: str, *args: Any, **kw: Any) -> Any:
+        class Picked:
+            @staticmethod
+            def from_pretrained(path: Any, **passed: Any) -> Any:
+                seen.append((name, passed))
+                raise Stop
+
+        return Picked
+
+    real = getattr(auto, external.AUTO_PIPELINE_PICK)
+    setattr(auto, external.AUTO_PIPELINE_PICK, pick)
+    try:
+        with pytest.raises(Stop):
+            auto.AutoPipelineForText2Image.from_pretrained(str(tmp_path), **kwargs)
+    finally:
+        setattr(auto, external.AUTO_PIPELINE_PICK, real)
+    [(name, passed)] = seen
+    assert name == picked
+    assert "enable_pag" not in passed and passed.get("controlnet") == kwargs.get("controlnet")

@@ -86,7 +86,7 @@ def _concrete_pipeline(
         f"{pipeline_cls.__name__} has no pipeline for {name} (from {folder}/model_index.json); "
         f"pass the pipeline class itself, e.g. staged_pipeline({name}, path)"
     )
-    pick = getattr(auto, "_get_task_class", None)
+    pick = getattr(auto, external.AUTO_PIPELINE_PICK, None)
     if pick is None:  # another diffusers: its choice cannot be followed
         raise none
     picked: list[tuple[type, dict[str, Any]]] = []
@@ -105,7 +105,7 @@ def _concrete_pipeline(
 
         return Stop
 
-    with external.BUILD_LOCK, _patched(auto, "_get_task_class", stop):
+    with external.BUILD_LOCK, _patched(auto, external.AUTO_PIPELINE_PICK, stop):
         try:
             pipeline_cls.from_pretrained(os.fspath(folder), **kwargs)
         except Picked:
