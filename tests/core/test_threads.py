@@ -50,6 +50,25 @@ def test_control_release_without_the_wait_frees_the_weights_mid_call():
     assert rc != 0 or (out is not None and out["call"] != "equal"), (rc, out, err)
 
 
+def test_release_of_a_plain_module_lets_the_call_inside_it_finish_through_its_layers():
+    # The call was inside the module when the release began; it then calls the module's
+    # layers (submodules). docs/release.md: calls in flight are waited for, so it returns
+    # its own result, and the module is released after it.
+    rc, out, err = run_child("gate-nested")
+    assert rc == 0, err
+    assert out is not None
+    assert (out["call"], out["waited"], out["released"]) == ("equal", [1], True), out
+    assert out["call after"].startswith("error ReleasedModuleError"), out  # a new call: told
+
+
+def test_control_a_call_held_at_its_layers_raises_though_it_began_before_the_release():
+    # Before the fix: the layers' calls were held for the release, which did not wait for
+    # a thread held back, so the call in flight raised at its next layer.
+    rc, out, err = run_child("gate-nested", "--control-nested")
+    assert rc == 0, err
+    assert out is not None and out["call"].startswith("error ReleasedModuleError"), out
+
+
 def test_a_stage_change_waits_for_the_call_of_the_model_it_releases_and_says_so():
     rc, out, err = run_child("gate-staged")
     assert rc == 0, err

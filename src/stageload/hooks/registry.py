@@ -311,7 +311,7 @@ class _HookedForward:
                 call_args, call_kwargs, forward = _before(module, registry, args, kwargs)
                 while True:
                     with _calls_lock:
-                        if _holder(registry) in (None, me):
+                        if _holder(registry) in (None, me) or _begun_before(registry._held_by):
                             if me in _held_back:
                                 del _held_back[me]
                             if registry._epoch == epoch:
@@ -553,6 +553,33 @@ def try_hold(modules: Iterable[nn.Module]) -> Hold | None:
 @functools.lru_cache(maxsize=1)
 def _call_code() -> Any:
     return module_call_code()
+
+
+def _begun_before(hold: Hold | None) -> bool:
+    """Whether this thread is inside a call that ``hold`` waits for: a call of one of the
+    plain modules it covers (``nn.Module._call_impl`` frame whose callee is not our hooked
+    forward) began before the hold, since any later call of one is held at its start. Its
+    calls of held submodules go on: held, they would wait for the release that waits for
+    the call around them, and it went on without them, so the call in flight raised
+    ``ReleasedModuleError`` at its next submodule. Called under ``_calls_lock``."""
+    if hold is None or not hold.active or not hold.made:
+        return False
+    ids = {id(m) for m, _ in hold.made}
+    call, hooked = _call_code(), _HookedForward.__call__.__code__
+    inner = None
+    f = sys._getframe(1)
+    try:
+        while f is not None:
+            if (
+                f.f_code is call
+                and (inner is None or inner.f_code is not hooked)
+                and id(f.f_locals.get("self")) in ids
+            ):
+                return True
+            inner, f = f, f.f_back
+        return False
+    finally:
+        f = inner = None  # no frame kept alive by a cycle through this one
 
 
 def _uncounted(ids: set[int], me: int) -> int:
