@@ -539,6 +539,20 @@ def test_construction_errors_name_the_fix():
         StagedModels(load, stages={"s": ["a"]}, sizes={"z": 1})
 
 
+@pytest.mark.parametrize(
+    ("size", "said"),
+    [(-1, "must not be negative, got -1"), ("big", "invalid size 'big'"), (1.5j, "")],
+)
+def test_a_wrong_size_names_its_model(size, said):
+    # A new user's sizes={"a": "big"} was told "invalid size 'big'" with no model named:
+    # with several models, which one was unsaid.
+    load = {"a": lambda: Sized(1), "b": lambda: Sized(1)}
+    with pytest.raises((ValueError, TypeError)) as err:
+        StagedModels(load, stages={"s": ["a", "b"]}, sizes={"a": "1G", "b": size})
+    assert str(err.value).startswith("sizes['b']: "), err.value
+    assert said in str(err.value)
+
+
 def test_rng_free_marks_functions_and_wraps_what_takes_no_attributes():
     def f():
         return Sized(1)

@@ -528,7 +528,11 @@ def check_sizes(
     for name, size in sizes.items():
         if name not in loaders:
             raise ValueError(f"sizes names {name!r}, which has no loader; models: {known}")
-        out[name] = parse_size(size)
+        try:
+            out[name] = parse_size(size)
+        except (TypeError, ValueError) as err:  # the message names the model, then the fix
+            kind = TypeError if isinstance(err, TypeError) else ValueError
+            raise kind(f"sizes[{name!r}]: {err}") from None
     return out
 
 
