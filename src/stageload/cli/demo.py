@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
         "--size", choices=("small", "default"), default="default",
-        help="default: ~870 MiB of weights, about a minute; small: a few MB, seconds",
+        help="default: 832 MiB of weights, 20-60 s; small: a few MB, seconds",
     )  # fmt: skip
     parser.add_argument(
         "--interval", type=interval, default=0.1, metavar="S",
