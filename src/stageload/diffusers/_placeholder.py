@@ -168,7 +168,8 @@ class StageHook(ModuleHook):
                         model=self.name,
                         note=f"{self.name}: {held[0][0]} and {len(held) - 1} more tensors are "
                         f"held outside the component (a state_dict() or a view the script "
-                        f"keeps): they stay in memory while it is released",
+                        f"keeps, or an output's autograd graph: run under torch.no_grad()): "
+                        f"they stay in memory while it is released",
                     )
                 )
         return kept + [t for _, t in held]
