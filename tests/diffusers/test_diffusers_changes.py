@@ -317,3 +317,48 @@ def test_a_held_state_dict_stays_the_components_across_a_replayed_conversion(
             sd["conv_out.bias"].add_(0.5)
         outs.append([first, run(pipe, "sd", "default"), run(pipe, "sd", "default")])
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True)) == fixed
+
+
+def test_a_lora_loaded_and_unloaded_while_another_thread_calls(root: Path) -> None:
+    """A server's pattern: one thread serves calls while another loads and unloads a LoRA.
+    Each change waits for the call in flight and each call for the change, so every call
+    sees the pipeline with or without the LoRA, as eager's one-at-a-time calls do, and
+    nothing fails. Before, the changes ran inside the calls' loads and releases: 8 of 10
+    LoRA loads failed ("tensors still on meta", "returned a module that was already
+    released") and 4 of 8 calls raised StagedChangeError, where eager gave no error.
+
+    Reference: the eager pipeline (diffusers' ``from_pretrained``, no stageload), called
+    with and without the LoRA, in this process."""
+    import threading
+
+    a = lora("sd", root, "unet", seed=0)
+    fam = FAMILIES["sd"]
+    ref = fam.load(folder(fam, root))
+    plain = run(ref, "sd", "default")
+    ref.load_lora_weights(dict(a), adapter_name="a")
+    with_lora = run(ref, "sd", "default")
+    assert not torch.equal(plain, with_lora)
+    pipe = staged("sd", root, "default")
+    outs: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            for _ in range(3):
+                outs.append(run(pipe, "sd", "default"))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    changes = 0
+    while server.is_alive() and changes < 40:
+        pipe.load_lora_weights(dict(a), adapter_name="a")
+        pipe.unload_lora_weights()
+        changes += 1
+    server.join()
+    assert errors == []
+    assert len(outs) == 3
+    assert all(torch.equal(o, plain) or torch.equal(o, with_lora) for o in outs)
+    pipe.load_lora_weights(dict(a), adapter_name="a")
+    assert torch.equal(run(pipe, "sd", "default"), with_lora)

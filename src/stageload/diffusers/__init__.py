@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import threading
 import warnings
@@ -791,6 +792,54 @@ def _serialize_calls(pipeline_cls: type) -> None:
         return __call__
 
     patch(pipeline_cls, "__call__", wrap)
+    _serialize_changes(pipeline_cls)
+
+
+#: The pipeline's own methods that change its components' parts or weights (diffusers'
+#: LoRA, textual inversion, IP-Adapter and QKV-fusion loaders). Each takes the call lock
+#: as a call does: from one thread while another thread's call ran, a LoRA load replaced
+#: layers while that call's stage loaded or released the UNet (the load failed with
+#: "tensors still on meta", the call with StagedChangeError), where eager gave no error.
+_CHANGES = (
+    "load_lora_weights",
+    "unload_lora_weights",
+    "fuse_lora",
+    "unfuse_lora",
+    "set_adapters",
+    "delete_adapters",
+    "enable_lora",
+    "disable_lora",
+    "set_lora_device",
+    "load_textual_inversion",
+    "unload_textual_inversion",
+    "load_ip_adapter",
+    "unload_ip_adapter",
+    "fuse_qkv_projections",
+    "unfuse_qkv_projections",
+)
+
+
+@functools.cache
+def _serialize_changes(pipeline_cls: type) -> None:
+    """Make each of the :data:`_CHANGES` methods that ``pipeline_cls`` has hold the call
+    lock of every stager among its components, as a call does: a change waits for the call
+    in flight, and a call for the change (a call of a batch changing its own pipeline,
+    from a callback, runs straight through, as its calls do)."""
+
+    def wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(inner)
+        def change(self: Any, *args: Any, **kwargs: Any) -> Any:
+            stagers = [s for s in _stagers(self) if not getattr(s._in_batch, "active", False)]
+            with contextlib.ExitStack() as held:
+                for state in stagers:
+                    held.enter_context(state.calls)
+                return inner(self, *args, **kwargs)
+
+        return change
+
+    for name in _CHANGES:
+        if inspect.isfunction(inspect.getattr_static(pipeline_cls, name, None)):
+            patch(pipeline_cls, name, wrap)
 
 
 @functools.cache
