@@ -231,10 +231,12 @@ def test_with_no_budget_each_stage_releases_what_it_does_not_use(
         e.model for e in sink.events[export:] if (e.kind, e.reason) == ("release", "not in plan")
     }
     assert held, "a model was loaded when the export began"
+    # MoGe, made anew per image and dropped, goes whenever the garbage collector frees it:
+    # during the export too (seen in CI), which is the script's doing, not a stage's.
     assert not [
         e
         for e in sink.events[export:]
-        if e.kind == "release" and e.reason not in ("not in plan", "close")
+        if e.kind == "release" and e.reason not in ("not in plan", "close", "dropped by the script")
     ]
     if budget is None:
         assert released == held
