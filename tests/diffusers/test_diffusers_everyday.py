@@ -1085,6 +1085,61 @@ def test_an_auto_pipeline_class_stages_the_pipeline_it_would_load(
     assert all(torch.equal(pipe(**family.call(0))[0], want) for _ in range(2))
 
 
+@pytest.mark.parametrize("own", [True, False], ids=["own-thread", "control"])
+def test_an_eager_auto_pipeline_on_another_thread_while_one_is_picked_loads_as_eager(
+    path: Path, own: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A web server's eager ``AutoPipelineForText2Image.from_pretrained(path)`` on one thread
+    while ``staged_pipeline(AutoPipelineForText2Image, path)`` picks its class on another:
+    the eager one gets its pipeline, loaded, as without stageload (the pick's stand-in was
+    process-wide: the eager call got it and failed inside diffusers). Made to overlap
+    deterministically: the eager call runs to its end inside the staged pick. Control: the
+    stand-in answering every thread, the eager call fails."""
+    import threading
+    import types
+
+    import diffusers.pipelines.auto_pipeline as auto
+    from diffusers import AutoPipelineForText2Image
+
+    from stageload import external
+    from stageload.diffusers import _args
+    from stageload.hooks.registry import patch
+
+    if not own:  # every thread is the picking one
+        monkeypatch.setattr(_args, "threading", types.SimpleNamespace(get_ident=lambda: 0))
+    main = threading.get_ident()
+    eager: list[object] = []
+
+    def run_eager() -> None:
+        try:
+            eager.append(AutoPipelineForText2Image.from_pretrained(path))
+        except BaseException as exc:  # noqa: BLE001 - the control's failure, checked below
+            eager.append(exc)
+
+    def overlap(pick):
+        def picking(*args, **kwargs):
+            if threading.get_ident() == main and not eager:
+                other = threading.Thread(target=run_eager)
+                other.start()
+                other.join()
+            return pick(*args, **kwargs)
+
+        return picking
+
+    unpatch = patch(auto, external.AUTO_PIPELINE_PICK, overlap)
+    try:
+        pipe = staged_pipeline(AutoPipelineForText2Image, path, keep=())
+    finally:
+        unpatch()
+    assert type(pipe) is SD.cls
+    [got] = eager
+    if own:
+        assert type(got) is SD.cls
+        assert got.unet.device.type == "cpu"  # loaded, not a stand-in
+    else:
+        assert isinstance(got, BaseException)
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
 @pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
 def test_weights_under_a_variant_only_are_said_at_the_build(

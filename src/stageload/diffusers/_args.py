@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import external
 from ..external import version_at_least
+from ..hooks.registry import patch
 from ..load.skeleton import is_transformers_model
 
 if TYPE_CHECKING:
@@ -86,46 +88,47 @@ def _concrete_pipeline(
         f"{pipeline_cls.__name__} has no pipeline for {name} (from {folder}/model_index.json); "
         f"pass the pipeline class itself, e.g. staged_pipeline({name}, path)"
     )
-    pick = getattr(auto, external.AUTO_PIPELINE_PICK, None)
-    if pick is None:  # another diffusers: its choice cannot be followed
+    if getattr(auto, external.AUTO_PIPELINE_PICK, None) is None:  # another diffusers
         raise none
     picked: list[tuple[type, dict[str, Any]]] = []
+    me = threading.get_ident()
 
     class Picked(Exception):
         pass
 
-    def stop(mapping: Any, class_name: str, *args: Any, **kw: Any) -> Any:
-        found = pick(mapping, class_name, *args, **kw)
+    def stop(pick: Callable[..., Any]) -> Callable[..., Any]:
+        # For this thread's call only: another thread's AutoPipeline.from_pretrained in
+        # the meantime (a web server's eager request) picks and loads as it would without
+        # stageload, through the same chain.
+        def picking(mapping: Any, class_name: str, *args: Any, **kw: Any) -> Any:
+            found = pick(mapping, class_name, *args, **kw)
+            if threading.get_ident() != me:
+                return found
 
-        class Stop:
-            @staticmethod
-            def from_pretrained(_path: Any, **passed: Any) -> Any:
-                picked.append((found, passed))
-                raise Picked
+            class Stop:
+                @staticmethod
+                def from_pretrained(_path: Any, **passed: Any) -> Any:
+                    picked.append((found, passed))
+                    raise Picked
 
-        return Stop
+            return Stop
 
-    with external.BUILD_LOCK, _patched(auto, external.AUTO_PIPELINE_PICK, stop):
-        try:
+        return picking
+
+    unpatch = patch(auto, external.AUTO_PIPELINE_PICK, stop)
+    try:
+        with external.BUILD_LOCK:  # a from_pretrained, as each build's
             pipeline_cls.from_pretrained(os.fspath(folder), **kwargs)
-        except Picked:
-            pass
-        except ValueError:  # diffusers' "AutoPipeline can't find a pipeline linked to"
-            raise none from None
+    except Picked:
+        pass
+    except ValueError:  # diffusers' "AutoPipeline can't find a pipeline linked to"
+        raise none from None
+    finally:
+        unpatch()
     if not picked:
         raise none
     cls, passed = picked[0]
     return cls, {k: v for k, v in kwargs.items() if k in passed}
-
-
-@contextlib.contextmanager
-def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    before = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, before)
 
 
 #: A weight file diffusers or transformers saves, plain or under a variant: whole
