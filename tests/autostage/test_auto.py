@@ -779,6 +779,60 @@ def test_control_without_the_pin_the_model_used_from_two_threads_goes(folder, mo
     assert "make_gate" not in resident
 
 
+def two_threads_in_two_models(folder: str) -> tuple[Any, list[str]]:
+    """Room for one model; model ``a``'s call on another thread is inside its first layer
+    while this thread calls ``b`` (which ``a``'s call leaves no room for: loaded over the
+    budget), as two requests of a web server: the outputs, and the models resident once
+    both calls are over."""
+    import threading
+
+    inside, go = threading.Event(), threading.Event()
+    x = torch.ones(2, auto_script.WIDTH)
+    out: dict[str, Any] = {}
+    with auto(budget=SIZE + 16, factories=[FACTORY], defaults=False) as session:
+        a, b = (auto_script.load_model(f"{folder}/{n}.pt") for n in "ab")
+
+        def wait_inside(*_: Any) -> None:
+            inside.set()
+            assert go.wait(30)
+
+        hook = a.layers[0].register_forward_pre_hook(wait_inside)
+
+        def call_a() -> None:
+            with torch.no_grad():
+                out["a"] = a(x)
+
+        other = threading.Thread(target=call_a)
+        other.start()
+        assert inside.wait(30)
+        with torch.no_grad():
+            out["b"] = b(x)
+        go.set()
+        other.join(30)
+        hook.remove()
+        return out, session.resident()
+
+
+def test_two_threads_in_two_models_over_the_budget_leave_it_when_their_calls_end(folder):
+    """Both models were loaded over the budget while both calls ran: the room is made when
+    the first call that can give it ends (before, both stayed loaded until the next load,
+    for good in a script that loads nothing more). Reference: the same calls without auto."""
+    out, resident = two_threads_in_two_models(folder)
+    # b's call ended first, beside a's (no room then); a's ended last, and b went
+    assert resident == ["a.pt"]
+    a, b = (auto_script.load_model(f"{folder}/{n}.pt") for n in "ab")
+    x = torch.ones(2, auto_script.WIDTH)
+    with torch.no_grad():
+        assert torch.equal(out["a"], a(x))
+        assert torch.equal(out["b"], b(x))
+
+
+def test_control_with_room_made_at_loads_only_both_stay_over_the_budget(folder, monkeypatch):
+    monkeypatch.setattr(stageload.autostage.AutoSession, "call_ended", lambda self, model: None)
+    _, resident = two_threads_in_two_models(folder)
+    assert sorted(resident) == ["a.pt", "b.pt"]
+
+
 def run_converted(folder: str, *, staged: bool) -> Any:
     """The models converted to float64 by the script once made, then used in turn, twice,
     with room for one under auto: each reload must come back converted."""

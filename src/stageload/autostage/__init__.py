@@ -330,6 +330,7 @@ class _Hook(ModuleHook):
         self.pre_call = torch.compiler.disable(self.pre_call)  # type: ignore[method-assign]
         self.revive = torch.compiler.disable(self.revive)  # type: ignore[method-assign]
         self.fill_on_use = torch.compiler.disable(self.fill_on_use)  # type: ignore[method-assign]
+        self.post_call = torch.compiler.disable(self.post_call)  # type: ignore[method-assign]
 
     def pre_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         session = self.session
@@ -339,6 +340,11 @@ class _Hook(ModuleHook):
             if registry is not None and registry.called_elsewhere():
                 session.pin(self.model, "used from two threads at once")
         return None
+
+    def post_call(self, module: nn.Module, output: Any) -> Any:
+        if module is self.model.module():
+            self.session.call_ended(self.model)
+        return output
 
     def revive(self, module: nn.Module) -> bool:
         return self.session.load(self.model)
@@ -424,6 +430,9 @@ class AutoSession:
         self._stage: str | None = None
         self._making = threading.local()
         self._closed = False
+        # Whether the last room made left the models over the budget because a model that
+        # could go was in a call on another thread: room is made again as each call ends.
+        self._over = False
         self.record = _Record()
         self.notes: list[str] = []
         #: Calls of each factory the user named (``factories=``), by its spec.
@@ -1284,16 +1293,28 @@ class AutoSession:
         with torch_function_off():
             model.chains = chains or {n: (t.dtype,) for n, t in named_tensors(module)}
 
-    def _make_room(self, size: int, name: str, keep: _Model | None = None) -> None:
+    def call_ended(self, model: _Model) -> None:
+        """After a call of ``model``, on its thread: when a load went over the budget
+        because the models it would have released were in calls on other threads, room
+        for ``model`` made now that this call is over (two threads in two models, with room
+        for one, left both loaded over the budget until the next load, for good when the
+        script loads nothing more). Unlocked, the check costs a call one attribute read."""
+        if self._over:
+            self._make_room(model.size, model.name, keep=model, say=False)
+
+    def _make_room(
+        self, size: int, name: str, keep: _Model | None = None, *, say: bool = True
+    ) -> None:
         """Release idle models, one at a time, until ``size`` more bytes fit the budget
-        (giving memory back once, after the last: :func:`~stageload.hooks.release.releasing`)."""
+        (giving memory back once, after the last: :func:`~stageload.hooks.release.releasing`);
+        ``say``: that ``keep`` is loaded over the budget, when it is (once per model)."""
         me = threading.get_ident()
         with releasing(collect=False):
             while True:
                 victim = None
                 try:
                     with self._mutex:
-                        victim = self._victim(size, name, keep)
+                        victim = self._victim(size, name, keep, say)
                         if victim is None:
                             return
                         victim.model.state, victim.model.owner = RELEASING, me
@@ -1358,9 +1379,11 @@ class AutoSession:
                     raise
                 released.append(victim.model.name)
 
-    def _victim(self, size: int, name: str, keep: _Model | None) -> _Victim | None:
+    def _victim(
+        self, size: int, name: str, keep: _Model | None, say: bool = True
+    ) -> _Victim | None:
         """Under the lock: the model to release so that ``size`` more bytes fit, or None
-        when they fit (or nothing can go: said once)."""
+        when they fit (or nothing can go: said once, with ``say``)."""
         from ..units import format_size
 
         self._prune()
@@ -1377,13 +1400,17 @@ class AutoSession:
             if held is not None and m.keys is not None:
                 kept += _kept_bytes(held, m.keys)
         if sum(m.size for m in others) + kept + size <= self.budget:
+            self._over = False
             return None
         idle = [m for m in others if m.state == LOADED and not m.pinned]
         for m in self._order(idle, others, keep.name if keep is not None else name, size):
             victim = self._held_for_release(m, say=True)
             if victim is not None:
                 return victim
-        if keep is not None:  # said once per model; the room made before a factory says nothing
+        # Room again as each call ends, while a model that could go is in one (not for a
+        # pin or a holder, which a call's end does not change: each call would look again).
+        self._over = any(_busy(m) for m in idle)
+        if keep is not None and say:  # once per model; the room made before a factory says nothing
             n = len(others)
             what = f"beside {n} model{'s' * (n != 1)} in use" if others else "alone"
             if kept:
