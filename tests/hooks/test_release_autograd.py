@@ -79,7 +79,7 @@ x = torch.randn(1, 3, 12, 12).requires_grad_()
 model(x).sum().backward()
 want = x.grad.clone()
 x.grad = None
-r._cut_from_autograd = lambda module, kept_storage, kept_modules, done: setattr(done, "cut", 0)
+r._cut_from_autograd = lambda module, kept_storage, kept_modules, done, *_: setattr(done, "cut", 0)
 out = model(x)
 release(model)
 print("released", flush=True)
@@ -300,3 +300,37 @@ def test_control_kept_tensors_taken_for_released_ones_refuse_the_backward(monkey
     release(norm)
     with pytest.raises(RuntimeError, match=INPLACE):
         out.pow(2).sum().backward()
+
+
+class _CountsRetains(_Keeps):
+    """Counts how often a release asks it what to keep."""
+
+    asked = 0
+
+    def retain(self, module: nn.Module) -> list[torch.Tensor]:
+        self.asked += 1
+        return super().retain(module)
+
+
+@pytest.mark.parametrize("once", [True, False], ids=["once", "control"])
+def test_a_release_asks_each_hook_what_it_keeps_once(monkeypatch, once: bool):
+    """Each hook's ``retain`` walks the module's tensors (the diffusers adapter counts
+    their holders): a release asks it once, not once more for the autograd check. Control:
+    the check asking again, it is asked twice."""
+    import stageload.hooks.release as release_module
+
+    if not once:
+        held = release_module._autograd_held
+        monkeypatch.setattr(
+            release_module,
+            "_cut_from_autograd",
+            lambda module, kept_storage, kept_modules, done, retained: setattr(
+                done, "cut", held(module, kept_storage, kept_modules, cut=True)
+            ),
+        )
+    norm = nn.LayerNorm(32).requires_grad_(False)
+    hook = _CountsRetains(norm.weight)
+    HookRegistry.attach(norm).add("keeps", hook)
+    release(norm)
+    assert norm.bias.is_meta and not norm.weight.is_meta
+    assert hook.asked == (1 if once else 2)

@@ -215,14 +215,19 @@ def _retained(module: nn.Module) -> set[int]:
 
 
 def _to_release(
-    module: nn.Module, skip: Iterable[tuple[str, int]] = (), kept: Iterable[int] = ()
+    module: nn.Module,
+    skip: Iterable[tuple[str, int]] = (),
+    kept: Iterable[int] = (),
+    retained: set[int] | None = None,
 ) -> Iterator[tuple[torch.Tensor, int]]:
     """Each tensor a release of ``module`` takes (not on meta, not retained, on no storage
     in ``skip``, of no submodule whose id is in ``kept``), with the references C++ objects
-    hold on it as their own (``slots`` of :func:`held_by_autograd`)."""
+    hold on it as their own (``slots`` of :func:`held_by_autograd`). ``retained``: the
+    release's :func:`_retained`, asked once (each hook's ``retain`` walks the tensors)."""
     import torch
 
-    skip, kept, retained = set(skip), set(kept), _retained(module)
+    skip, kept = set(skip), set(kept)
+    retained = _retained(module) if retained is None else retained
     for sub in module.modules():
         if id(sub) in kept:
             continue
@@ -239,6 +244,7 @@ def _autograd_held(
     kept: Iterable[int] = (),
     *,
     cut: bool = False,
+    retained: set[int] | None = None,
 ) -> int:
     """The bytes of the storages a release of ``module`` frees (as :func:`_to_release`)
     with a tensor autograd holds (:func:`held_by_autograd`). ``cut``: give each such
@@ -247,7 +253,7 @@ def _autograd_held(
     import torch
 
     sizes: dict[tuple[str, int], int] = {}
-    for t, slots in _to_release(module, skip, kept):
+    for t, slots in _to_release(module, skip, kept, retained):
         if held_by_autograd(t, slots=slots):
             sizes[_storage_key(t)] = t.untyped_storage().nbytes()
             if cut:
@@ -487,7 +493,7 @@ def _release(
     registry = HookRegistry.of(module)
     retained = _retained(module)
     if done.cut is None:  # before any storage is emptied: a tensor tied to it may be held
-        _cut_from_autograd(module, kept_storage, kept_modules, done)
+        _cut_from_autograd(module, kept_storage, kept_modules, done, retained)
     freed, replaced = done.freed, done.replaced
     with torch.no_grad():
         for sub in module.modules():
@@ -525,7 +531,11 @@ def _release(
 
 
 def _cut_from_autograd(
-    module: nn.Module, kept_storage: set[tuple[str, int]], kept_modules: set[int], done: _Progress
+    module: nn.Module,
+    kept_storage: set[tuple[str, int]],
+    kept_modules: set[int],
+    done: _Progress,
+    retained: set[int],
 ) -> None:
     """Make a backward that needs ``module``'s weights raise instead of reading them freed.
 
@@ -537,7 +547,7 @@ def _cut_from_autograd(
     of the tensors it tracks (a tensor another module ties to is tracked as one), and a
     new version is an edit to it. Records in ``done`` the bytes so held, for the warning.
     """
-    done.cut = _autograd_held(module, kept_storage, kept_modules, cut=True)
+    done.cut = _autograd_held(module, kept_storage, kept_modules, cut=True, retained=retained)
 
 
 def _to_meta(sub: nn.Module, key: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
