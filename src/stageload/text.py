@@ -10,8 +10,12 @@ from __future__ import annotations
 
 def printable(text: str) -> str:
     """``text`` with each character that is not printable written as repr writes it
-    (``\\n``, ``\\x1b``, and ``\\u202e`` for a bidi override that would reorder the line);
-    printable text comes back unchanged. A backslash stays as it is."""
-    if text.isprintable():
+    (``\\n``, ``\\x1b``, and ``\\u202e`` for a bidi override that would reorder the line),
+    and a backslash doubled (``\\\\``); other printable characters come back unchanged.
+
+    Each output comes from one text only: with the backslash left as it was, a label
+    typed as ``run\\nA`` (a backslash, then ``n``) and one holding a newline printed the
+    same."""
+    if text.isprintable() and "\\" not in text:
         return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return "".join("\\\\" if c == "\\" else c if c.isprintable() else repr(c)[1:-1] for c in text)
