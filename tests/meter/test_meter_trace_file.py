@@ -341,3 +341,155 @@ def test_a_trace_on_a_device_is_written_not_truncated() -> None:
     assert null.returncode == 0, null.stderr
     assert "warning" not in null.stderr and "Invalid argument" not in null.stderr
     assert "stageload meter: exit 0 after" in null.stderr
+
+
+# -- a named pipe at -o: refused at once, never waited on ---------------------------------
+
+# The check as it was: it opened the path for append, and the open of a named pipe with no
+# reader waits for one for ever.
+OLD_CHECK = """
+import stageload.cli.args as args
+
+def old(path):
+    if path.is_dir():
+        return "a folder"
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return str(exc)
+    if not existed:
+        path.unlink(missing_ok=True)
+    return None
+
+args._unwritable_file = old
+"""
+
+
+def _stageload(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "stageload", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,  # a bound on a hang, not a time the test expects
+        env=_env(),
+    )
+
+
+def _opens_for_writing(fifo: Path, code: str) -> tuple[bool, str]:
+    """Run ``code`` in a child while the test holds ``fifo`` open for reading: whether the
+    child opened it for writing, and the child's stderr. Linux reports POLLHUP on a pipe's
+    read end only once a writer has come and gone since the reader opened (fs/pipe.c,
+    pipe_poll); the test's reader keeps the child from waiting, which with none it would,
+    for ever (open(2): O_WRONLY without O_NONBLOCK blocks until a reader opens the FIFO)."""
+    import select
+
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", code],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,  # a bound on a hang, not a time the test expects
+        )
+        poll = select.poll()
+        poll.register(reader, select.POLLIN)
+        events = dict(poll.poll(0)).get(reader, 0)
+    finally:
+        os.close(reader)
+    return bool(events & select.POLLHUP), child.stderr
+
+
+def test_meter_guard_and_plot_refuse_a_named_pipe_at_once(tmp_path: Path) -> None:
+    """``stageload meter -o FIFO -- true`` hung for ever in its check of -o (an open for
+    append waits for the pipe's reader), and ``guard --trace FIFO`` in the trace writer's
+    open. Now each exits 2 with one line naming the path and the fix, runs nothing, and
+    leaves the pipe a pipe. A trace cannot be a pipe (each process of the run opens it, and
+    it is read back), and plot's PNG writer seeks. With no reader, so nothing may open it."""
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    ran = tmp_path / "ran"
+    command = ["--", sys.executable, "-c", f"open({str(ran)!r}, 'w')"]
+    trace = tmp_path / "t.jsonl"
+    assert _meter("-o", str(trace), "--", "true").returncode == 0
+    results = {
+        "meter": _meter("-o", str(fifo), *command),
+        "guard": _stageload("guard", "--trace", str(fifo), *command),
+        "plot": _stageload("plot", str(trace), "-o", str(fifo)),
+    }
+    for tool, result in results.items():
+        assert result.returncode == 2, (tool, result.stderr)
+        assert f"stageload {tool}: error:" in result.stderr, result.stderr
+        assert f"{str(fifo)!r} is a named pipe (FIFO), not a regular file" in result.stderr
+        assert "give the path of a regular file" in result.stderr
+        assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
+    assert not ran.exists() and fifo.is_fifo()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="POLLHUP on a FIFO as Linux gives it")
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control"])
+def test_control_the_old_check_opens_the_pipe_for_writing(tmp_path: Path, fixed: bool) -> None:
+    """What made the hang: the old check opened the pipe for writing (for append), which
+    with no reader waits for one for ever. Fixed, the check never opens it: the meter
+    refuses the pipe without a writer's open. Control: the old check put back, in a
+    child, opens it. (The trace writer does open it, with O_NONBLOCK: see below.)"""
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    meter = (
+        ("" if fixed else OLD_CHECK)
+        + "from stageload.cli import main\n"
+        + f"main(['meter', '-o', {str(fifo)!r}, '--', 'true'])\n"
+    )
+    opened, err = _opens_for_writing(fifo, meter)
+    assert opened is not fixed, err
+    assert "is a named pipe (FIFO), not a regular file" in err, err
+
+
+@pytest.mark.parametrize("nonblocking", [True, False], ids=["fixed", "control"])
+def test_the_trace_writer_refuses_a_pipe_with_no_reader_instead_of_waiting(
+    tmp_path: Path, nonblocking: bool
+) -> None:
+    """``guard --trace FIFO`` (and MemoryMeter(FIFO)) hung in the trace writer's open. It
+    opens with O_NONBLOCK now: ENXIO, said as a named pipe. Control: without O_NONBLOCK
+    the child's open is still waiting when the test, as the pipe's reader, lets it go
+    (a blocking open for reading returns only once a writer has opened the pipe). With
+    the fix undone, the fixed case waits in the child until its 120 s bound runs out."""
+    fifo = tmp_path / "trace.fifo"
+    os.mkfifo(fifo)
+    code = (
+        "import stageload.meter.tracefile as t\n"
+        + ("" if nonblocking else "t._NONBLOCK = 0\n")
+        + f"t.TraceWriter({str(fifo)!r})\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], env=_env(), stderr=subprocess.PIPE, text=True
+    )
+    if not nonblocking:  # it waits in the open: come as its reader, so that it goes on
+        reader = os.open(fifo, os.O_RDONLY)
+        os.close(reader)
+    try:
+        _, err = child.communicate(timeout=120)  # a bound on a hang, not an expected time
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 1 and "NotAFileError" in err, err
+    assert f"trace file {str(fifo)!r} is a named pipe (FIFO), not a regular file" in err
+
+
+def test_a_symbolic_link_to_a_trace_not_yet_made_stays_a_link(tmp_path: Path) -> None:
+    """``-o latest.jsonl``, a link to a file not made yet: the check of -o created the
+    target through the link and then removed the link, leaving an empty file. Now the
+    trace is written at the target, and a run that cannot start leaves the link as it was
+    and no target."""
+    link = tmp_path / "latest.jsonl"
+    link.symlink_to("run-1.jsonl")
+    missing = _meter("-o", str(link), "--", str(tmp_path / "nonexistent"))
+    assert missing.returncode == 127, missing.stderr
+    assert link.is_symlink() and not (tmp_path / "run-1.jsonl").exists()
+    result = _meter("-o", str(link), "--label", "one", "--", "true")
+    assert result.returncode == 0, result.stderr
+    assert link.is_symlink() and os.readlink(link) == "run-1.jsonl"
+    assert read_records(tmp_path / "run-1.jsonl")[0]["meta"] == {"label": "one"}

@@ -10,6 +10,7 @@ import pytest
 
 from stageload import ModelLoadError, ReleasedModuleError
 from stageload.guard.process import CannotStartError
+from stageload.meter.tracefile import NotAFileError
 from stageload.pixal3d.plan import UnsupportedPipelineError
 from stageload.report.plot import PlotUnavailableError
 from stageload.report.records import TraceError
@@ -22,6 +23,7 @@ ERRORS = [
     TraceError("/tmp/run.jsonl", "line 3 is not JSON"),
     CannotStartError(["no-such-command", "-x"], FileNotFoundError(2, "No such file")),
     PlotUnavailableError(),
+    NotAFileError("/tmp/trace.fifo", "a named pipe (FIFO)"),
 ]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -92,7 +93,13 @@ def command_after_dashes(words: Sequence[str], prog: str, example: str) -> list[
 
 def unwritable_file(path: str | os.PathLike[str]) -> str | None:
     """Why a file cannot be written at ``path`` (None when it can), found out before a long
-    run rather than after it. Leaves no file behind that was not there before."""
+    run rather than after it, without waiting on anything and without leaving a file
+    behind that was not there before (through a symbolic link: at its target).
+
+    A named pipe (FIFO) or a socket is refused: a trace is opened by each process of the
+    run and read back at its end, and ``plot``'s PNG and PDF writers seek. The check never
+    opens one: opening a pipe with no reader waits for ever (``meter -o FIFO`` hung here),
+    and closing one with a reader would end the reader's input before the real write."""
     if not os.fspath(path):  # Path("") is ".": the error would name a folder
         return "the file name is empty; give the path of a file"
     try:
@@ -107,21 +114,45 @@ def unwritable_file(path: str | os.PathLike[str]) -> str | None:
 
 
 def _unwritable_file(path: Path) -> str | None:
-    if path.is_dir():
+    # Through a symbolic link, the file is its target: that is what gets written (and a
+    # link to a file not yet made must not be replaced by the probe's clean-up).
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    try:
+        mode: int | None = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
         return f"{str(path)!r} is a folder; give the path of a file"
-    if not path.parent.is_dir():
+    if not target.parent.is_dir():
         return (
-            f"folder {str(path.parent)!r} does not exist; create it, or give a path in a "
+            f"folder {str(target.parent)!r} does not exist; create it, or give a path in a "
             "folder that exists"
         )
-    existed = path.exists()
+    if mode is not None and (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        what = "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a socket"
+        return (
+            f"{str(path)!r} is {what}, not a regular file, and this output must be one; "
+            "give the path of a regular file"
+        )
+    if mode is not None and not stat.S_ISREG(mode):
+        # A device (/dev/null): opening one may wait (a serial line, a tape), so only
+        # the permission is asked.
+        if not os.access(target, os.W_OK):
+            return f"cannot write {str(path)!r}: {os.strerror(errno.EACCES)}"
+        return None
+    # A regular file, or none yet: opened as the writer opens it, O_NONBLOCK in case a
+    # pipe took its place since the stat (ENXIO then, not a wait).
+    flags = os.O_WRONLY | os.O_APPEND | getattr(os, "O_NONBLOCK", 0)
     try:
-        with open(path, "a"):
-            pass
+        if mode is None:
+            fd = os.open(target, flags | os.O_CREAT | os.O_EXCL, 0o644)
+        else:
+            fd = os.open(target, flags)
     except OSError as exc:
         return f"cannot write {str(path)!r}: {exc.strerror or exc}"
-    if not existed:
-        path.unlink(missing_ok=True)
+    os.close(fd)
+    if mode is None:
+        target.unlink(missing_ok=True)
     return None
 
 

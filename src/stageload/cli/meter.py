@@ -192,7 +192,7 @@ def summary_line(summary: Summary) -> str:
 def run(args: argparse.Namespace) -> int:
     from ..guard.process import end_fields, exit_status
     from ..meter import MemoryMeter
-    from ..meter.tracefile import NotATraceError, TraceBusyError
+    from ..meter.tracefile import NotAFileError, NotATraceError, TraceBusyError
     from ..report.trace import load_summary
     from . import EXIT_USAGE
 
@@ -228,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
     # the command has started (meter.start), and kept whole if it cannot start.
     try:
         meter.prepare()
-    except (TraceBusyError, NotATraceError) as exc:  # not for a name of ours: O_EXCL made it
+    # Not for a name of ours: O_EXCL made it.
+    except (TraceBusyError, NotATraceError, NotAFileError) as exc:
         print(f"stageload meter: error: -o {str(output)!r}: {exc.strerror}", file=sys.stderr)
         return EXIT_USAGE
     started = time.monotonic()

@@ -69,6 +69,47 @@ class NotATraceError(FileExistsError):
     ``-o`` by mistake): a trace writer does not empty it."""
 
 
+class NotAFileError(OSError):
+    """The trace path is a named pipe or a socket: a trace is opened by each process of a
+    run (the sampler, the command's ``StagedModels``) and read back at its end, so it must
+    be a regular file or a device such as ``/dev/null``. Opening a pipe with no reader
+    would wait for ever."""
+
+    def __init__(self, path: str | os.PathLike[str], what: str) -> None:
+        super().__init__(
+            errno.EINVAL,
+            f"trace file {str(path)!r} is {what}, not a regular file: a trace is opened by "
+            "each process of the run and read back at its end; give the path of a regular "
+            "file",
+        )
+        self.path, self.what = str(path), what
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.what))
+
+
+#: Added to the open of a trace so that a named pipe with no reader fails it (ENXIO)
+#: rather than block; 0 where the platform has no such flag.
+_NONBLOCK: int = getattr(os, "O_NONBLOCK", 0)
+
+
+def _kind_of_pipe(mode: int) -> str | None:
+    """What a file of ``st_mode`` is when it is a pipe or a socket ("a named pipe (FIFO)",
+    "a socket"), which a trace cannot be; None for any other file."""
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return None
+
+
+def _pipe_or_socket(path: Path) -> str | None:
+    try:
+        return _kind_of_pipe(os.stat(path).st_mode)
+    except OSError:
+        return None
+
+
 #: The record types a writer puts on a trace's first line (``start``, or any record of a
 #: writer used without one); a file whose first line is none of them is not a trace.
 _RECORD_TYPES = (START, SAMPLE, EVENT, MARK, ERROR, END)
@@ -127,23 +168,38 @@ class TraceWriter:
         self._fd: int | None = None
         self._created = False  # this writer made the file (so discard() removes it)
         self._unclaimed = not append  # what the file holds is an older run's, kept until used
-        flags = os.O_WRONLY | os.O_APPEND
+        # O_NONBLOCK: a named pipe with no reader fails the open (ENXIO) instead of
+        # waiting for one for ever; it is cleared again once the file is known to be none.
+        flags = os.O_WRONLY | os.O_APPEND | _NONBLOCK
+        # Through a symbolic link, the file is its target: O_EXCL refuses any link, even
+        # one to a file not made yet, and discard() must remove a file it made, not the link.
+        self._file = Path(os.path.realpath(self.path)) if self.path.is_symlink() else self.path
         try:
             if append:
-                self._fd = os.open(self.path, flags | os.O_CREAT, 0o644)
+                self._fd = os.open(self._file, flags | os.O_CREAT, 0o644)
             else:
                 try:
-                    self._fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+                    self._fd = os.open(self._file, flags | os.O_CREAT | os.O_EXCL, 0o644)
                     self._created = True
                 except FileExistsError:
                     # No O_TRUNC: an existing trace is emptied only once this run writes.
-                    self._fd = os.open(self.path, flags)
+                    self._fd = os.open(self._file, flags)
         except OSError as exc:
+            what = _pipe_or_socket(self._file) if exc.errno == errno.ENXIO else None
+            if what is not None:  # a pipe with no reader, or a socket: no file to write
+                raise NotAFileError(self.path, what) from None
             raise OSError(
                 exc.errno,
                 f"cannot open trace file {str(self.path)!r} for writing: {exc.strerror}; "
                 "check that its folder exists and is writable",
             ) from exc
+        what = _kind_of_pipe(os.fstat(self._fd).st_mode)
+        if what is not None:  # a pipe with a reader: still not a trace (NotAFileError)
+            os.close(self._fd)
+            self._fd = None
+            raise NotAFileError(self.path, what)
+        if _NONBLOCK and fcntl is not None:  # a device (/dev/full) is written as before
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_NONBLOCK)
         if not append:
             self._take_lock(self._fd)
             if not self._created:
@@ -279,7 +335,7 @@ class TraceWriter:
             if self._unclaimed and self._created:
                 # Unlinked while still locked, so no second writer can take the lock on it.
                 with contextlib.suppress(OSError):
-                    self.path.unlink()
+                    self._file.unlink()
             os.close(self._fd)
             self._fd = None
 
