@@ -486,6 +486,57 @@ def test_the_cli_says_what_it_cannot_run(tmp_path):
     assert empty.returncode == 2 and "no __main__.py in the folder 'empty'" in empty.stderr
 
 
+# What a script sees of how it was started, one line of JSON.
+SEES = """\
+import json, sys
+main = sys.modules["__main__"]
+print(json.dumps({
+    "argv": sys.argv, "file": __file__, "path0": sys.path[0], "name": __name__,
+    "package": __package__, "spec": repr(__spec__), "loader": type(__loader__).__name__,
+    "main": main.__dict__ is globals(), "code": sys._getframe().f_code.co_filename,
+}))
+"""
+
+# How auto ran a script file before: runpy.run_path with the absolute path.
+OLD_RUN = (
+    "import os, runpy, sys\n"
+    "import stageload.cli.auto as auto\n"
+    "auto._run_script = lambda what: runpy.run_path(os.path.abspath(what), run_name='__main__')\n"
+    "from stageload.cli import main\n"
+    "sys.exit(main(['auto', '--', 'python', *sys.argv[1:]]))\n"
+)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control"])
+def test_the_script_sees_what_plain_python_gives_it(tmp_path, fixed):
+    """Under ``stageload auto -- python x.py`` the script's ``sys.argv[0]`` was the
+    absolute path (runpy.run_path sets it to the path it runs), where python gives it as
+    typed; through a link to the script its ``sys.path[0]`` was the link's folder, where
+    python's is the script's own. Each way of typing the script, run by plain python and
+    by auto side by side: argv, __file__, sys.path[0], __name__, __package__, __spec__,
+    the loader, __main__ in sys.modules and the code's file name are the same. Control:
+    auto's run_path of the absolute path, as before."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "sees.py").write_text(SEES)
+    (tmp_path / "sees.py").write_text(SEES)
+    (tmp_path / "link.py").symlink_to("sub/sees.py")
+    typed = ["sees.py", "./sees.py", "sub/sees.py", "link.py", f"../{tmp_path.name}/sees.py"]
+    same = []
+    for script in typed:
+        plain = _run([script, "a", "--b"], tmp_path)
+        if fixed:
+            staged = _run(["-m", "stageload", "auto", "--", "python", script, "a", "--b"], tmp_path)
+        else:
+            staged = _run(["-c", OLD_RUN, script, "a", "--b"], tmp_path)
+        assert plain.returncode == staged.returncode == 0, staged.stderr
+        seen, wanted = json.loads(staged.stdout), json.loads(plain.stdout)
+        assert wanted["argv"] == [script, "a", "--b"]  # what python gives, for the record
+        same.append(seen == wanted)
+        if fixed:
+            assert seen == wanted, (script, seen, wanted)
+    assert all(same) is fixed, same
+
+
 def test_a_script_chaining_three_transformers_models_equals_eager(tmp_path):
     """BERT, GPT-2 and a T5 encoder by ``AutoModel``/``T5EncoderModel.from_pretrained``,
     chained with seeded draws between them; eager: the same ``from_pretrained`` calls."""

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import builtins
+import importlib.machinery
 import importlib.util
+import io
 import os
+import pkgutil
 import runpy
 import shutil
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -173,11 +178,12 @@ def run(args: argparse.Namespace) -> int:
     # command's own, so a factory in the script's package imports from there.
     sys.argv = argv
     if not sys.flags.safe_path:  # python -P adds no folder: sys.path[0] is PYTHONPATH's
-        where = os.path.abspath(what)
         if kind == "module":
             sys.path[0] = os.getcwd()
-        else:  # a folder run by its __main__.py: the folder itself
-            sys.path[0] = where if os.path.isdir(where) else os.path.dirname(where)
+        elif os.path.isdir(what):  # a folder run by its __main__.py: the folder itself
+            sys.path[0] = os.path.abspath(what)
+        else:  # the script's real folder: python follows a link to the script
+            sys.path[0] = os.path.dirname(os.path.realpath(what))
     try:
         for spec in args.factory:
             _not_the_script(spec, kind, what)
@@ -202,9 +208,10 @@ def run(args: argparse.Namespace) -> int:
     atexit.register(session.__exit__, None, None, None)
     code = 0
     try:
-        if kind == "path":
-            # As python gives the script its own path in __file__: absolute.
+        if kind == "path" and os.path.isdir(what):
             runpy.run_path(os.path.abspath(what), run_name="__main__")
+        elif kind == "path":
+            _run_script(what)
         else:
             runpy.run_module(what, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
@@ -242,6 +249,36 @@ class _SaidOnStderr:
                 print(f"stageload auto: {event.note}", file=sys.stderr, flush=True)
             except (OSError, ValueError):  # a closed pipe or file: the script goes on
                 self.on = False
+
+
+def _run_script(typed: str) -> None:
+    """Run the script file ``typed`` as ``python typed`` runs it, with ``sys.argv`` already
+    the script's. ``runpy.run_path`` sets ``sys.argv[0]`` to the path it is given, so given
+    an absolute one (for ``__file__``), the script saw ``/home/me/x.py`` where python gives
+    ``x.py`` as typed. Here ``__file__`` and the code's file name are the working folder
+    joined to ``typed``, unnormalised (python: ``./x.py`` is ``/home/me/./x.py``), and the
+    script is ``__main__`` in ``sys.modules`` while it runs, as with ``run_path``."""
+    path = typed if os.path.isabs(typed) else os.path.join(os.getcwd(), typed)
+    with io.open_code(path) as file:
+        code = pkgutil.read_code(file)  # a compiled .pyc, which python runs too
+    if code is None:
+        with io.open_code(path) as file:
+            code = compile(file.read(), path, "exec", dont_inherit=True)
+        loader: Any = importlib.machinery.SourceFileLoader("__main__", path)
+    else:
+        loader = importlib.machinery.SourcelessFileLoader("__main__", path)
+    module = types.ModuleType("__main__")
+    module.__dict__.update(
+        __file__=path, __cached__=None, __loader__=loader, __package__=None, __spec__=None
+    )
+    module.__dict__["__builtins__"] = builtins
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
 
 
 def _print_error() -> None:
