@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import sys
@@ -113,6 +114,94 @@ def test_an_image_is_replaced_whole_keeping_its_mode(pair, tmp_path: Path) -> No
     assert out.read_bytes() != one and png_size(out)
     assert out.stat().st_mode & 0o777 == 0o640
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eager.jsonl", "out.png", "staged.jsonl"]
+
+
+@pytest.mark.parametrize("through", [True, False], ids=["fixed", "control"])
+def test_a_symbolic_link_is_written_through_and_stays_a_link(
+    pair, tmp_path: Path, monkeypatch, capsys, through: bool
+) -> None:
+    """``-o out.png``, a link to an image elsewhere (relative, absolute, a chain of two,
+    and one to a file not made yet): the new image replaces the link's target, and the
+    link stays the same link; renamed over the link itself, it became a regular file and
+    the target kept the older image. Library and CLI, nothing left over in either folder.
+    Control: the rename over the path as given."""
+    import stageload.report.plot as plot_module
+
+    if not through:
+        monkeypatch.setattr(plot_module, "_written_file", lambda out: out)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    old = plot_traces(pair[:1], elsewhere / "old.png").read_bytes()
+    links = {
+        "relative.png": "elsewhere/relative-target.png",
+        "absolute.png": str(elsewhere / "absolute-target.png"),
+        "chain.png": "relative.png",  # -> elsewhere/relative-target.png
+        "new.png": "elsewhere/not-yet.png",
+    }
+    for name, to in links.items():
+        if "target" in to:
+            (tmp_path / to).write_bytes(old)
+        (tmp_path / name).symlink_to(to)
+    kept = []
+    for name in ("relative.png", "absolute.png", "new.png"):
+        plot_traces(pair, tmp_path / name)
+        kept.append((tmp_path / name).is_symlink())
+    assert main(["plot", *map(str, pair), "-o", str(tmp_path / "chain.png")]) == 0
+    capsys.readouterr()
+    kept.append((tmp_path / "chain.png").is_symlink())
+    assert all(kept) is through, kept
+    if through:
+        for name, to in links.items():
+            assert os.readlink(tmp_path / name) == to
+        for target in ("relative-target.png", "absolute-target.png", "not-yet.png"):
+            image = (elsewhere / target).read_bytes()
+            assert image != old and image.endswith(IEND) and png_size(elsewhere / target)
+        assert sorted(p.name for p in elsewhere.iterdir()) == [
+            "absolute-target.png", "not-yet.png", "old.png", "relative-target.png"
+        ]  # fmt: skip
+    else:  # the links are gone, their targets as they were
+        assert (elsewhere / "absolute-target.png").read_bytes() == old
+        assert not (elsewhere / "not-yet.png").exists()
+
+
+def test_through_a_link_a_full_disk_leaves_the_older_image_whole(pair, tmp_path: Path) -> None:
+    """The write through a link is as whole as any: on a real full disk (a 256 KiB tmpfs,
+    filled; skipped where it cannot be mounted) the link's target keeps its older image
+    byte for byte, the link stays, and no temporary file is left beside the target."""
+    with small_tmpfs(tmp_path / "disk", size="256k") as disk:
+        good = disk / "good.png"
+        plot_traces(pair[:1], good)
+        before = good.read_bytes()
+        link = tmp_path / "out.png"
+        link.symlink_to(good)
+        fill(disk)
+        with pytest.raises(OSError, match="No space left on device"):
+            plot_traces(pair, link)
+        after, left = good.read_bytes(), sorted(p.name for p in disk.iterdir())
+    assert after == before and after.endswith(IEND) and left == ["filler", "good.png"]
+    assert link.is_symlink()
+
+
+def test_a_hard_link_to_the_image_keeps_the_older_image_whole(pair, tmp_path: Path) -> None:
+    """The image is renamed into place (never a half file), so the name written gets a new
+    file: another hard link to the older image keeps that image, whole. Writing in place
+    instead would update both names and could leave both half written."""
+    out, other = tmp_path / "out.png", tmp_path / "other.png"
+    plot_traces(pair[:1], out)
+    os.link(out, other)
+    before = other.read_bytes()
+    plot_traces(pair, out)
+    assert other.read_bytes() == before and out.read_bytes() != before and png_size(out)
+    assert other.stat().st_nlink == out.stat().st_nlink == 1
+
+
+def test_a_link_into_a_missing_folder_names_that_folder(pair, tmp_path: Path) -> None:
+    """A link to a file in a folder that does not exist: the error named the temporary
+    file (``.x.png.1a2b3c4d.tmp``); now the folder, and the fix, as for a plain path."""
+    (tmp_path / "out.png").symlink_to("nowhere/x.png")
+    with pytest.raises(FileNotFoundError, match=r"folder '.*nowhere' does not exist; create"):
+        plot_traces(pair, tmp_path / "out.png")
+    assert not (tmp_path / "nowhere").exists() and (tmp_path / "out.png").is_symlink()
 
 
 def test_more_traces_make_a_taller_figure(pair, tmp_path: Path) -> None:

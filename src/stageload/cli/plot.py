@@ -20,7 +20,8 @@ examples:
 
 The image is written whole or not at all: it goes to a temporary file beside -o, renamed
 over -o once complete, so a failed write (a full disk) leaves an image already there as
-it was.
+it was. A symbolic link at -o is written through: its target gets the image, the link
+stays.
 
 exit codes: 0 ok, 1 matplotlib missing or the image cannot be written (e.g. a full disk),
 2 a file is missing or is not a trace, the -o suffix names no image format matplotlib

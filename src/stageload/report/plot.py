@@ -219,23 +219,33 @@ def plot_traces(traces: Sequence[str | Path | Trace], out: str | Path, *, dpi: i
     available memory on the right, stage windows as bands with their names, marks as
     dotted lines) on a shared time axis, and below them a bar chart of the peak footprint
     per stage, one bar per trace. Raises ``PlotUnavailableError`` without matplotlib, and
-    ``FileNotFoundError`` when the folder of ``out`` does not exist.
+    ``FileNotFoundError`` when the folder of ``out`` does not exist. A symbolic link at
+    ``out`` is written through: the image replaces its target, and the link stays.
     """
     if isinstance(dpi, bool) or not isinstance(dpi, int) or not MIN_DPI <= dpi <= MAX_DPI:
         raise ValueError(f"dpi must be a whole number from {MIN_DPI} to {MAX_DPI}, got {dpi!r}")
     kind = image_format(out)
     out = Path(out)
-    _check_folder(out)
+    target = _written_file(out)
+    _check_folder(target)
     fig = draw_traces(traces)
-    _save_whole(fig, out, dpi=dpi, format=kind)
+    _save_whole(fig, target, dpi=dpi, format=kind)
     return out
 
 
-def _save_whole(fig: Figure, out: Path, **savefig: Any) -> None:
-    """Save ``fig`` to a temporary file beside ``out``, then rename it over ``out``: a write
-    that fails (a full disk) leaves an older image whole and no part-written file (saved in
-    place, a good PNG became a truncated one, and a first image a 0-byte file)."""
-    target = Path(os.path.realpath(out)) if out.is_symlink() else out
+def _written_file(out: Path) -> Path:
+    """The file that an image written to ``out`` replaces: through a symbolic link (or a
+    chain of them, or one to a file not made yet), its target, so the link stays a link
+    to the new image; renamed over ``out`` itself, the link became a regular file."""
+    return Path(os.path.realpath(out)) if out.is_symlink() else out
+
+
+def _save_whole(fig: Figure, target: Path, **savefig: Any) -> None:
+    """Save ``fig`` to a temporary file beside ``target`` (``_written_file``: a link's
+    target), then rename it over ``target``: a write that fails (a full disk) leaves an
+    older image whole and no part-written file (saved in place, a good PNG became a
+    truncated one, and a first image a 0-byte file). The rename gives ``target`` a new
+    file: another hard link to the older image keeps the older image, whole."""
     if target.exists() and not target.is_file():  # a device or a pipe: nothing to replace
         fig.savefig(target, **savefig)
         return
