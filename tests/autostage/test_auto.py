@@ -29,6 +29,7 @@ from fixtures import auto_script  # noqa: E402
 from stageload import ListSink, StageloadError  # noqa: E402
 from stageload.autostage import auto  # noqa: E402
 from stageload.external import torch_function_off  # noqa: E402
+from stageload.load import refill  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -3228,7 +3229,7 @@ def test_a_reload_leaves_the_scripts_parts_as_they_are(st_folder, left, monkeypa
     converted and copied the script's parts too, which it never released). Control: the
     reload converts every tensor."""
     if not left:
-        monkeypatch.setattr(stageload.autostage, "_filled_only", lambda layout, keys: layout)
+        monkeypatch.setattr(refill, "_aside", lambda kept: contextlib.nullcontext())
     x = torch.randn(2, auto_script.WIDTH, generator=torch.Generator().manual_seed(5))
 
     def script(load: Any) -> list[Any]:

@@ -11,6 +11,7 @@ mode). torch on one thread on both sides (conftest's ``one_thread``)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ peft = pytest.importorskip("peft")
 from fixtures.lora import ATTENTION, lora  # noqa: E402
 from stageload import ListSink, ModelLoadError  # noqa: E402
 from stageload.diffusers import StagedChangeError, staged_pipeline  # noqa: E402
+from stageload.load import refill  # noqa: E402
 from stageload.testing.families import FAMILIES, folder  # noqa: E402
 
 diffusers.utils.logging.set_verbosity_error()
@@ -296,12 +298,8 @@ def test_a_held_state_dict_stays_the_components_across_a_replayed_conversion(
     ``state_dict()`` the script holds then lost them (a conversion gives a tensor new
     memory), and its edit after the next calls went nowhere (0.05 off eager). A reload
     converts what its files filled only. Control: the conversion on every tensor."""
-    from stageload.diffusers import _placeholder
-
     if not fixed:
-        monkeypatch.setattr(
-            _placeholder, "real_apply_to", lambda m, fn, only: _placeholder.real_apply(m, fn)
-        )
+        monkeypatch.setattr(refill, "_aside", lambda kept: contextlib.nullcontext())
     fam = FAMILIES["sd"]
     outs = []
     for pipe in (fam.load(folder(fam, root)), staged("sd", root, "default")):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from stageload import (
     release,
 )
 from stageload.hooks.release import is_released
-from stageload.load import reader
+from stageload.load import reader, refill
 from stageload.load import weights as load_mod
 from stageload.load.loaders import is_rng_free
 
@@ -338,6 +339,36 @@ def test_refills_a_released_module(files):
         module.proj(x)
     load_weights(module, files[torch.float32])
     assert torch.equal(module.proj(x), expected)
+
+
+@pytest.mark.parametrize("aside", [True, False], ids=["filled-only", "control"])
+def test_a_refills_conversion_reaches_what_the_files_filled(files, aside, monkeypatch):
+    """``reload(convert=...)``: ``.to(float64)`` after the refill converts the tensors the
+    files filled (an int buffer stays int, as torch's own ``.to`` leaves it); the one the
+    script set while the module was released stays the same tensor on the same memory, in
+    float32, and is back in its module even when the conversion raises. Control: with the
+    tensors in memory left in the module, the conversion reaches that one too."""
+    if not aside:
+        monkeypatch.setattr(refill, "_aside", lambda kept: contextlib.nullcontext())
+    module = from_safetensors(Net, files[torch.float32])()
+    recipe = refill.learn(module, [files[torch.float32]])
+    assert isinstance(recipe, refill.Recipe)
+    release(module)
+    own = nn.Parameter(torch.ones(61))
+    module.proj.bias, address = own, own.data_ptr()
+    refill.reload(module, recipe, torch.device("cpu"), convert=lambda m: m.to(torch.float64))
+    assert module.proj.weight.dtype == torch.float64 and module.steps.dtype == torch.int64
+    assert module.proj.bias is own
+    assert (own.dtype == torch.float32 and own.data_ptr() == address) == aside
+    release(module)
+    module.proj.bias = own
+
+    def fails(m: nn.Module) -> None:
+        raise RuntimeError("conversion failed")
+
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        refill.reload(module, recipe, torch.device("cpu"), convert=fails)
+    assert module.proj.bias is own
 
 
 def test_from_safetensors_draws_no_random_numbers(files):

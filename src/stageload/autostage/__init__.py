@@ -2261,13 +2261,15 @@ def _refill(module: nn.Module, model: _Model, layout: Layout, keys: dict[str, st
         return False
     # The mode of the first load, not the caller's: a reload inside the script's
     # inference_mode must not make a converted weight an inference tensor.
-    with torch.inference_mode(model.inference):
-        with torch_function_off():
-            reload(module, model.recipe, devices.pop(), names=keys, progress=False)
-        # What the files filled, not the script's parts, which stayed as they were
-        # (converted again, a round trip would round them once more; copied, memory the
-        # script holds would no longer be theirs).
-        _convert(module, _filled_only(layout, keys))
+    with torch.inference_mode(model.inference), torch_function_off():
+        reload(
+            module,
+            model.recipe,
+            devices.pop(),
+            names=keys,
+            convert=lambda fresh: _convert(fresh, layout),  # the script's parts as they are
+            progress=False,
+        )
     return True
 
 
@@ -2382,11 +2384,6 @@ def _replaced(module: nn.Module, model: _Model) -> str | None:
             if name in model.seen and _scripts_own(model, name, t):
                 return f"{name} replaced"
     return None
-
-
-def _filled_only(layout: Layout, keys: dict[str, str] | None) -> Layout:
-    """``layout`` for the tensors a reload fills: those its files hold (``keys``)."""
-    return layout if keys is None else {n: w for n, w in layout.items() if n in keys}
 
 
 def _grads_now(module: nn.Module, layout: Layout) -> Layout:

@@ -181,6 +181,15 @@ class StagedPipeline:
         tracked = self._tracked[name]
         _placeholder.check_merges(name, skeleton)
         recipe = self._recipes.get(name)
+
+        def convert(module: nn.Module) -> nn.Module:
+            # pipe.to(dtype) calls since, each as eager did, then .to(memory_format=...)
+            for dtype in target["dtypes"]:
+                module = _placeholder.real_to(module, dtype=dtype)
+            for fn in target["other"]:
+                module = _placeholder.real_apply(module, fn)
+            return module
+
         if recipe is not None:  # refill in place from the files, as the first load was
             fresh = tracked.empty(skeleton)
             pipe = self._pipeline() if self._pipeline is not None else None
@@ -190,18 +199,10 @@ class StagedPipeline:
                 recipe,
                 target["device"],
                 names=tracked.names(skeleton),
+                convert=convert,  # what the files filled: the script's changes had theirs
                 name=name,
                 progress=not quiet,
             )
-            # pipe.to(dtype) calls since, each as eager did, then .to(memory_format=...):
-            # on what the files filled only. The tensors that stayed in memory (the
-            # script's changes, ones it holds) had each conversion when it was made; again,
-            # a state_dict() the script holds lost its tensors (its edits went nowhere).
-            filled = _placeholder.tensor_ids(skeleton, fresh)
-            for dtype in target["dtypes"]:
-                _placeholder.real_apply_to(skeleton, _placeholder.to_dtype(dtype), filled)
-            for fn in target["other"]:
-                _placeholder.real_apply_to(skeleton, fn, filled)
             tracked.filled(skeleton, fresh)
             _placeholder.check_added(name, skeleton, tracked)
             return
@@ -221,11 +222,7 @@ class StagedPipeline:
         self._read.add(name)
         if target["device"].type != "cpu":
             loaded = _placeholder.real_to(loaded, device=target["device"])
-        for dtype in target["dtypes"]:
-            loaded = _placeholder.real_to(loaded, dtype=dtype)
-        for fn in target["other"]:
-            loaded = _placeholder.real_apply(loaded, fn)
-        _placeholder.fill(skeleton, loaded, tracked)
+        _placeholder.fill(skeleton, convert(loaded), tracked)
         _placeholder.check_added(name, skeleton, tracked)
         self._learn(name, skeleton)
 

@@ -349,23 +349,6 @@ def real_apply(module: nn.Module, fn: Callable[[Any], Any]) -> nn.Module:
         return module._apply(fn)
 
 
-def real_apply_to(module: nn.Module, fn: Callable[[Any], Any], only: set[int]) -> nn.Module:
-    """:func:`real_apply` on the tensors whose ids are in ``only`` (:func:`tensor_ids`); the
-    others are left as they are, the same objects on the same memory."""
-    return real_apply(module, lambda t: fn(t) if id(t) in only else t)
-
-
-def tensor_ids(module: nn.Module, names: set[str]) -> set[int]:
-    """The ids of ``module``'s tensors named in ``names``."""
-    return {id(t) for name, t in named_tensors(module) if name in names}
-
-
-def to_dtype(dtype: torch.dtype) -> Callable[[Any], Any]:
-    """The conversion ``nn.Module.to(dtype=dtype)`` gives ``_apply``: floating and complex
-    tensors to ``dtype``, the others as they are."""
-    return lambda t: t.to(dtype=dtype) if t.is_floating_point() or t.is_complex() else t
-
-
 def real_to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
     """``.to()`` on the component's weights, past the stager's conversion patch: torch's
     own, a replay of a conversion the user's ``.to()`` made (whose library checks and

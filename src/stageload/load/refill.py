@@ -14,8 +14,9 @@ reads the files straight into it. Otherwise the adapter keeps its loader and say
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ..hooks.release import release
 from .checkpoint import DTYPES, Stamp, check_unchanged, file_stamps, read_entries
 from .placement import Placement
-from .weights import fill, plan, put, targets
+from .weights import fill, place, plan, put, targets
 
 if TYPE_CHECKING:
     import torch
@@ -254,19 +255,23 @@ def reload(
     module: nn.Module,
     recipe: Recipe,
     device: torch.device,
-    dtype: torch.dtype | None = None,
-    real_to: Callable[..., Any] | None = None,
     names: Mapping[str, str] | None = None,
     *,
+    convert: Callable[[nn.Module], Any] | None = None,
     name: str | None = None,
     progress: bool = True,
 ) -> None:
     """Fill the released tensors of ``module`` in place as its first load did (``recipe``
-    from :func:`learn`; ``names`` as there); tensors still in memory stay. ``dtype``
-    converts afterwards, as ``.to(dtype)`` did the first time. ``name`` and ``progress``:
+    from :func:`learn`; ``names`` as there); tensors still in memory stay.
+    ``convert(module)`` then makes the conversions the model had since its first load (the
+    script's ``.to(dtype)``) on what the files filled alone: the tensors that stayed in
+    memory (the script's parts, ones it holds) had each when it was made, and are out of
+    the module meanwhile (converted again, a bfloat16 round trip would round them twice,
+    and a ``state_dict()`` the script holds would lose them). ``name`` and ``progress``:
     the progress bar's, as for :func:`~stageload.load_weights`."""
     import torch
 
+    kept = [t for t in targets(module) if not t.tensor.is_meta] if convert is not None else []
     if recipe.names:  # the loader's mapping, after the script's renames (now -> at load)
         names = (
             dict(recipe.names)
@@ -311,8 +316,24 @@ def reload(
         name=name,
         progress=progress,
     )
-    if dtype is not None:  # pipe.to(dtype): as the eager path, convert after loading
-        (real_to or type(module).to)(module, dtype=dtype)
+    if convert is not None:
+        with _aside(kept):
+            convert(module)
+
+
+@contextlib.contextmanager
+def _aside(kept: list[Any]) -> Iterator[None]:
+    """Take the tensors of ``kept`` (targets) out of their module for the block: each
+    place of theirs holds None, which conversions pass over (``nn.Module._apply`` skips a
+    None parameter or buffer)."""
+    tensors = [target.tensor for target in kept]
+    for target in kept:
+        place(target, None)
+    try:
+        yield
+    finally:
+        for target, tensor in zip(kept, tensors, strict=True):
+            place(target, tensor)
 
 
 #: Float dtypes that hold every value of the ones listed for them exactly.
