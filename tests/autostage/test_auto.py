@@ -3229,7 +3229,7 @@ def test_a_reload_leaves_the_scripts_parts_as_they_are(st_folder, left, monkeypa
     converted and copied the script's parts too, which it never released). Control: the
     reload converts every tensor."""
     if not left:
-        monkeypatch.setattr(refill, "_aside", lambda kept: contextlib.nullcontext())
+        monkeypatch.setattr(refill, "_aside", lambda aside: contextlib.nullcontext())
     x = torch.randn(2, auto_script.WIDTH, generator=torch.Generator().manual_seed(5))
 
     def script(load: Any) -> list[Any]:

@@ -299,7 +299,7 @@ def test_a_held_state_dict_stays_the_components_across_a_replayed_conversion(
     memory), and its edit after the next calls went nowhere (0.05 off eager). A reload
     converts what its files filled only. Control: the conversion on every tensor."""
     if not fixed:
-        monkeypatch.setattr(refill, "_aside", lambda kept: contextlib.nullcontext())
+        monkeypatch.setattr(refill, "_aside", lambda aside: contextlib.nullcontext())
     fam = FAMILIES["sd"]
     outs = []
     for pipe in (fam.load(folder(fam, root)), staged("sd", root, "default")):

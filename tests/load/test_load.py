@@ -349,7 +349,7 @@ def test_a_refills_conversion_reaches_what_the_files_filled(files, aside, monkey
     float32, and is back in its module even when the conversion raises. Control: with the
     tensors in memory left in the module, the conversion reaches that one too."""
     if not aside:
-        monkeypatch.setattr(refill, "_aside", lambda kept: contextlib.nullcontext())
+        monkeypatch.setattr(refill, "_aside", lambda aside: contextlib.nullcontext())
     module = from_safetensors(Net, files[torch.float32])()
     recipe = refill.learn(module, [files[torch.float32]])
     assert isinstance(recipe, refill.Recipe)

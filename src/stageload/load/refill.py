@@ -266,12 +266,12 @@ def reload(
     ``convert(module)`` then makes the conversions the model had since its first load (the
     script's ``.to(dtype)``) on what the files filled alone: the tensors that stayed in
     memory (the script's parts, ones it holds) had each when it was made, and are out of
-    the module meanwhile (converted again, a bfloat16 round trip would round them twice,
-    and a ``state_dict()`` the script holds would lose them). ``name`` and ``progress``:
-    the progress bar's, as for :func:`~stageload.load_weights`."""
+    the module meanwhile, as are any left empty (converted again, a bfloat16 round trip
+    would round them twice, and a ``state_dict()`` the script holds would lose them).
+    ``name`` and ``progress``: the progress bar's, as for :func:`~stageload.load_weights`."""
     import torch
 
-    kept = [t for t in targets(module) if not t.tensor.is_meta] if convert is not None else []
+    kept = {id(t.tensor) for t in targets(module) if not t.tensor.is_meta}
     if recipe.names:  # the loader's mapping, after the script's renames (now -> at load)
         names = (
             dict(recipe.names)
@@ -316,23 +316,23 @@ def reload(
         name=name,
         progress=progress,
     )
-    if convert is not None:
-        with _aside(kept):
+    if convert is not None:  # the files' tensors only: not those in memory, nor any still empty
+        with _aside([t for t in targets(module) if t.tensor.is_meta or id(t.tensor) in kept]):
             convert(module)
 
 
 @contextlib.contextmanager
-def _aside(kept: list[Any]) -> Iterator[None]:
-    """Take the tensors of ``kept`` (targets) out of their module for the block: each
+def _aside(aside: list[Any]) -> Iterator[None]:
+    """Take the tensors of ``aside`` (targets) out of their module for the block: each
     place of theirs holds None, which conversions pass over (``nn.Module._apply`` skips a
     None parameter or buffer)."""
-    tensors = [target.tensor for target in kept]
-    for target in kept:
+    tensors = [target.tensor for target in aside]
+    for target in aside:
         place(target, None)
     try:
         yield
     finally:
-        for target, tensor in zip(kept, tensors, strict=True):
+        for target, tensor in zip(aside, tensors, strict=True):
             place(target, tensor)
 
 
