@@ -371,6 +371,47 @@ def test_a_refills_conversion_reaches_what_the_files_filled(files, aside, monkey
     assert module.proj.bias is own
 
 
+@pytest.mark.parametrize("safe", [True, False], ids=["put-back", "control"])
+def test_a_ctrl_c_while_a_refill_sets_tensors_aside_leaves_each_in_its_module(
+    files, safe, monkeypatch
+):
+    """A Ctrl-C between two of the tensors set aside for the conversion (KeyboardInterrupt
+    raised from the second): both are back in the module. Control: set aside before the
+    block that puts them back, the first stays out (None in its module)."""
+    if not safe:
+
+        @contextlib.contextmanager
+        def before_the_try(aside):
+            tensors = [target.tensor for target in aside]
+            for target in aside:
+                refill.place(target, None)
+            try:
+                yield
+            finally:
+                for target, tensor in zip(aside, tensors, strict=True):
+                    refill.place(target, tensor)
+
+        monkeypatch.setattr(refill, "_aside", before_the_try)
+    module = from_safetensors(Net, files[torch.float32])()
+    recipe = refill.learn(module, [files[torch.float32]])
+    release(module)
+    own_bias, own_steps = nn.Parameter(torch.ones(61)), torch.arange(3)
+    module.proj.bias, module.steps = own_bias, own_steps
+    real, asides = refill.place, []
+
+    def interrupted(target, value):
+        if value is None:
+            asides.append(target)
+            if len(asides) == 2:
+                raise KeyboardInterrupt
+        real(target, value)
+
+    monkeypatch.setattr(refill, "place", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        refill.reload(module, recipe, torch.device("cpu"), convert=lambda m: m.double())
+    assert (module.proj.bias is own_bias and module.steps is own_steps) == safe
+
+
 def test_from_safetensors_draws_no_random_numbers(files):
     before = torch.get_rng_state()
     from_safetensors(Net, files[torch.float32])()

@@ -325,11 +325,12 @@ def reload(
 def _aside(aside: list[Any]) -> Iterator[None]:
     """Take the tensors of ``aside`` (targets) out of their module for the block: each
     place of theirs holds None, which conversions pass over (``nn.Module._apply`` skips a
-    None parameter or buffer)."""
+    None parameter or buffer). Each is put back whatever ends the block: a Ctrl-C while
+    they are taken out, too (putting back one still in its place changes nothing)."""
     tensors = [target.tensor for target in aside]
-    for target in aside:
-        place(target, None)
     try:
+        for target in aside:
+            place(target, None)
         yield
     finally:
         for target, tensor in zip(aside, tensors, strict=True):
