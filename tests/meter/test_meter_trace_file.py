@@ -460,7 +460,7 @@ def test_the_trace_writer_refuses_a_pipe_with_no_reader_instead_of_waiting(
     os.mkfifo(fifo)
     code = (
         "import stageload.meter.tracefile as t\n"
-        + ("" if nonblocking else "t._NONBLOCK = 0\n")
+        + ("" if nonblocking else "t.NONBLOCK = 0\n")
         + f"t.TraceWriter({str(fifo)!r})\n"
     )
     child = subprocess.Popen(

@@ -114,6 +114,9 @@ def unwritable_file(path: str | os.PathLike[str]) -> str | None:
 
 
 def _unwritable_file(path: Path) -> str | None:
+    # Imported here: the meter package costs 0.1 s, which a command's --help need not pay.
+    from ..meter.tracefile import NONBLOCK, kind_of_pipe
+
     # Through a symbolic link, the file is its target: that is what gets written (and a
     # link to a file not yet made must not be replaced by the probe's clean-up).
     target = Path(os.path.realpath(path)) if path.is_symlink() else path
@@ -128,8 +131,8 @@ def _unwritable_file(path: Path) -> str | None:
             f"folder {str(target.parent)!r} does not exist; create it, or give a path in a "
             "folder that exists"
         )
-    if mode is not None and (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
-        what = "a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a socket"
+    what = kind_of_pipe(mode) if mode is not None else None
+    if what is not None:
         return (
             f"{str(path)!r} is {what}, not a regular file, and this output must be one; "
             "give the path of a regular file"
@@ -142,7 +145,7 @@ def _unwritable_file(path: Path) -> str | None:
         return None
     # A regular file, or none yet: opened as the writer opens it, O_NONBLOCK in case a
     # pipe took its place since the stat (ENXIO then, not a wait).
-    flags = os.O_WRONLY | os.O_APPEND | getattr(os, "O_NONBLOCK", 0)
+    flags = os.O_WRONLY | os.O_APPEND | NONBLOCK
     try:
         if mode is None:
             fd = os.open(target, flags | os.O_CREAT | os.O_EXCL, 0o644)

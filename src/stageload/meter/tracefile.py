@@ -88,14 +88,15 @@ class NotAFileError(OSError):
         return (type(self), (self.path, self.what))
 
 
-#: Added to the open of a trace so that a named pipe with no reader fails it (ENXIO)
-#: rather than block; 0 where the platform has no such flag.
-_NONBLOCK: int = getattr(os, "O_NONBLOCK", 0)
+#: Added to the open of a trace (and of the CLI's check of an output path) so that a named
+#: pipe with no reader fails it (ENXIO) rather than block; 0 where the platform has none.
+NONBLOCK: int = getattr(os, "O_NONBLOCK", 0)
 
 
-def _kind_of_pipe(mode: int) -> str | None:
+def kind_of_pipe(mode: int) -> str | None:
     """What a file of ``st_mode`` is when it is a pipe or a socket ("a named pipe (FIFO)",
-    "a socket"), which a trace cannot be; None for any other file."""
+    "a socket"), which no output of stageload can be (a trace, a plot); None for any other
+    file."""
     if stat.S_ISFIFO(mode):
         return "a named pipe (FIFO)"
     if stat.S_ISSOCK(mode):
@@ -105,7 +106,7 @@ def _kind_of_pipe(mode: int) -> str | None:
 
 def _pipe_or_socket(path: Path) -> str | None:
     try:
-        return _kind_of_pipe(os.stat(path).st_mode)
+        return kind_of_pipe(os.stat(path).st_mode)
     except OSError:
         return None
 
@@ -170,7 +171,7 @@ class TraceWriter:
         self._unclaimed = not append  # what the file holds is an older run's, kept until used
         # O_NONBLOCK: a named pipe with no reader fails the open (ENXIO) instead of
         # waiting for one for ever; it is cleared again once the file is known to be none.
-        flags = os.O_WRONLY | os.O_APPEND | _NONBLOCK
+        flags = os.O_WRONLY | os.O_APPEND | NONBLOCK
         # Through a symbolic link, the file is its target: O_EXCL refuses any link, even
         # one to a file not made yet, and discard() must remove a file it made, not the link.
         self._file = Path(os.path.realpath(self.path)) if self.path.is_symlink() else self.path
@@ -193,13 +194,13 @@ class TraceWriter:
                 f"cannot open trace file {str(self.path)!r} for writing: {exc.strerror}; "
                 "check that its folder exists and is writable",
             ) from exc
-        what = _kind_of_pipe(os.fstat(self._fd).st_mode)
+        what = kind_of_pipe(os.fstat(self._fd).st_mode)
         if what is not None:  # a pipe with a reader: still not a trace (NotAFileError)
             os.close(self._fd)
             self._fd = None
             raise NotAFileError(self.path, what)
-        if _NONBLOCK and fcntl is not None:  # a device (/dev/full) is written as before
-            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_NONBLOCK)
+        if NONBLOCK and fcntl is not None:  # a device (/dev/full) is written as before
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~NONBLOCK)
         if not append:
             self._take_lock(self._fd)
             if not self._created:
