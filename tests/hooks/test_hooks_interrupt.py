@@ -61,6 +61,9 @@ OWN = WATCHED[:3]
 LOCK = registry_module._calls_lock
 #: How long a call or release from another thread may take before it counts as hung.
 HANG = 10.0
+#: The same in a control that waits for a hang it expects: a shorter wait can only see
+#: more hangs, so it cannot make a control pass that should fail.
+CONTROL_HANG = 3.0
 
 
 class Noted(ModuleHook):
@@ -266,6 +269,7 @@ def test_a_ctrl_c_anywhere_leaves_nothing_behind(op, after):
 def test_control_a_lock_entered_through_the_condition_is_left_held(monkeypatch):
     """``with _calls`` (a Condition, whose ``__enter__`` is Python code) as before: an
     interrupt just after it took the lock leaves the lock held, and the call hangs."""
+    monkeypatch.setattr(sys.modules[__name__], "HANG", CONTROL_HANG)
     monkeypatch.setattr(registry_module, "_calls_lock", threading.Condition(LOCK))
     failures = sweep(call, call, first=True)
     assert failures and "hung" in failures[0]
@@ -354,9 +358,10 @@ def staged_models() -> StagedModels:
     return models
 
 
-def stage_change_sweep() -> list[str]:
+def stage_change_sweep(*, until: str | None = None) -> list[str]:
     """Interrupt entering stage b at each of its points; after each, every model it decided
-    to release is released whole or loaded and listed, and entering b again finishes."""
+    to release is released whole or loaded and listed, and entering b again finishes. With
+    ``until``, the sweep stops at the first failure that names it (a control's)."""
     models = staged_models()
     total = points(lambda: models.enter("b"))
     assert total > 100
@@ -380,6 +385,8 @@ def stage_change_sweep() -> list[str]:
             problems.append(f"entering again left {models.loaded()} loaded")
         if problems:
             failures.append(f"point {at}: {', '.join(problems)}")
+            if until is not None and until in failures[-1]:
+                return failures
     return failures
 
 
@@ -395,7 +402,7 @@ def test_control_a_stage_change_not_undone_loses_models(monkeypatch):
     """Without enter()'s undoing (its stage and the models taken out but not released put
     back), an interrupt before the releases leaves models neither released nor listed."""
     monkeypatch.setattr(StagedModels, "enter", lambda self, stage: self._change(stage))
-    failures = stage_change_sweep()
+    failures = stage_change_sweep(until="neither released nor listed")
     assert any("neither released nor listed" in f for f in failures)
 
 
@@ -482,6 +489,7 @@ def test_a_ctrl_c_anywhere_in_a_batch_scheduler_raises_it_and_ends_every_call():
 def test_control_a_call_abandoned_before_its_first_turn_waits_for_good(monkeypatch):
     """A call whose thread started but that the scheduler had not counted yet when the
     Ctrl-C came waits for a turn that never comes, unless it ends once abandoned."""
+    monkeypatch.setattr(sys.modules[__name__], "HANG", CONTROL_HANG)
     monkeypatch.setattr(
         batch_module.Batch, "_may_start", lambda self, call: self._turn == call.index
     )
@@ -501,10 +509,11 @@ class Stack(nn.Module):
         return x
 
 
-def stream_sweep(tmp_path: Path) -> list[str]:
+def stream_sweep(tmp_path: Path, *, until: str | None = None) -> list[str]:
     """Interrupt a streamed model's forward at each of its points in stageload's hooks,
     core and load files; after each, the next call equals eager (the whole model loaded),
-    and the stream holds no block but the ones it says it holds."""
+    and the stream holds no block but the ones it says it holds. With ``until``, the sweep
+    stops at the first failure that names it (a control's)."""
     from safetensors.torch import save_file
 
     import stageload.load.stream as stream_module
@@ -536,6 +545,8 @@ def stream_sweep(tmp_path: Path) -> list[str]:
                 again = m(x)
             except Exception as exc:
                 failures.append(f"point {at}: the next call raised {type(exc).__name__}: {exc}")
+                if until is not None and until in failures[-1]:
+                    return failures
                 continue
         if not torch.equal(again, expected):
             failures.append(f"point {at}: the next call differs from eager")
@@ -558,5 +569,5 @@ def test_control_a_stream_trusting_its_flag_fails_after_some_points(tmp_path, mo
         block.resident = False
 
     monkeypatch.setattr(stream_module.Stream, "_release", flag_last)
-    failures = stream_sweep(tmp_path)
+    failures = stream_sweep(tmp_path, until="ReleasedModuleError")
     assert any("ReleasedModuleError" in f for f in failures), failures[:3]
