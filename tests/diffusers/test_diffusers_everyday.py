@@ -772,6 +772,48 @@ def test_control_a_patch_table_holding_its_objects_leaks_them(
     assert unet() is not None
 
 
+# -- torch.autocast -------------------------------------------------------------------------------
+def calls_under_autocast(path: Path, calls: int) -> tuple[bool, list[str], int]:
+    """``calls`` calls of the eager and the staged pipeline, in turn, inside one
+    ``torch.autocast`` block (bfloat16, the CPU's), as scripts write it around the call.
+    Returns (each staged image equals eager's, the warnings the staged calls gave, the
+    growth of the footprint over the calls after the first four)."""
+    ref, pipe = eager(path), staged(path)
+    equal, said, start = True, [], 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for i in range(calls):
+            want = image(ref)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                equal = torch.equal(image(pipe), want) and equal
+            said += [str(w.message) for w in caught]
+            if i == 3:
+                gc.collect()
+                start = footprint()
+    gc.collect()
+    return equal, said, footprint() - start
+
+
+def test_calls_under_autocast_equal_eager_warn_nothing_and_keep_no_casts(path: Path) -> None:
+    equal, said, growth = calls_under_autocast(path, 12)
+    assert equal
+    assert not [s for s in said if "autograd graph" in s], said
+    # The casts of released weights piled up by about 1.1 MiB a call before (8.8 MiB over 8).
+    assert growth < 3 * 2**20, growth
+
+
+def test_control_keeping_autocasts_cache_warns_at_each_release_and_piles_up_casts(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stageload.hooks import release
+
+    monkeypatch.setattr(release, "drop_autocast_casts", lambda: None)
+    equal, said, growth = calls_under_autocast(path, 12)
+    assert equal
+    assert [s for s in said if "model 'unet' was released while an autograd graph" in s]
+    assert growth > 3 * 2**20, growth
+
+
 # -- torch.compile ---------------------------------------------------------------------------------
 # backend="eager": dynamo's tracing, guards and graph breaks, which is where staging meets
 # torch.compile; inductor's code generation takes minutes per model on this machine's
