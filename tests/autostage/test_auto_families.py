@@ -293,3 +293,39 @@ def test_control_a_use_before_its_stage_drops_the_plan(root: Path, monkeypatch: 
     monkeypatch.setattr(autostage._Record, "_later", lambda self, name: False)
     _, _, plan = img2img_plans(root)
     assert plan is None
+
+
+# -- torch.autocast around the calls --------------------------------------------------------------
+def calls_under_autocast(root: Path) -> tuple[bool, list[str], list[str]]:
+    """Two seeded Stable Diffusion calls inside ``torch.autocast`` (bfloat16, the CPU's), as
+    scripts write it, eager and under auto with a budget of 1 byte. Returns (the outputs
+    equal eager's, what auto said, the models it released)."""
+    path = folder(FAMILIES["sd"], root)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = two_calls("sd", path)
+    sink = ListSink()
+    with auto(budget=1, events=sink), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = two_calls("sd", path)
+    said = [e.note for e in sink.events if e.kind == "note"]
+    return same(got, want), said, [e.model for e in sink.events if e.kind == "release"]
+
+
+def test_calls_under_autocast_release_each_model_as_without_it(root: Path):
+    equal, said, released = calls_under_autocast(root)
+    assert equal
+    assert [n for n in said if not any(e in n for e in EXPECTED)] == []
+    assert {"text_encoder", "unet", "vae"} <= set(released), released
+
+
+def test_control_with_autocasts_cache_kept_every_model_stays_loaded(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+):
+    import stageload.autostage
+    from stageload.hooks import release
+
+    monkeypatch.setattr(stageload.autostage, "drop_autocast_casts", lambda: None)
+    monkeypatch.setattr(release, "drop_autocast_casts", lambda: None)
+    equal, said, released = calls_under_autocast(root)
+    assert equal
+    assert released == []
+    assert [n for n in said if "held by an autograd graph" in n]

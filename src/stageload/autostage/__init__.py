@@ -89,6 +89,7 @@ from ..external import (
 from ..hooks.empty import mark_empty, own_attributes, unmark_empty
 from ..hooks.registry import Hold, HookRegistry, ModuleHook, end_hold, patch, try_hold
 from ..hooks.release import (
+    drop_autocast_casts,
     held_by_autograd,
     held_outside,
     is_released,
@@ -1227,6 +1228,9 @@ class AutoSession:
         if hold is None:
             return None
         try:
+            # Inside torch.autocast its cache holds every weight it cast, which counts as
+            # autograd's: every model stayed loaded, as 'held by an autograd graph'.
+            drop_autocast_casts()
             saved = _saved_for_backward(module, kept)  # in the hold: no call saves more now
         except BaseException:  # a Ctrl-C in the walk: the hold ends with it
             hold.active = False
