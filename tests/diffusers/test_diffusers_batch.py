@@ -171,3 +171,37 @@ def test_bad_calls_fail_before_running_and_a_failing_call_spares_the_others(buil
     with pytest.raises(BatchError, match="items \\[1\\]") as info:
         pipe.stageload.map([wan_call(0), {**wan_call(1), "bogus_argument": 1}])
     assert isinstance(info.value.results[0].frames, torch.Tensor)
+
+
+# -- torch.autocast around map ---------------------------------------------------------------------
+def map_under_autocast(root: Path) -> tuple[list[Any], list[Any], list[Any]]:
+    """Two seeded calls of a Stable Diffusion (``stageload.testing.families``) inside
+    ``torch.autocast`` (bfloat16, the CPU's): by ``pipe.stageload.map``, by the eager
+    pipeline one by one, and by the eager pipeline without autocast."""
+    from stageload.testing.families import FAMILIES, folder
+
+    sd = FAMILIES["sd"]
+    path = folder(sd, root)
+    ref, pipe = sd.load(path), staged_pipeline(sd.cls, path, keep=())
+    calls = [sd.call(0), sd.call(1)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = [out[0] for out in pipe.stageload.map(calls)]
+        want = [ref(**sd.call(i))[0] for i in range(2)]
+    full = [ref(**sd.call(i))[0] for i in range(2)]
+    return got, want, full
+
+
+def test_map_inside_autocast_runs_each_call_under_it_as_eager(tmp_path: Path):
+    """Reference: eager, the same calls one by one in the same autocast block."""
+    got, want, full = map_under_autocast(tmp_path)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert not any(torch.equal(g, f) for g, f in zip(got, full, strict=True))
+
+
+def test_control_without_the_callers_autocast_map_computes_in_full_precision(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr("stageload.core.batch._autocasts", lambda: ())
+    got, want, full = map_under_autocast(tmp_path)
+    assert not any(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert all(torch.equal(g, f) for g, f in zip(got, full, strict=True))

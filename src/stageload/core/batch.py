@@ -28,10 +28,11 @@ the registry's own lock, which no parked call holds.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import gc
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..bell import Bell
@@ -46,6 +47,45 @@ if TYPE_CHECKING:
 _SCHEDULER = -1
 # The batch whose call runs on this thread (set in each call's own thread).
 _running = threading.local()
+
+
+#: (grad enabled, inference mode, :func:`_autocasts`) of the thread that runs a batch.
+_Modes = tuple[bool, bool, tuple[tuple[str, Any, bool], ...]]
+#: Device types ``torch.autocast`` may be on for (a type this torch lacks is skipped).
+_AUTOCAST_DEVICES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia")
+
+
+def _autocasts() -> tuple[tuple[str, Any, bool], ...]:
+    """The ``torch.autocast`` regions this thread is in: (device type, dtype, cache) each. Each
+    call of a batch runs on a thread of its own, where torch's autocast state (thread
+    local) starts off: ``pipe.stageload.map(...)`` inside ``torch.autocast`` computed in
+    full precision, unlike the same calls made one by one."""
+    import torch
+
+    cache = torch.is_autocast_cache_enabled()
+    found = []
+    for device in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(device):
+                found.append((device, torch.get_autocast_dtype(device), cache))
+        except (TypeError, RuntimeError, ValueError, AttributeError):
+            # torch < 2.4 asks per device; a device type this build does not know
+            if device == "cpu" and torch.is_autocast_cpu_enabled():
+                found.append((device, torch.get_autocast_cpu_dtype(), cache))
+            elif device == "cuda" and torch.is_autocast_enabled():
+                found.append((device, torch.get_autocast_gpu_dtype(), cache))
+    return tuple(found)
+
+
+@contextlib.contextmanager
+def _autocast(casts: tuple[tuple[str, Any, bool], ...]) -> Iterator[None]:
+    """Enter the autocast regions ``casts`` (:func:`_autocasts` of the caller's thread)."""
+    import torch
+
+    with contextlib.ExitStack() as stack:
+        for device, dtype, cache in casts:
+            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
+        yield
 
 
 def current_batch() -> Batch | None:
@@ -172,17 +212,17 @@ class Batch:
         if self._abandoned:
             raise _Abandoned
 
-    def _body(self, call: _Call, context: contextvars.Context, modes: tuple[bool, bool]) -> None:
+    def _body(self, call: _Call, context: contextvars.Context, modes: _Modes) -> None:
         import torch
 
         self._bell.wait(self._mutex, lambda: self._may_start(call))
         try:
             if self._abandoned:
                 raise _Abandoned
-            grad, inference = modes  # thread-local in torch: take the caller's
+            grad, inference, casts = modes  # thread-local in torch: take the caller's
             mode = torch.inference_mode() if inference else torch.set_grad_enabled(grad)
             _running.batch = self
-            with mode:
+            with mode, _autocast(casts):
                 call.result = context.run(self._fn, call.item)
         except BaseException as exc:  # noqa: BLE001 (the scheduler decides what to raise)
             call.error = exc
@@ -206,7 +246,7 @@ class Batch:
         if not self._items:
             return []
         entry = capture_rng()
-        modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), _autocasts())
         self._calls = [_Call(i, item, entry) for i, item in enumerate(self._items)]
         try:
             for call in self._calls:
