@@ -946,6 +946,78 @@ def test_calls_that_overlap_run_as_one_batch_each_equal_to_eager(path: Path) -> 
         assert torch.equal(got[seed], want[seed])
 
 
+def overlapping_in_modes(path: Path) -> tuple[dict[int, torch.Tensor], list[int]]:
+    """Seed 0's call holds inside its denoising loop while seeds 1, 2 and 3 queue, in that
+    order, on three threads: 1 and 3 inside ``torch.autocast`` (bfloat16), 2 outside it
+    and 3 in ``inference_mode`` too. They run as one batch that seed 1's thread leads.
+    The outputs, and the batches' sizes."""
+    pipe = staged(path)
+    holding, go = threading.Event(), threading.Event()
+
+    def hold(p: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        holding.set()
+        go.wait()
+        return {}
+
+    got: dict[int, torch.Tensor] = {}
+
+    def client(seed: int, **extra: Any) -> None:
+        modes = contextlib.ExitStack()
+        if seed in (1, 3):
+            modes.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+        if seed == 3:
+            modes.enter_context(torch.inference_mode())
+        with modes:
+            got[seed] = image(pipe, generator=torch.Generator().manual_seed(seed), **extra)
+
+    first = threading.Thread(target=client, args=(0,), kwargs={"callback_on_step_end": hold})
+    first.start()
+    assert holding.wait(120)
+    others = []
+    for seed in (1, 2, 3):  # queued in this order: seed 1's thread leads the batch
+        others.append(threading.Thread(target=client, args=(seed,)))
+        others[-1].start()
+        assert pipe.stageload.gather.wait_for_waiting(seed, timeout=120)
+    go.set()
+    for thread in [first, *others]:
+        thread.join()
+    return got, pipe.stageload.gather.batches
+
+
+def eager_in_modes(path: Path) -> dict[int, torch.Tensor]:
+    ref = eager(path)
+    want = {}
+    for seed in range(4):
+        with contextlib.ExitStack() as modes:
+            if seed in (1, 3):
+                modes.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+            want[seed] = image(ref, generator=torch.Generator().manual_seed(seed))
+    return want
+
+
+def test_overlapping_calls_in_one_batch_each_run_in_their_callers_autocast(path: Path) -> None:
+    """A web server's requests, some inside ``torch.autocast``: each call of the batch
+    runs in its own caller's modes, not in those of the call that leads the batch.
+    Reference: each seed's call alone on the eager pipeline, in the same modes."""
+    got, batches = overlapping_in_modes(path)
+    assert batches == [1, 3]
+    want = eager_in_modes(path)
+    assert [torch.equal(got[seed], want[seed]) for seed in range(4)] == [True] * 4
+
+
+def test_control_in_the_leaders_modes_a_call_outside_autocast_runs_inside_it(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stageload.diffusers as adapter
+
+    monkeypatch.setattr(adapter, "entered", lambda modes: contextlib.nullcontext())
+    got, batches = overlapping_in_modes(path)
+    assert batches == [1, 3]
+    want = eager_in_modes(path)
+    # seed 2 ran in seed 1's autocast; seeds 1 and 3 in their own (the leader's)
+    assert [torch.equal(got[seed], want[seed]) for seed in range(4)] == [True, True, False, True]
+
+
 def test_control_unserialized_a_running_call_sees_its_model_released(
     path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -49,8 +49,10 @@ _SCHEDULER = -1
 _running = threading.local()
 
 
-#: (grad enabled, inference mode, :func:`_autocasts`) of the thread that runs a batch.
-_Modes = tuple[bool, bool, tuple[tuple[str, Any, bool], ...]]
+#: A thread's torch modes, thread-local in torch, which a call run on another thread must
+#: take: (grad enabled, inference mode, the autocast regions it is in: (device type, dtype,
+#: cache) each).
+Modes = tuple[bool, bool, tuple[tuple[str, Any, bool], ...]]
 #: Device types ``torch.autocast`` may be on for (a type this torch lacks is skipped).
 _AUTOCAST_DEVICES = ("cpu", "cuda", "mps", "xpu", "hpu", "mtia")
 
@@ -77,12 +79,30 @@ def _autocasts() -> tuple[tuple[str, Any, bool], ...]:
     return tuple(found)
 
 
-@contextlib.contextmanager
-def _autocast(casts: tuple[tuple[str, Any, bool], ...]) -> Iterator[None]:
-    """Enter the autocast regions ``casts`` (:func:`_autocasts` of the caller's thread)."""
+def thread_modes() -> Modes:
+    """This thread's grad, inference and autocast modes, for :func:`entered` on another."""
     import torch
 
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), _autocasts())
+
+
+@contextlib.contextmanager
+def entered(modes: Modes) -> Iterator[None]:
+    """Run the block in ``modes`` (:func:`thread_modes` of another thread), whatever this
+    thread's are: a call of a batch runs on a thread of its own, and overlapping calls from
+    several threads run in one batch, each in its caller's modes (a call made inside
+    ``torch.autocast`` batched behind one made outside it ran in full precision)."""
+    import torch
+
+    grad, inference, casts = modes
     with contextlib.ExitStack() as stack:
+        if torch.is_inference_mode_enabled() != inference:
+            stack.enter_context(torch.inference_mode(inference))
+        stack.enter_context(torch.set_grad_enabled(grad))
+        wanted = {device for device, _, _ in casts}
+        for device, _, _ in _autocasts():  # this thread's own, where the caller had none
+            if device not in wanted:
+                stack.enter_context(torch.autocast(device, enabled=False))
         for device, dtype, cache in casts:
             stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
         yield
@@ -212,17 +232,13 @@ class Batch:
         if self._abandoned:
             raise _Abandoned
 
-    def _body(self, call: _Call, context: contextvars.Context, modes: _Modes) -> None:
-        import torch
-
+    def _body(self, call: _Call, context: contextvars.Context, modes: Modes) -> None:
         self._bell.wait(self._mutex, lambda: self._may_start(call))
         try:
             if self._abandoned:
                 raise _Abandoned
-            grad, inference, casts = modes  # thread-local in torch: take the caller's
-            mode = torch.inference_mode() if inference else torch.set_grad_enabled(grad)
             _running.batch = self
-            with mode, _autocast(casts):
+            with entered(modes):  # thread-local in torch: the caller's
                 call.result = context.run(self._fn, call.item)
         except BaseException as exc:  # noqa: BLE001 (the scheduler decides what to raise)
             call.error = exc
@@ -241,12 +257,11 @@ class Batch:
 
     # -- the scheduler (the thread that called map) --------------------------------------
     def run(self, *, return_exceptions: bool = False) -> list[Any]:
-        import torch
 
         if not self._items:
             return []
         entry = capture_rng()
-        modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), _autocasts())
+        modes = thread_modes()
         self._calls = [_Call(i, item, entry) for i, item in enumerate(self._items)]
         try:
             for call in self._calls:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..bell import Bell
+from ..core.batch import entered, thread_modes
 from ..core.events import NOTE, Event, EventSink
 from ..core.staged import StagedModels
 from ..errors import StageloadError
@@ -865,6 +866,9 @@ class _Pending:
 
     def __init__(self, inner: Callable[..., Any], pipe: Any, kwargs: Mapping[str, Any]) -> None:
         self.inner, self.pipe, self.kwargs = inner, pipe, kwargs
+        #: The caller's grad, inference and autocast modes: the call may run on another
+        #: thread (in a batch another call leads), in its caller's modes.
+        self.modes = thread_modes()
         self.leads = False  # this call's thread is to run the next batch
         self.done = False
         self.result: Any = None
@@ -976,7 +980,8 @@ class _Gather:
     def _one(self, p: _Pending) -> None:
         self._local.inside = True
         try:
-            p.result = p.inner(p.pipe, **p.kwargs)
+            with entered(p.modes):  # on the leader's thread when the stager is gone
+                p.result = p.inner(p.pipe, **p.kwargs)
         except BaseException as exc:  # delivered to the call's own thread
             p.error = exc
         finally:
@@ -987,7 +992,8 @@ class _Gather:
         def one(p: _Pending) -> Any:
             state._in_batch.active = True
             try:
-                return p.inner(_own_copy(p.pipe), **p.kwargs)
+                with entered(p.modes):  # the batch's thread took the leader's
+                    return p.inner(_own_copy(p.pipe), **p.kwargs)
             finally:
                 state._in_batch.active = False
 
