@@ -24,6 +24,7 @@ ERRORS = [
     CannotStartError(["no-such-command", "-x"], FileNotFoundError(2, "No such file")),
     PlotUnavailableError(),
     NotAFileError("/tmp/trace.fifo", "a named pipe (FIFO)"),
+    NotAFileError("/tmp/plot.png", "a socket", output="image file", why="it is renamed"),
 ]
 
 

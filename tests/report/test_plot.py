@@ -6,6 +6,7 @@ import os
 import struct
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -338,3 +339,155 @@ def test_a_line_of_one_sample_is_drawn_as_a_marker(tmp_path: Path) -> None:
     for name in ("footprint", "swap growth", "available (right, GiB)"):
         assert len(lines[name].get_xdata()) == 1
         assert lines[name].get_marker() == "o", name
+
+
+# The old write of a file that exists and is not a regular one (a device, a pipe, a
+# socket), with no check of ``out`` before it: ``fig.savefig(target)`` in place.
+OLD_SAVE = (
+    "plot._refuse_pipe = lambda *args: None\n"
+    "plot._save_whole = lambda fig, target, **kw: fig.savefig(target, **kw)\n"
+)
+
+
+def _plot_in_child(traces: Sequence[Path], out: Path, *, checked: bool) -> subprocess.Popen[str]:
+    """``plot_traces(traces, out)`` in a child, which prints ``drawn N`` (how many figures
+    it drew) at its end. Unchecked: the old code (``OLD_SAVE``)."""
+    code = (
+        "import atexit, sys\n"
+        "import stageload.report.plot as plot\n"
+        "drawn = []\n"
+        "draw = plot.draw_traces\n"
+        "plot.draw_traces = lambda traces: drawn.append(1) or draw(traces)\n"
+        "atexit.register(lambda: print('drawn', len(drawn), flush=True))\n"
+        + ("" if checked else OLD_SAVE)
+        + "plot.plot_traces(sys.argv[1:-1], sys.argv[-1])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, traces), str(out)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(child: subprocess.Popen[str]) -> tuple[str, str]:
+    """The child's stdout and stderr once it ends; 120 s bounds a hang, it is no expected
+    time (a child that waits on a pipe for ever fails the test instead of stopping it)."""
+    try:
+        return child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def _read_as_reader(fifo: Path, child: subprocess.Popen[str]) -> bytes:
+    """All a child writes into ``fifo``, read by the test as the pipe's reader: a blocking
+    open for reading returns only once a writer has opened the pipe, so the child is
+    left waiting in its own open until then. Should the child end without opening it,
+    the test opens it for writing itself, so that its reader does not wait for ever."""
+    import threading
+
+    got: list[bytes] = []
+
+    def read() -> None:
+        with open(fifo, "rb") as reader:
+            got.append(reader.read())
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    child.wait(timeout=120)  # a bound on a hang, not an expected time
+    thread.join(timeout=0)
+    if thread.is_alive():  # the child never opened the pipe: let the reader go
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join()
+    return got[0]
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["fixed", "control"])
+@pytest.mark.parametrize("kind", ["fifo.svg", "fifo.png", "link-to-fifo.svg", "socket.png"])
+def test_plot_traces_refuses_a_pipe_or_socket_before_drawing(
+    pair, tmp_path: Path, kind: str, checked: bool
+) -> None:
+    """The CLI refuses ``-o FIFO`` (exit 2), but ``plot_traces(traces, FIFO)`` drew the
+    figure and then saved it into the pipe in place: an SVG (or PDF) waited in the open
+    for a reader, for ever with none; a PNG failed with a bare 'not seekable' (PIL opens
+    it for reading and writing, which does not wait); a socket with 'No such device or
+    address'. Now each, and a link to a pipe, is refused before any drawing with
+    ``NotAFileError`` naming the path as given, and the pipe stays a pipe. Control: the
+    old code (``OLD_SAVE``): the SVG child waits in its open until the test comes as the
+    pipe's reader, then writes the image into it; the others fail after the drawing."""
+    suffix = Path(kind).suffix
+    fifo = tmp_path / f"pipe{suffix}"  # a suffix of an image format: the pipe is the fault
+    if kind.startswith("socket"):
+        import socket
+
+        out = tmp_path / f"socket{suffix}"
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(out))
+    else:
+        os.mkfifo(fifo)
+        out = fifo
+        if kind.startswith("link"):
+            out = tmp_path / f"out{suffix}"
+            out.symlink_to(fifo.name)
+    child = _plot_in_child(pair, out, checked=checked)
+    piped = b""
+    if not checked and suffix == ".svg":  # it waits in the open: come as its reader
+        piped = _read_as_reader(fifo, child)
+    stdout, err = _finish(child)
+    if kind.startswith("socket"):
+        server.close()
+        assert out.is_socket()
+    else:
+        assert fifo.is_fifo() and out.is_symlink() is kind.startswith("link")
+    what = "a socket" if kind.startswith("socket") else "a named pipe (FIFO)"
+    if checked:
+        assert child.returncode == 1 and "NotAFileError" in err, err
+        assert f"image file {str(out)!r} is {what}, not a regular file" in err, err
+        assert "give the path of a regular file" in err, err
+        assert stdout == "drawn 0\n"
+        return
+    assert stdout == "drawn 1\n"
+    if kind.startswith("socket"):
+        assert child.returncode == 1 and "No such device or address" in err, err
+    elif suffix == ".png":
+        assert child.returncode == 1 and "not seekable" in err, err
+    else:
+        assert child.returncode == 0, err
+        assert piped.startswith(b"<?xml") and piped.rstrip().endswith(b"</svg>")
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["fixed", "control"])
+def test_a_pipe_that_appears_while_drawing_is_refused_not_waited_on(
+    tmp_path: Path, checked: bool
+) -> None:
+    """A pipe put at ``out`` after the check (the drawing takes seconds) reached the old
+    ``fig.savefig(out)``, which for an SVG waited in the open for a reader, for ever with
+    none. The write of a file that is not a regular one now opens it with O_NONBLOCK:
+    ENXIO, said as the pipe it is. Control: the old code (``OLD_SAVE``): the child waits
+    in its open until the test comes as the reader, and writes the SVG into the pipe."""
+    fifo = tmp_path / "late.svg"
+    os.mkfifo(fifo)
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from matplotlib.figure import Figure\n"
+        "import stageload.report.plot as plot\n"
+        + ("" if checked else OLD_SAVE)
+        + "plot._save_whole(Figure(), Path(sys.argv[1]), format='svg')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(fifo)], env=env, stderr=subprocess.PIPE, text=True
+    )
+    piped = _read_as_reader(fifo, child) if not checked else b""
+    _, err = _finish(child)
+    if checked:
+        assert child.returncode == 1 and "NotAFileError" in err, err
+        assert f"image file {str(fifo)!r} is a named pipe (FIFO)" in err, err
+    else:
+        assert child.returncode == 0 and piped.startswith(b"<?xml"), err
+    assert fifo.is_fifo()

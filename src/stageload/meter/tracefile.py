@@ -70,22 +70,29 @@ class NotATraceError(FileExistsError):
 
 
 class NotAFileError(OSError):
-    """The trace path is a named pipe or a socket: a trace is opened by each process of a
-    run (the sampler, the command's ``StagedModels``) and read back at its end, so it must
-    be a regular file or a device such as ``/dev/null``. Opening a pipe with no reader
-    would wait for ever."""
+    """An output path (a trace, by default; a plot's image) is a named pipe or a socket.
+    A trace is opened by each process of a run (the sampler, the command's
+    ``StagedModels``) and read back at its end, and an image is written whole beside its
+    path and renamed into place, so each must be a regular file or a device such as
+    ``/dev/null``. Opening a pipe with no reader would wait for ever. ``output`` names
+    the kind of file in the message, ``why`` says why it must be a regular file."""
 
-    def __init__(self, path: str | os.PathLike[str], what: str) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        what: str,
+        output: str = "trace file",
+        why: str = "a trace is opened by each process of the run and read back at its end",
+    ) -> None:
         super().__init__(
             errno.EINVAL,
-            f"trace file {str(path)!r} is {what}, not a regular file: a trace is opened by "
-            "each process of the run and read back at its end; give the path of a regular "
-            "file",
+            f"{output} {str(path)!r} is {what}, not a regular file: {why}; give the path "
+            "of a regular file",
         )
-        self.path, self.what = str(path), what
+        self.path, self.what, self.output, self.why = str(path), what, output, why
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.what))
+        return (type(self), (self.path, self.what, self.output, self.why))
 
 
 #: Added to the open of a trace (and of the CLI's check of an output path) so that a named

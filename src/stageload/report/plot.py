@@ -219,8 +219,10 @@ def plot_traces(traces: Sequence[str | Path | Trace], out: str | Path, *, dpi: i
     available memory on the right, stage windows as bands with their names, marks as
     dotted lines) on a shared time axis, and below them a bar chart of the peak footprint
     per stage, one bar per trace. Raises ``PlotUnavailableError`` without matplotlib, and
-    ``FileNotFoundError`` when the folder of ``out`` does not exist. A symbolic link at
-    ``out`` is written through: the image replaces its target, and the link stays.
+    ``FileNotFoundError`` when the folder of ``out`` does not exist, and ``NotAFileError``
+    (an ``OSError``, from ``stageload.meter.tracefile``) when ``out`` is a named pipe or
+    a socket, both before any drawing. A symbolic link at ``out`` is written through: the
+    image replaces its target, and the link stays.
     """
     if isinstance(dpi, bool) or not isinstance(dpi, int) or not MIN_DPI <= dpi <= MAX_DPI:
         raise ValueError(f"dpi must be a whole number from {MIN_DPI} to {MAX_DPI}, got {dpi!r}")
@@ -228,6 +230,7 @@ def plot_traces(traces: Sequence[str | Path | Trace], out: str | Path, *, dpi: i
     out = Path(out)
     target = _written_file(out)
     _check_folder(target)
+    _refuse_pipe(out, target)
     fig = draw_traces(traces)
     _save_whole(fig, target, dpi=dpi, format=kind)
     return out
@@ -240,14 +243,52 @@ def _written_file(out: Path) -> Path:
     return Path(os.path.realpath(out)) if out.is_symlink() else out
 
 
+#: Why an image cannot go to a pipe or a socket, in ``NotAFileError``'s message.
+_WHY_NOT_A_PIPE = (
+    "an image is saved to a temporary file renamed into place, which would replace the "
+    "pipe or socket, and written into a pipe with no reader it would wait for ever"
+)
+
+
+def _refuse_pipe(out: Path, target: Path, mode: int | None = None) -> None:
+    """``NotAFileError`` when ``target`` (``_written_file(out)``; or the file of ``mode``,
+    its ``st_mode``) is a named pipe or a socket. Saved there after all the drawing, an SVG
+    or PDF waited in the open for a reader (for ever with none), a PNG failed with 'not
+    seekable', a socket with 'No such device or address'. The error names ``out``."""
+    from ..meter.tracefile import NotAFileError, kind_of_pipe
+
+    if mode is None:
+        try:
+            mode = os.stat(target).st_mode
+        except FileNotFoundError:  # a new file: nothing there to be a pipe
+            return
+    what = kind_of_pipe(mode)
+    if what is not None:
+        raise NotAFileError(out, what, output="image file", why=_WHY_NOT_A_PIPE)
+
+
 def _save_whole(fig: Figure, target: Path, **savefig: Any) -> None:
     """Save ``fig`` to a temporary file beside ``target`` (``_written_file``: a link's
     target), then rename it over ``target``: a write that fails (a full disk) leaves an
     older image whole and no part-written file (saved in place, a good PNG became a
     truncated one, and a first image a 0-byte file). The rename gives ``target`` a new
     file: another hard link to the older image keeps the older image, whole."""
-    if target.exists() and not target.is_file():  # a device or a pipe: nothing to replace
-        fig.savefig(target, **savefig)
+    if target.exists() and not target.is_file():  # a device (/dev/null): nothing to replace
+        from ..meter.tracefile import NONBLOCK  # here: the meter package costs 0.07 s
+
+        # O_NONBLOCK: a pipe put here since the check (the drawing takes seconds) fails
+        # the open (ENXIO: no reader) or is seen by the fstat, rather than make the write
+        # wait for a reader.
+        try:
+            fd = os.open(target, os.O_WRONLY | NONBLOCK)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                _refuse_pipe(target, target)
+            raise
+        with os.fdopen(fd, "wb") as file:
+            _refuse_pipe(target, target, os.fstat(fd).st_mode)
+            os.set_blocking(fd, True)  # a device is written as before
+            fig.savefig(file, **savefig)
         return
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
