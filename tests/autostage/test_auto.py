@@ -12,6 +12,7 @@ import importlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -535,6 +536,72 @@ def test_the_script_sees_what_plain_python_gives_it(tmp_path, fixed):
         assert plain.returncode == staged.returncode == 0, staged.stderr
         seen, wanted = json.loads(staged.stdout), json.loads(plain.stdout)
         assert wanted["argv"] == [script, "a", "--b"]  # what python gives, for the record
+        same.append(seen == wanted)
+        if fixed:
+            assert seen == wanted, (script, seen, wanted)
+    assert same == [fixed] * len(typed), same
+
+
+def _seen(result: subprocess.CompletedProcess[str]) -> dict[str, object]:
+    """What ``SEES`` printed, the loader's address taken out of ``__spec__``'s repr (each
+    process has its own object: ``<... SourceFileLoader object at 0x7f...>``)."""
+    seen = json.loads(result.stdout)
+    seen["spec"] = re.sub(r" at 0x[0-9a-f]+", "", seen["spec"])
+    return seen
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control"])
+def test_a_folder_or_zip_sees_what_plain_python_gives_it(tmp_path, fixed):
+    """``stageload auto -- python app`` (a folder with a ``__main__.py``) ran it by
+    ``runpy.run_path`` of the absolute path: ``sys.argv[0]`` was ``/home/me/app`` where
+    python gives ``app`` as typed, ``./app`` had its ``sys.path[0]``, ``__file__``, spec
+    and code's file name normalised (python: ``/home/me/./app``), and a zip file of a
+    ``__main__.py`` was read as source (SyntaxError). Now each way of typing a folder, a
+    link to one and a zip file, run by plain python and by auto side by side: argv,
+    __file__, sys.path[0], __name__, __package__, __spec__, the loader, __main__ in
+    sys.modules and the code's file name are the same. Control: auto's run_path as
+    before, on a folder as typed, ``./`` before it, and the zip file: each differs."""
+    import zipfile
+
+    for folder in ("app", "sub/app"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "__main__.py").write_text(SEES)
+    (tmp_path / "link").symlink_to("sub/app")
+    with zipfile.ZipFile(tmp_path / "app.zip", "w") as archive:
+        archive.writestr("__main__.py", SEES)
+    typed = ["app", "./app", "app/", "sub/app", "link", str(tmp_path / "app"), "app.zip"]
+    # How auto ran a folder or zip file before: run_path of a folder's absolute path, and
+    # any other file (a zip too) as a script's source.
+    old = (
+        "import os, runpy, sys\n"
+        "import stageload.cli.auto as auto\n"
+        "def run():\n"
+        "    if os.path.isdir(sys.argv[0]):\n"
+        "        runpy.run_path(os.path.abspath(sys.argv[0]), run_name='__main__')\n"
+        "    else:\n"
+        "        auto._run_script(sys.argv[0])\n"
+        "auto._run_importable = run\n"
+        "from stageload.cli import main\n"
+        "sys.exit(main(['auto', '--', 'python', *sys.argv[1:]]))\n"
+    )
+    if not fixed:
+        typed = ["app", "./app", "app.zip"]
+    same = []
+    for script in typed:
+        plain = _run([script, "a", "--b"], tmp_path)
+        assert plain.returncode == 0, plain.stderr
+        wanted = _seen(plain)
+        assert wanted["argv"] == [script, "a", "--b"]  # what python gives, for the record
+        if fixed:
+            staged = _run(["-m", "stageload", "auto", "--", "python", script, "a", "--b"], tmp_path)
+        else:
+            staged = _run(["-c", old, script, "a", "--b"], tmp_path)
+        if script.endswith(".zip") and not fixed:  # the zip file read as source
+            assert staged.returncode == 1 and "SyntaxError" in staged.stderr, staged.stderr
+            same.append(False)
+            continue
+        assert staged.returncode == 0, staged.stderr
+        seen = _seen(staged)
         same.append(seen == wanted)
         if fixed:
             assert seen == wanted, (script, seen, wanted)

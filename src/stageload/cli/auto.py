@@ -177,11 +177,16 @@ def run(args: argparse.Namespace) -> int:
     # is the script's folder (or the working directory for -m), in place of this
     # command's own, so a factory in the script's package imports from there.
     sys.argv = argv
-    if not sys.flags.safe_path:  # python -P adds no folder: sys.path[0] is PYTHONPATH's
+    path0 = _path0(what) if kind == "path" else ""
+    importable = kind == "path" and pkgutil.get_importer(path0) is not None
+    if importable:  # a folder or zip file run by its __main__: python adds it even with -P
+        if sys.flags.safe_path:
+            sys.path.insert(0, path0)
+        else:
+            sys.path[0] = path0
+    elif not sys.flags.safe_path:  # python -P adds no folder: sys.path[0] is PYTHONPATH's
         if kind == "module":
             sys.path[0] = os.getcwd()
-        elif os.path.isdir(what):  # a folder run by its __main__.py: the folder itself
-            sys.path[0] = os.path.abspath(what)
         else:  # the script's real folder: python follows a link to the script
             sys.path[0] = os.path.dirname(os.path.realpath(what))
     try:
@@ -208,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
     atexit.register(session.__exit__, None, None, None)
     code = 0
     try:
-        if kind == "path" and os.path.isdir(what):
-            runpy.run_path(os.path.abspath(what), run_name="__main__")
+        if importable:
+            _run_importable()
         elif kind == "path":
             _run_script(what)
         else:
@@ -251,6 +256,32 @@ class _SaidOnStderr:
                 self.on = False
 
 
+def _path0(typed: str) -> str:
+    """The path python makes of the script, folder or zip file ``typed`` (Python/main.c,
+    ``_Py_abspath``): the working folder joined to it, unnormalised and links not followed
+    (``./app`` is ``/home/me/./app``). A folder's or zip file's is its ``sys.path[0]``."""
+    return typed if os.path.isabs(typed) else os.path.join(os.getcwd(), typed)
+
+
+def _run_importable() -> None:
+    """Run the folder or zip file at ``sys.path[0]`` as ``python typed`` runs it: runpy's
+    ``_run_module_as_main("__main__", alter_argv=False)``, which python itself calls for
+    one (Modules/main.c, ``pymain_run_module``), in a new ``__main__`` module. Through
+    ``runpy.run_path`` the script saw the absolute path as ``sys.argv[0]``, where python
+    gives it as typed, a normalised ``__file__`` and ``sys.path[0]`` (``./app`` was
+    ``/home/me/app``), and its folder twice on ``sys.path``; and a zip file was read as
+    source. With no ``__main__`` there it exits with python's message."""
+    module = types.ModuleType("__main__")
+    module.__dict__["__builtins__"] = builtins
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module  # runpy runs the code in __main__'s own namespace
+    try:
+        runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+
+
 def _run_script(typed: str) -> None:
     """Run the script file ``typed`` as ``python typed`` runs it, with ``sys.argv`` already
     the script's. ``runpy.run_path`` sets ``sys.argv[0]`` to the path it is given, so given
@@ -258,7 +289,7 @@ def _run_script(typed: str) -> None:
     ``x.py`` as typed. Here ``__file__`` and the code's file name are the working folder
     joined to ``typed``, unnormalised (python: ``./x.py`` is ``/home/me/./x.py``), and the
     script is ``__main__`` in ``sys.modules`` while it runs, as with ``run_path``."""
-    path = typed if os.path.isabs(typed) else os.path.join(os.getcwd(), typed)
+    path = _path0(typed)
     with io.open_code(path) as file:
         code = pkgutil.read_code(file)  # a compiled .pyc, which python runs too
     if code is None:
