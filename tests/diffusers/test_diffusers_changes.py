@@ -317,6 +317,57 @@ def test_a_held_state_dict_stays_the_components_across_a_replayed_conversion(
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True)) == fixed
 
 
+def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` by name, persistent or not."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "control"])
+@pytest.mark.parametrize("loaded", [True, False], ids=["loaded", "released"])
+def test_half_float_double_are_replayed_as_called_not_as_to_dtype(
+    root: Path, loaded: bool, fixed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``unet.double()`` then ``.float()`` (as ``.half()``, ``.bfloat16()``) convert only
+    floating tensors; the adapter recorded them as ``.to(float64)``, ``.to(float32)``,
+    which convert complex ones too: a complex buffer the script put on the UNet became
+    real, its imaginary part dropped (torch warns once), where eager's stays complex64. Now the
+    conversion ``_apply`` was given is made itself, now and at each load: after two calls
+    every tensor of the UNet equals eager's, dtype and values, and so do the images.
+    Control: the old recording, the dtype alone (replayed as ``.to(dtype)``)."""
+    from stageload.diffusers import StagedPipeline
+
+    if not fixed:
+        move = StagedPipeline.move
+        monkeypatch.setattr(
+            StagedPipeline,
+            "move",
+            lambda self, name, device, dtype, other=None, via=None: move(
+                self, name, device, dtype, other
+            ),
+        )
+    phase = torch.complex(torch.arange(4.0), torch.ones(4))
+    seen = []
+    for pipe in (FAMILIES["sd"].load(folder(FAMILIES["sd"], root)), staged("sd", root, "default")):
+        run(pipe, "sd", "default")  # staged: the UNet is released after the call
+        if loaded:
+            load(pipe, "unet")
+        pipe.unet.register_buffer("phase", phase.clone(), persistent=False)
+        pipe.unet.double()
+        pipe.unet.float()
+        images = [run(pipe, "sd", "default") for _ in range(2)]  # staged: two reloads
+        load(pipe, "unet")
+        tensors = {n: t.clone() for n, t in _tensors(pipe.unet).items()}
+        seen.append((images, tensors))
+    (want, eager), (got, staged_tensors) = seen
+    assert eager["phase"].dtype == torch.complex64 and torch.equal(eager["phase"], phase)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))  # phase is unused
+    same = staged_tensors.keys() == eager.keys() and all(
+        t.dtype == eager[n].dtype and torch.equal(t, eager[n]) for n, t in staged_tensors.items()
+    )
+    assert same is fixed
+    assert (staged_tensors["phase"].dtype == torch.complex64) is fixed  # control: float32
+
+
 def test_a_lora_loaded_and_unloaded_while_another_thread_calls(root: Path) -> None:
     """A server's pattern: one thread serves calls while another loads and unloads a LoRA.
     Each change waits for the call in flight and each call for the change, so every call

@@ -117,9 +117,12 @@ class StagedPipeline:
         self._skeletons = dict(skeletons)
         self._model_kwargs = dict(model_kwargs)
         self._order = list(self.plan)
-        # Where each component goes after every load; pipe.to(...) changes it.
+        # Where each component goes after every load; pipe.to(...) changes it. "via": for
+        # each of "dtypes", the conversion that made it (``.half()``'s, ``.to()``'s), replayed
+        # as it is: ``.half()`` leaves a complex tensor complex, ``.to(float16)`` does not.
         self._targets: dict[str, dict[str, Any]] = {
-            name: {"device": device, "dtypes": [], "other": []} for name in self._skeletons
+            name: {"device": device, "dtypes": [], "via": [], "other": []}
+            for name in self._skeletons
         }
         self._lock = threading.RLock()
         # One call of the pipeline at a time (interim, until calls in flight are counted per
@@ -184,9 +187,13 @@ class StagedPipeline:
         recipe = self._recipes.get(name)
 
         def convert(module: nn.Module) -> nn.Module:
-            # pipe.to(dtype) calls since, each as eager did, then .to(memory_format=...)
-            for dtype in target["dtypes"]:
-                module = _placeholder.real_to(module, dtype=dtype)
+            # pipe.to(dtype) and .half() calls since, each as eager did, then
+            # .to(memory_format=...)
+            for dtype, via in zip(target["dtypes"], target["via"], strict=True):
+                if via is not None:
+                    module = _placeholder.real_apply(module, via)
+                else:
+                    module = _placeholder.real_to(module, dtype=dtype)
             for fn in target["other"]:
                 module = _placeholder.real_apply(module, fn)
             return module
@@ -360,9 +367,14 @@ class StagedPipeline:
         device: torch.device | None,
         dtype: torch.dtype | None,
         other: Callable[[Any], Any] | None = None,
+        via: Callable[[Any], Any] | None = None,
     ) -> None:
         """Take ``component.to(device, dtype)``, or ``other``, a conversion that is more
-        than a move (``.to(memory_format=...)``): made now if loaded, and after each load."""
+        than a move (``.to(memory_format=...)``): made now if loaded, and after each load.
+        ``via``: the conversion (``nn.Module._apply``'s function) that changes the dtype,
+        made itself rather than ``.to(dtype)``: ``.half()`` converts only floating
+        tensors, and ``.to(float16)`` made a complex buffer real (dropping its imaginary
+        part) where eager's ``.half()`` kept it complex."""
         import torch
 
         with self._lock:
@@ -376,21 +388,30 @@ class StagedPipeline:
             if dtype is not None:
                 # Every conversion, in order: fp32 -> bf16 -> fp32 keeps bf16's rounding,
                 # as eager's weights do (the last dtype alone would reload unrounded).
-                target["dtypes"] = converted(target["dtypes"], dtype)
+                grown = [*target["dtypes"], dtype]
+                chain = converted(target["dtypes"], dtype)
+                vias = [*target["via"], via]
+                span = vias[len(chain) - 1 :]  # the conversions a shorter chain would skip
+                if len(chain) < len(grown) and len({_keeps_complex(v) for v in span}) > 1:
+                    chain = grown  # a .to() and a .half() in the span: complex tensors differ
+                target["dtypes"], target["via"] = chain, vias[: len(chain)]
             fresh_again = other is _placeholder.fresh_copy and other in target["other"]
             if other is not None and not fresh_again:  # a fresh copy once: it is idempotent
                 target["other"].append(other)
             if self.models.is_loaded(name):
                 tracked = self._tracked[name]
                 unchanged = set(tracked.names(skeleton, unchanged=True))
-                if other is not None:
-                    _placeholder.real_apply(skeleton, other)
+                if other is not None or via is not None:
+                    _placeholder.real_apply(skeleton, other or via)
                 else:
                     _placeholder.real_to(skeleton, device=device, dtype=dtype)
                 # Every later load gets the same conversion: not a change of the user's.
                 tracked.filled(skeleton, unchanged)
             elif dtype is not None:  # on meta only the dtype changes now; the device at load
-                _placeholder.real_to(skeleton, dtype=dtype)
+                if via is not None:
+                    _placeholder.real_apply(skeleton, via)
+                else:
+                    _placeholder.real_to(skeleton, dtype=dtype)
                 if hook is not None:
                     mark_empty(skeleton, hook)  # converted buffers are new tensors
 
@@ -1041,13 +1062,28 @@ def _user(state: StagedPipeline, name: str) -> Any:
     return use
 
 
+def _keeps_complex(fn: Callable[[Any], Any] | None) -> bool | None:
+    """Whether the conversion ``fn`` leaves a complex tensor complex (``.half()``'s does,
+    ``.to(float16)``'s, or None for ``.to(dtype)`` itself, does not); None if it cannot
+    say. A chain of conversions is shortened only across ones that agree."""
+    import torch
+
+    if fn is None:
+        return False
+    try:
+        return bool(fn(torch.zeros(1, dtype=torch.complex64, device="meta")).is_complex())
+    except Exception:  # noqa: BLE001  a conversion that takes no meta tensor: do not shorten
+        return None
+
+
 def _mover(state: StagedPipeline, name: str) -> Any:
     def move(
         device: torch.device | None,
         dtype: torch.dtype | None,
         other: Callable[[Any], Any] | None = None,
+        via: Callable[[Any], Any] | None = None,
     ) -> None:
-        state.move(name, device, dtype, other)
+        state.move(name, device, dtype, other, via)
 
     return move
 

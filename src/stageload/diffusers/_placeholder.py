@@ -299,6 +299,10 @@ def intercept(skeleton: nn.Module, hook: StageHook) -> None:
             where = conversion(skeleton, fn, hook.execution_device)
             if where is None:  # more than a move (a memory format): ``fn`` at each load
                 hook.move(None, None, fn)
+            elif where[0] is None and where[1] is not None:
+                # a dtype alone (.half(), .float(), .to(dtype)): made at each load by ``fn``
+                # itself, which .half() and .to(float16) write differently for a complex tensor
+                hook.move(None, where[1], None, fn)
             elif where[0] is not None or where[1] is not None:
                 hook.move(*where)
             elif fresh_memory(fn, _weight_dtypes(skeleton), hook.execution_device):
