@@ -1695,17 +1695,22 @@ def _busy(model: _Model) -> bool:
     its parts: a call (``vae.decoder`` inside ``vae.decode()``, which no hook on the model
     sees) or any other method (``vae.decode`` itself, ``generate``), which may hold a view
     of a weight: a frame whose ``self`` is one of its modules is on a stack. Read when a
-    victim is chosen, which is rare; a stack walk costs microseconds per frame."""
+    victim is chosen, and at each call's end while a load is over the budget (``call_ended``).
+
+    The stacks' ``self`` objects are gathered first (microseconds a frame), then looked
+    for among the model's modules: the model itself first, as a call through it puts it
+    on the stack; listing its modules costs about 1 µs each (0.5 ms for 529), paid only
+    when it is not there (bench/auto_overlap.py)."""
     module = model.module()
     if module is None:
         return False
-    ids = {id(m) for m in module.modules()}
+    selves = set()
     for frame in sys._current_frames().values():
         while frame is not None:
-            if "self" in frame.f_code.co_varnames and id(frame.f_locals.get("self")) in ids:
-                return True
+            if "self" in frame.f_code.co_varnames:
+                selves.add(id(frame.f_locals.get("self")))
             frame = frame.f_back
-    return False
+    return id(module) in selves or any(id(m) in selves for m in module.modules())
 
 
 def _seen(module: nn.Module) -> Seen:
