@@ -334,17 +334,10 @@ def test_half_float_double_are_replayed_as_called_not_as_to_dtype(
     conversion ``_apply`` was given is made itself, now and at each load: after two calls
     every tensor of the UNet equals eager's, dtype and values, and so do the images.
     Control: the old recording, the dtype alone (replayed as ``.to(dtype)``)."""
-    from stageload.diffusers import StagedPipeline
+    from fixtures.old_dtype_recording import record_dtype_alone
 
     if not fixed:
-        move = StagedPipeline.move
-        monkeypatch.setattr(
-            StagedPipeline,
-            "move",
-            lambda self, name, device, dtype, other=None, via=None: move(
-                self, name, device, dtype, other
-            ),
-        )
+        record_dtype_alone(monkeypatch)
     phase = torch.complex(torch.arange(4.0), torch.ones(4))
     seen = []
     for pipe in (FAMILIES["sd"].load(folder(FAMILIES["sd"], root)), staged("sd", root, "default")):

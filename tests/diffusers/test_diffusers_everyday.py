@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 import stageload.hooks.empty  # noqa: E402
 import stageload.hooks.registry  # noqa: E402
 from stageload import ModelLoadError, StageloadError  # noqa: E402
-from stageload.diffusers import StagedPipeline, _placeholder, staged_pipeline  # noqa: E402
+from stageload.diffusers import _placeholder, staged_pipeline  # noqa: E402
 from stageload.external import tensor_version  # noqa: E402
 from stageload.load import changes  # noqa: E402
 from stageload.testing.families import FAMILIES, folder  # noqa: E402
@@ -679,14 +679,9 @@ def test_control_a_load_that_casts_through_the_library_warns_again(
     monkeypatch.setattr(_placeholder, "real_to", library_to)
     # A cast is replayed by the conversion it was (``via``), not real_to: record the dtype
     # alone, so the replay is real_to's, through the library.
-    move = StagedPipeline.move
-    monkeypatch.setattr(
-        StagedPipeline,
-        "move",
-        lambda self, name, device, dtype, other=None, via=None: move(
-            self, name, device, dtype, other
-        ),
-    )
+    from fixtures.old_dtype_recording import record_dtype_alone
+
+    record_dtype_alone(monkeypatch)
     want = warnings_of_a_cast(path, eager(path))
     assert len(warnings_of_a_cast(path, staged(path))) > len(want)
 
