@@ -299,9 +299,11 @@ def intercept(skeleton: nn.Module, hook: StageHook) -> None:
             where = conversion(skeleton, fn, hook.execution_device)
             if where is None:  # more than a move (a memory format): ``fn`` at each load
                 hook.move(None, None, fn)
-            elif where[0] is None and where[1] is not None:
+            elif where[0] is None and where[1] is not None and _stays_on_meta(fn):
                 # a dtype alone (.half(), .float(), .to(dtype)): made at each load by ``fn``
-                # itself, which .half() and .to(float16) write differently for a complex tensor
+                # itself, which .half() and .to(float16) write differently for a complex
+                # tensor. Not one that names a device (.to("cpu", dtype) on a CPU pipeline):
+                # the placeholder on meta cannot take it, and .to()'s dtype rule is real_to's.
                 hook.move(None, where[1], None, fn)
             elif where[0] is not None or where[1] is not None:
                 hook.move(*where)
@@ -330,6 +332,18 @@ def conversion(
     first = next(iter(probes.values()))
     moved = first.device if first.device != device else None
     return moved, next((p.dtype for was, p in probes.items() if p.dtype != was), None)
+
+
+def _stays_on_meta(fn: Callable[..., Any]) -> bool:
+    """Whether the conversion ``fn`` leaves a tensor on its device (``.half()``'s,
+    ``.to(dtype)``'s), as a placeholder's weights on ``meta`` must stay: ``.to("cpu",
+    dtype)``'s copies out of meta, which fails."""
+    import torch
+
+    try:
+        return bool(fn(torch.empty(1, device="meta")).is_meta)
+    except Exception:  # noqa: BLE001  a conversion that takes no meta tensor
+        return False
 
 
 def _weight_dtypes(skeleton: nn.Module) -> set[Any]:
