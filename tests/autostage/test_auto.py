@@ -1911,6 +1911,20 @@ def test_the_cli_refuses_a_factory_in_the_script_itself(tmp_path):
     assert "is in the script itself" in done.stderr
 
 
+def test_the_cli_refuses_a_factory_in_a_folders_main(tmp_path):
+    """``python app`` runs ``app/__main__.py``: a factory there is in the script itself,
+    as ``gen:load`` is for ``python gen.py`` (it was imported, and the script ran twice)."""
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text("print('RAN')\ndef load(p):\n    return None\n")
+    done = _run(
+        ["-m", "stageload", "auto", "--factory", "app.__main__:load", "--", "python", "app"],
+        tmp_path,
+        {"PYTHONPATH": os.pathsep.join([SRC, TESTS, str(tmp_path)])},  # app.__main__ imports
+    )
+    assert done.returncode == 2 and "RAN" not in done.stdout, done.stdout + done.stderr
+    assert "is in the script itself" in done.stderr
+
+
 def test_the_cli_waits_for_the_scripts_threads_and_ends_by_sigint_on_ctrl_c(folder, tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(

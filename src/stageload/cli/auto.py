@@ -346,12 +346,24 @@ def _not_the_script(spec: str, kind: str, what: str) -> None:
         except (ImportError, ValueError):
             return  # auto() says it cannot import it
         origin = getattr(found, "origin", None)
+        script = _script_file(what)
         try:
-            same = origin is not None and os.path.samefile(origin, what)
-        except OSError:  # "built-in", "frozen": not a file
-            same = False
+            same = origin is not None and script is not None and os.path.samefile(origin, script)
+        except OSError:  # "built-in", "frozen", a file in a zip file: not a file
+            same = origin == script
     if same:
         raise AutoError(
             f"factory {spec!r} is in the script itself, which would run once unstaged to "
             f"find it; move the function to a module the script imports, and name that"
         )
+
+
+def _script_file(typed: str) -> str | None:
+    """The file python runs for ``typed``: the script itself, or a folder's or zip file's
+    ``__main__`` as runpy finds it there (the folder itself matched no module's file, and
+    a factory in its ``__main__.py`` ran the whole script once, unstaged)."""
+    importer = pkgutil.get_importer(_path0(typed))
+    if importer is None:
+        return typed
+    spec = importer.find_spec("__main__")  # type: ignore[union-attr]
+    return getattr(spec, "origin", None)
