@@ -430,3 +430,60 @@ def test_a_conversion_of_a_model_loading_ahead_waits_for_the_load(paths, monkeyp
             want = auto_ahead.load(path).double().state_dict()
             got = target.state_dict()
             assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+# -- torch.autocast on another thread ------------------------------------------------------------
+def worker_under_autocast(paths: list[str]) -> tuple[list[Any], list[Any], list[str], list[str]]:
+    """A worker thread calls the encoder inside ``torch.autocast`` (bfloat16, grads on), and
+    waits in the block while the main thread's decoder needs the encoder's room, then calls
+    the encoder again. Returns (the worker's outputs, eager's, the models released, notes)."""
+
+    def calls(models: list[Any], done: threading.Event, used: threading.Event) -> list[Any]:
+        out: list[Any] = []
+
+        def worker() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out.append(models[0](x).detach())
+                used.set()
+                assert done.wait(30)
+                out.append(models[0](x).detach())
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        assert used.wait(30)
+        models[2](x)  # the decoder: on this thread, the encoder's release
+        done.set()
+        thread.join(60)
+        return out
+
+    x = torch.linspace(-1, 1, 4 * auto_ahead.WIDTH).reshape(4, auto_ahead.WIDTH)
+    want = calls([auto_ahead.load(p) for p in paths], threading.Event(), threading.Event())
+    sink = ListSink()
+    with auto(budget=int(1.1 * UNIT), factories=[FACTORY], defaults=False, events=sink):
+        models = [auto_ahead.load(p) for p in paths]
+        released = len(sink.events)
+        got = calls(models, threading.Event(), threading.Event())
+    late = sink.events[released:]
+    notes = [e.note for e in late if e.kind == "note"]
+    return got, want, [e.model for e in late if e.kind == "release"], notes
+
+
+def test_a_release_on_another_thread_drops_the_autocast_casts_the_worker_made(paths):
+    """torch's autocast cache is one for the process (a static behind a mutex in torch
+    2.13), so a release on the main thread empties the casts a worker made inside its
+    block: the encoder goes, and the worker's next call reloads it, as eager computes."""
+    got, want, released, notes = worker_under_autocast(paths)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert "encoder.safetensors" in released, (released, notes)
+    assert not [n for n in notes if "held by an autograd graph" in n]
+
+
+def test_control_with_the_casts_kept_the_worker_holds_the_encoder_loaded(paths, monkeypatch):
+    from stageload.hooks import release
+
+    monkeypatch.setattr(stageload.autostage, "drop_autocast_casts", lambda: None)
+    monkeypatch.setattr(release, "drop_autocast_casts", lambda: None)
+    got, want, released, notes = worker_under_autocast(paths)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert "encoder.safetensors" not in released
+    assert [n for n in notes if "encoder.safetensors" in n and "held by an autograd graph" in n]
