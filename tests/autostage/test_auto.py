@@ -379,7 +379,7 @@ def test_the_cli_says_on_stderr_what_it_keeps_loaded(folder, tmp_path):
     done = _run(
         [
             "-m", "stageload", "auto", "--budget", "1", "--no-defaults", "--factory", FACTORY,
-            "--", "python", script, folder, str(tmp_path / "auto.pt"),
+            "--", sys.executable, script, folder, str(tmp_path / "auto.pt"),
         ],
         tmp_path,
     )  # fmt: skip
@@ -2763,7 +2763,9 @@ def test_a_scripts_error_is_printed_as_python_prints_it(tmp_path, source):
     script's own ``sys.excepthook`` if it set one (rich's, a logger's: it was skipped)."""
     (tmp_path / "s.py").write_text(source)
     plain = _run(["s.py"], tmp_path)
-    staged_run = _run(["-m", "stageload", "auto", "--", "python", "s.py"], tmp_path)
+    # This interpreter, as plain's: a "python" on PATH of another folder (a pyenv shim)
+    # adds auto's warning that the script runs in this one.
+    staged_run = _run(["-m", "stageload", "auto", "--", sys.executable, "s.py"], tmp_path)
     assert staged_run.returncode == plain.returncode == 1
     assert (staged_run.stdout, staged_run.stderr) == (plain.stdout, plain.stderr)
 
