@@ -532,8 +532,9 @@ def _release(
 
 
 def drop_autocast_casts() -> None:
-    """Empty this thread's ``torch.autocast`` cache of low-precision casts (a no-op outside
-    autocast, whose exit empties it).
+    """Empty ``torch.autocast``'s cache of low-precision casts (a no-op outside autocast,
+    whose exit empties it). In torch 2.13 the cache is one for the process: a release on
+    any thread drops the casts every thread made.
 
     Inside autocast the cache holds each float32 weight it cast (a reference
     :func:`held_by_autograd` counts) and its cast copy, until the block ends: a pipeline
