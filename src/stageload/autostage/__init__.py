@@ -119,6 +119,8 @@ from ..memory.budget import parse_budget
 if TYPE_CHECKING:
     from torch import nn
 
+    from .batch import StageMajor
+
 __all__ = ["AutoError", "AutoSession", "auto", "DEFAULT_FACTORIES", "PLAN_SOURCES", "PlanSource"]
 
 #: Builds what a factory's call (its arguments, its keywords) returns, its weights on
@@ -335,6 +337,8 @@ class _Hook(ModuleHook):
 
     def pre_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         session = self.session
+        if session.batch is not None:  # first: parked before any lock or load (.batch)
+            session.batch.park_for(self.model.name)
         session.used(self.model)
         if not self.model.pinned and module is self.model.module():
             registry = HookRegistry.of(module)
@@ -449,6 +453,21 @@ class AutoSession:
         self.joined_said = False  # the note that a block asked for other options
 
     # -- what the script sees ------------------------------------------------------------
+    #: The stage-major batch running on the session now (:meth:`map`; one at a time).
+    batch: StageMajor | None = None
+
+    def map(
+        self, fn: Callable[[Any], Any], items: Iterable[Any], *, return_exceptions: bool = False
+    ) -> list[Any]:
+        """``fn(item)`` for every item, stage-major: a call about to use a model of another
+        stage than the batch's waits, so each model loads once for all the items
+        (:mod:`stageload.autostage.batch`). Results in item order; a call that raised: a
+        :class:`~stageload.core.batch.BatchError` once all ran, or with
+        ``return_exceptions`` its exception in its slot. One batch at a time."""
+        from .batch import StageMajor
+
+        return StageMajor(self).map(fn, items, return_exceptions=return_exceptions)
+
     @property
     def models(self) -> dict[str, nn.Module | None]:
         """Each model's name and object (None once the script dropped it)."""

@@ -287,7 +287,7 @@ class Batch:
                         call.served = (rank, len(group))
                         self._resume(call)
                     continue
-                stage = min((c.want for c in live if c.want), key=self._order.__getitem__)
+                stage = min((c.want for c in live if c.want), key=self._rank)
                 self._enter(stage, live)
                 for call in live:
                     if call.want == stage:
@@ -305,6 +305,13 @@ class Batch:
         if errors and not return_exceptions:
             raise BatchError(results, errors) from errors[min(errors)]
         return results
+
+    def _rank(self, stage: str) -> int:
+        """``stage``'s place in plan order. A host may add stages while the batch runs
+        (auto's, by model, as calls first use them): read again for one not seen yet."""
+        if stage not in self._order:
+            self._order = {s: k for k, s in enumerate(self.models.stages)}
+        return self._order.get(stage, len(self._order))
 
     def _resume(self, call: _Call) -> None:
         """Give ``call`` the turn with its own RNG state; return when it parks or ends."""

@@ -1,0 +1,216 @@
+"""``session.map``: several inputs through an unmodified script's models, stage-major, under
+``stageload.auto`` with room for one model: each model loads once per batch, not per item.
+
+Reference: the same function run without auto, in this process, one torch thread
+(conftest's ``one_thread``) on both sides.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fixtures import auto_script  # noqa: E402
+from stageload import ListSink  # noqa: E402
+from stageload.autostage import auto  # noqa: E402
+from stageload.autostage.batch import StageMajor  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FACTORY = "fixtures.auto_script:load_model"
+SIZE = auto_script.model_bytes()
+ONE = int(1.5 * SIZE)  # room for one model
+SEEDS = [0, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("auto_batch")
+    auto_script.save_models(str(path))
+    return str(path)
+
+
+def script(folder: str) -> Any:
+    """A script's three models, and its function of one input (random draws between)."""
+    models = [auto_script.load_model(f"{folder}/{n}.pt") for n in auto_script.NAMES]
+
+    def run_one(seed: int) -> Any:
+        torch.manual_seed(seed)
+        x = torch.randn(4, auto_script.WIDTH)
+        with torch.no_grad():
+            for model in models:
+                x = model(x) + 0.1 * torch.randn(4, auto_script.WIDTH)
+        return x
+
+    return run_one
+
+
+def loads(sink: ListSink, start: int = 0) -> Counter[str]:
+    return Counter(e.model for e in sink.events[start:] if e.kind in ("load", "reload"))
+
+
+def staged_map(folder: str, **kwargs: Any) -> tuple[list[Any], Counter[str]]:
+    sink = ListSink()
+    with auto(budget=ONE, factories=[FACTORY], defaults=False, events=sink) as session:
+        run_one = script(folder)
+        start = len(sink.events)
+        out = session.map(run_one, SEEDS, **kwargs)
+    return out, loads(sink, start)
+
+
+@pytest.mark.parametrize("parked", [True, False], ids=["parked", "control"])
+def test_map_equals_eager_and_loads_each_model_once(folder, parked, monkeypatch):
+    """Each item's result is its eager one, bit for bit; each model loads once for the
+    four items. Control: with calls never parked, each loads once per item (4 each)."""
+    if not parked:
+        monkeypatch.setattr(StageMajor, "park_for", lambda self, name: None)
+    eager = [script(folder)(seed) for seed in SEEDS]
+    out, counted = staged_map(folder)
+    assert all(torch.equal(a, b) for a, b in zip(out, eager, strict=True))
+    each = 1 if parked else len(SEEDS)
+    assert counted == {"a.pt": each, "b.pt": each, "c.pt": each}
+
+
+def test_a_plain_loop_loads_each_model_per_item(folder):
+    sink = ListSink()
+    with auto(budget=ONE, factories=[FACTORY], defaults=False, events=sink):
+        run_one = script(folder)
+        start = len(sink.events)
+        for seed in SEEDS:
+            run_one(seed)
+    assert loads(sink, start) == {"a.pt": 4, "b.pt": 4, "c.pt": 4}
+
+
+def test_a_second_batch_uses_the_recorded_plan_and_still_loads_once(folder):
+    """After a first pass the session has learned the cycle (stages named after the models
+    in its order): a batch then follows it."""
+    sink = ListSink()
+    with auto(budget=ONE, factories=[FACTORY], defaults=False, events=sink) as session:
+        run_one = script(folder)
+        for seed in SEEDS[:2]:
+            run_one(seed)
+        assert session.record.plan is not None
+        start = len(sink.events)
+        out = session.map(run_one, SEEDS)
+    assert all(torch.equal(a, script(folder)(s)) for a, s in zip(out, SEEDS, strict=True))
+    assert loads(sink, start) == {"a.pt": 1, "b.pt": 1, "c.pt": 1}
+
+
+def test_an_item_that_raises_lands_in_its_slot_and_the_others_complete(folder):
+    sink = ListSink()
+    with auto(budget=ONE, factories=[FACTORY], defaults=False, events=sink) as session:
+        run_one = script(folder)
+
+        def maybe(seed: int) -> Any:
+            if seed == 2:
+                raise ValueError("item 2")
+            return run_one(seed)
+
+        start = len(sink.events)
+        out = session.map(maybe, SEEDS, return_exceptions=True)
+    assert isinstance(out[2], ValueError) and str(out[2]) == "item 2"
+    eager = script(folder)
+    assert all(torch.equal(out[i], eager(SEEDS[i])) for i in (0, 1, 3))
+    assert loads(sink, start) == {"a.pt": 1, "b.pt": 1, "c.pt": 1}
+
+
+def test_a_second_map_while_one_runs_is_refused(folder):
+    inside, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    with auto(budget=ONE, factories=[FACTORY], defaults=False) as session:
+        run_one = script(folder)
+
+        def waits(seed: int) -> Any:
+            inside.set()
+            release.wait(timeout=60)
+            return run_one(seed)
+
+        def other() -> None:
+            assert inside.wait(timeout=60)
+            try:
+                session.map(run_one, SEEDS)
+            except RuntimeError as exc:
+                errors.append(exc)
+            finally:
+                release.set()
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        out = session.map(waits, SEEDS[:1])
+        thread.join(timeout=60)
+    assert len(out) == 1
+    assert len(errors) == 1 and "one batch at a time" in str(errors[0])
+    # and the session takes a batch again once it ended
+    with auto(budget=ONE, factories=[FACTORY], defaults=False) as session:
+        assert len(session.map(script(folder), SEEDS[:2])) == 2
+
+
+def test_a_seeded_plan_names_the_stages(folder):
+    """A plan source's stages (here given by hand) are the batch's: two models of one
+    stage run in a row in each call, without parking between them."""
+    sink = ListSink()
+    with auto(budget=ONE, factories=[FACTORY], defaults=False, events=sink) as session:
+        run_one = script(folder)
+        models = run_one.__closure__[0].cell_contents
+        session.seed([models[:2], models[2:]], "a test")
+        start = len(sink.events)
+        out = session.map(run_one, SEEDS)
+    assert all(torch.equal(a, script(folder)(s)) for a, s in zip(out, SEEDS, strict=True))
+    entered = [
+        e.stage for e in sink.events[start:] if e.kind == "note" and "batch: entering" in e.note
+    ]
+    assert entered == ["a.pt+b.pt", "c.pt"]
+    # a and b share a stage and the budget holds one: the items reload within it; c once
+    counted = loads(sink, start)
+    assert counted["c.pt"] == 1 and counted["a.pt"] + counted["b.pt"] > 2
+
+
+class Outer(torch.nn.Module):
+    """A model that calls another staged model inside its forward."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.w = torch.nn.Linear(auto_script.WIDTH, auto_script.WIDTH)
+        self.inner = [inner]  # not a part: a model of its own
+
+    def forward(self, x: Any) -> Any:
+        return self.inner[0](self.w(x))
+
+
+def load_outer(inner: torch.nn.Module) -> Outer:
+    return Outer(inner)
+
+
+def test_a_model_called_inside_another_does_not_park(folder):
+    """Parked inside the outer model's call, the outer model would be in a call on two
+    threads (pinned for good) and unreleasable while the others ran: the nested call runs
+    in the outer one's stage. Each item equals eager; the top-level models load once."""
+
+    def nested_script() -> Any:
+        a, b, c = (auto_script.load_model(f"{folder}/{n}.pt") for n in auto_script.NAMES)
+        torch.manual_seed(5)
+        outer = load_outer(b)
+
+        def run_one(seed: int) -> Any:
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                return c(outer(a(torch.randn(4, auto_script.WIDTH))))
+
+        return run_one
+
+    eager = [nested_script()(s) for s in SEEDS]
+    sink = ListSink()
+    factories = [FACTORY, f"{__name__}:load_outer"]
+    with auto(budget=ONE, factories=factories, defaults=False, events=sink) as session:
+        run_one = nested_script()
+        start = len(sink.events)
+        out = session.map(run_one, SEEDS)
+    assert all(torch.equal(x, y) for x, y in zip(out, eager, strict=True))
+    counted = loads(sink, start)
+    assert counted["a.pt"] == 1 and counted["c.pt"] == 1
+    assert not [n for n in session.notes if "two threads" in n]
