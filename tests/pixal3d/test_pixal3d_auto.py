@@ -306,7 +306,7 @@ def test_closing_an_auto_run_releases_its_models(stub, image, tmp_path, closed, 
     import stageload.pixal3d.adapter as adapter
 
     if not closed:
-        monkeypatch.setattr(adapter.AutoStages, "close", lambda self: None)
+        monkeypatch.setattr(adapter.StageMajor, "close", lambda self: None)
     port = import_port(stub)
     sink = ListSink()
     args = port_args(port, image, tmp_path / "o.glb")

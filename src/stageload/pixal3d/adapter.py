@@ -18,9 +18,9 @@ their stage first needs them, each block read at its call and freed after it.
 factories wrapped (:meth:`Pixal3DRun.factories`): its models stand in until their first use
 (:func:`~.port.stand_in`), and the port's stages (``run()``, :func:`~.plan.run_stages`)
 seed auto's plan; models named in ``stream`` are built streamed, outside auto. Several
-images run stage-major on :class:`AutoStages`. The boundaries and fingerprints are the
-same; the trace's stages are the adapter's. ``load="eager"`` runs the port's own loading
-unstaged, for comparison.
+images run stage-major on auto's :class:`~stageload.autostage.batch.StageMajor`, at the
+adapter's boundaries. The boundaries and fingerprints are the same; the trace's stages are
+the adapter's. ``load="eager"`` runs the port's own loading unstaged, for comparison.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from typing import Any
 
 from torch import nn
 
-from ..core.batch import Batch
-from ..core.events import NOTE, REASON_CLOSE, STAGE, Event, EventSink
+from ..autostage.batch import StageMajor
+from ..core.events import NOTE, STAGE, Event, EventSink
 from ..core.outer import emit_outer
 from ..core.policy import PolicyView, ReleaseUnlisted
 from ..core.staged import StagedModels
@@ -195,7 +195,7 @@ class Pixal3DRun:
         self._own_image = Image(args, Fingerprints(fingerprints))
         self._image: contextvars.ContextVar[Image] = contextvars.ContextVar("pixal3d_image")
         self.models: StagedModels | None = None
-        self.auto_stages: AutoStages | None = None  # load="auto": the stages it marks
+        self.auto_stages: StageMajor | None = None  # load="auto": the stages it marks
         self._stack = ExitStack()
         self._extractor_stage: dict[int, str] = {}
         self._backbone_cache: dict[Any, Any] = {}
@@ -365,7 +365,7 @@ class Pixal3DRun:
         # With no budget, hard stages as in the staged build: what the next stage does not
         # use is released, whatever the free memory (the export step needs it).
         listed = self._stages_objects if budget is None else None
-        self.auto_stages = AutoStages(self.plan, self._emit, session, listed)
+        self.auto_stages = StageMajor(session, self.plan, emit=self._emit, listed=listed)
         if not self.stream:
             pipeline = self.port.generate.load_pipeline(self.image.args, self.device)
         else:
@@ -633,7 +633,7 @@ class Pixal3DRun:
                 self._rembg = None
             self.models.enter(stage)
         elif self.auto_stages is not None:
-            self.auto_stages.enter_from_call(stage)
+            self.auto_stages.mark(stage)
         else:
             self._emit(Event(STAGE, stage=stage))
 
@@ -726,80 +726,6 @@ class Pixal3DRun:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class AutoStages:
-    """The stages of a ``load="auto"`` run, as a stage-major batch needs them (a
-    :class:`~stageload.core.batch.BatchHost`): auto's session loads and releases the
-    models by its plan; this marks where the run is. With a batch on (:meth:`map`), a
-    call that enters a stage parks there until the batch is in it, so every image runs a
-    stage before any moves on, and each model is used by all of them in a row.
-
-    Threads: :meth:`map` on the thread that runs the images; the batch's calls, one at a
-    time, enter stages through :meth:`enter_from_call`; only the scheduler, :meth:`enter`.
-    """
-
-    def __init__(
-        self,
-        stages: Mapping[str, tuple[str, ...]],
-        emit: Callable[[Event], None],
-        session: Any,
-        listed: Callable[[], Mapping[str, list[Any]]] | None = None,
-    ) -> None:
-        self.stages = dict(stages)
-        self.stage: str | None = None
-        self.emit = emit
-        self._session = session
-        #: Hard stages (no budget): the objects each stage uses; entering one releases the
-        #: rest, but for what a later stage lists and nothing has called yet.
-        self._listed = listed
-        self._batch: Batch | None = None
-        self._lock = threading.Lock()
-
-    def enter(self, stage: str) -> None:
-        """Mark ``stage`` begun (the trace's ``stage`` event), and with hard stages release
-        what it does not use, as the staged build does; again: nothing."""
-        if stage != self.stage:
-            self.stage = stage
-            self.emit(Event(STAGE, stage=stage))
-            if self._listed is not None:
-                by_stage = list(self._listed().items())
-                at = next((i for i, (name, _) in enumerate(by_stage) if name == stage), None)
-                later = [] if at is None else by_stage[at + 1 :]
-                self._session.release_unlisted(
-                    dict(by_stage).get(stage, []), later=[o for _, objs in later for o in objs]
-                )
-
-    def enter_from_call(self, stage: str) -> None:
-        """A run's boundary: in a batch, wait until the batch is in ``stage``."""
-        batch = self._batch
-        if batch is not None:
-            batch.park(stage)
-        self.enter(stage)
-
-    def close(self) -> None:
-        """The run is over: release every model auto holds (reason ``close``), as the staged
-        build's close does; the block's end alone leaves them loaded."""
-        self._session.release_unlisted((), reason=REASON_CLOSE)
-
-    def resident(self) -> dict[str, nn.Module]:
-        """The models auto has loaded now (the batch's note counts what else is held)."""
-        models = self._session.models
-        return {n: m for n in self._session.resident() if (m := models.get(n)) is not None}
-
-    def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
-        """``fn(item)`` for every item, stage-major (:class:`~stageload.core.batch.Batch`);
-        each result or exception in its item's slot."""
-        batch = Batch(self, fn, items)
-        try:  # set inside: a Ctrl-C just after left the run counting a batch for good
-            with self._lock:  # checked and set in one step: two threads' batches never both run
-                if self._batch is not None:
-                    raise RuntimeError("one batch at a time on a Pixal3D run")
-                self._batch = batch
-            return batch.run(return_exceptions=True)
-        finally:
-            if self._batch is batch:
-                self._batch = None
 
 
 def run(port: Port, args: Any, **options: Any) -> RunResult:

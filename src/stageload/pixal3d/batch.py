@@ -4,8 +4,9 @@
 image's port arguments, its current stage, the stages it reached, its fingerprints) lives
 in the context of the image's call, so :meth:`StagedModels.map` can interleave the images
 at stage boundaries. The pipeline, its hooks and the staged models are the run's, shared.
-With ``load="auto"`` the same batch runs on :class:`~.adapter.AutoStages` (auto loads the
-models); with ``load="eager"`` the images run one after the other.
+With ``load="auto"`` the same batch runs on auto's
+:class:`~stageload.autostage.batch.StageMajor` (auto loads the models); with
+``load="eager"`` the images run one after the other.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class BatchRun(Pixal3DRun):
         if self.models is not None:
             results = self.models.map(self._one, images, return_exceptions=True)
         elif self.auto_stages is not None:  # the same order, auto loading
-            results = self.auto_stages.map(self._one, images)
+            results = self.auto_stages.map(self._one, images, return_exceptions=True)
         else:
             results = [_caught(self._one, args) for args in images]
         for result in results:  # an interrupt is no image's failure
