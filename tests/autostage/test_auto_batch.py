@@ -214,3 +214,26 @@ def test_a_model_called_inside_another_does_not_park(folder):
     counted = loads(sink, start)
     assert counted["a.pt"] == 1 and counted["c.pt"] == 1
     assert not [n for n in session.notes if "two threads" in n]
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["map", "control-loop"])
+def test_a_diffusers_pipeline_maps_seeds_with_each_component_read_once(tmp_path, batched):
+    """Stable Diffusion by diffusers' own ``from_pretrained`` (its offload order seeds the
+    plan), a budget that holds no component: three seeds, each image eager's bit for bit,
+    each component read once for the three (a loop reads each once per call)."""
+    pytest.importorskip("diffusers")
+    from stageload.testing.families import FAMILIES, folder
+
+    family = FAMILIES["sd"]
+    path = folder(family, tmp_path)
+    seeds = [0, 1, 2]
+    pipe = family.load(path)
+    want = [pipe(**family.call(seed)).images for seed in seeds]
+    sink = ListSink()
+    with auto(budget=1, events=sink) as session:
+        pipe = family.load(path)
+        call = lambda seed: pipe(**family.call(seed)).images  # noqa: E731
+        got = session.map(call, seeds) if batched else [call(seed) for seed in seeds]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    each = 1 if batched else len(seeds)
+    assert loads(sink) == {"text_encoder": each, "unet": each, "vae": each}
