@@ -19,6 +19,7 @@ from fixtures import auto_script  # noqa: E402
 from stageload import ListSink  # noqa: E402
 from stageload.autostage import auto  # noqa: E402
 from stageload.autostage.batch import StageMajor  # noqa: E402
+from stageload.core.batch import BatchError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -113,10 +114,14 @@ def test_an_item_that_raises_lands_in_its_slot_and_the_others_complete(folder):
 
         start = len(sink.events)
         out = session.map(maybe, SEEDS, return_exceptions=True)
+        counted = loads(sink, start)
+        with pytest.raises(BatchError) as raised:  # without: raised once all ran
+            session.map(maybe, SEEDS)
+    assert list(raised.value.errors) == [2] and torch.equal(raised.value.results[3], out[3])
     assert isinstance(out[2], ValueError) and str(out[2]) == "item 2"
     eager = script(folder)
     assert all(torch.equal(out[i], eager(SEEDS[i])) for i in (0, 1, 3))
-    assert loads(sink, start) == {"a.pt": 1, "b.pt": 1, "c.pt": 1}
+    assert counted == {"a.pt": 1, "b.pt": 1, "c.pt": 1}
 
 
 def test_a_second_map_while_one_runs_is_refused(folder):
