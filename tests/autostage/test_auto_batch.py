@@ -17,8 +17,7 @@ torch = pytest.importorskip("torch")
 
 from fixtures import auto_script  # noqa: E402
 from stageload import ListSink  # noqa: E402
-from stageload.autostage import auto  # noqa: E402
-from stageload.autostage.batch import StageMajor  # noqa: E402
+from stageload.autostage import AutoError, AutoSession, StageMajor, auto  # noqa: E402
 from stageload.core.batch import BatchError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -75,6 +74,26 @@ def test_map_equals_eager_and_loads_each_model_once(folder, parked, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(out, eager, strict=True))
     each = 1 if parked else len(SEEDS)
     assert counted == {"a.pt": each, "b.pt": each, "c.pt": each}
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
+def test_map_after_the_block_is_refused(folder, checked, monkeypatch):
+    """After the block nothing is staged: a batch there would run unstaged, silently.
+    Control: with the check off the batch runs, and nothing is released: the released
+    models reload once and stay, as after the block without a batch."""
+    if not checked:
+        monkeypatch.setattr(AutoSession, "_check_open", lambda self, what: None)
+    sink = ListSink()
+    with auto(budget=ONE, factories=[FACTORY], defaults=False, events=sink) as session:
+        run_one = script(folder)
+    start = len(sink.events)
+    if checked:
+        with pytest.raises(AutoError, match=r"after its stageload.auto\(\) block ended"):
+            session.map(run_one, SEEDS)
+    else:
+        assert len(session.map(run_one, SEEDS)) == len(SEEDS)
+        assert loads(sink, start) == {"a.pt": 1, "b.pt": 1}  # c.pt was loaded at the end
+        assert not [e for e in sink.events[start:] if e.kind == "release"]
 
 
 def test_a_plain_loop_loads_each_model_per_item(folder):

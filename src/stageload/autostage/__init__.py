@@ -63,10 +63,12 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 from .. import bell, external
+from ..core.batch import Batch, current_batch
 from ..core.events import (
     LOAD,
     NOTE,
     PREFETCH,
+    REASON_CLOSE,
     REASON_NOT_IN_PLAN,
     RELEASE,
     RELOAD,
@@ -87,7 +89,7 @@ from ..external import (
     torch_function_off,
 )
 from ..hooks.empty import mark_empty, own_attributes, unmark_empty
-from ..hooks.registry import Hold, HookRegistry, ModuleHook, end_hold, patch, try_hold
+from ..hooks.registry import Hold, HookRegistry, ModuleHook, end_hold, in_call, patch, try_hold
 from ..hooks.release import (
     drop_autocast_casts,
     held_by_autograd,
@@ -119,9 +121,15 @@ from ..memory.budget import parse_budget
 if TYPE_CHECKING:
     from torch import nn
 
-    from .batch import StageMajor
-
-__all__ = ["AutoError", "AutoSession", "auto", "DEFAULT_FACTORIES", "PLAN_SOURCES", "PlanSource"]
+__all__ = [
+    "AutoError",
+    "AutoSession",
+    "DEFAULT_FACTORIES",
+    "PLAN_SOURCES",
+    "PlanSource",
+    "StageMajor",
+    "auto",
+]
 
 #: Builds what a factory's call (its arguments, its keywords) returns, its weights on
 #: ``meta``; None where it cannot build it the same.
@@ -461,12 +469,20 @@ class AutoSession:
     ) -> list[Any]:
         """``fn(item)`` for every item, stage-major: a call about to use a model of another
         stage than the batch's waits, so each model loads once for all the items
-        (:mod:`stageload.autostage.batch`). Results in item order; a call that raised: a
+        (:class:`StageMajor`). Results in item order; a call that raised: a
         :class:`~stageload.core.batch.BatchError` once all ran, or with
-        ``return_exceptions`` its exception in its slot. One batch at a time."""
-        from .batch import StageMajor
+        ``return_exceptions`` its exception in its slot. One batch at a time, inside the
+        block: after it nothing is staged, and the batch would only slow the items down."""
+        self._check_open("session.map()")
 
         return StageMajor(self).map(fn, items, return_exceptions=return_exceptions)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise AutoError(
+                f"{what} after its stageload.auto() block ended: the models are no longer "
+                f"staged. Call it inside the with-block"
+            )
 
     @property
     def models(self) -> dict[str, nn.Module | None]:
@@ -2628,6 +2644,156 @@ def uncalled_note(spec: str) -> str:
         f"before the block) keeps the unwrapped function, and so does one that imports it "
         f"from a package that re-exports it: name the module the script imports it from"
     )
+
+
+# Checks and sets a session's running batch in one step.
+_BATCH_LOCK = threading.Lock()
+
+
+class StageMajor:
+    """The stages of an auto session as a stage-major batch needs them (a
+    :class:`~stageload.core.batch.BatchHost`), and :meth:`map`, which runs one.
+
+    ``stages``: the caller's own stages (name -> what each uses), in order, marked by
+    :meth:`mark`; None: stages by model, entered where a model is about to be called.
+    ``emit``: where a marked stage's ``stage`` event goes (auto emits its own otherwise).
+    ``listed``: hard stages, the objects each stage uses now (see :meth:`enter`).
+
+    A call parks at the top of a model's call hook, before :meth:`AutoSession.used`: before
+    the session's lock, the load and the room it makes. A call nested in another model's
+    call never parks: the outer model would stay in a call, unreleasable, while the others
+    run. Threads: :meth:`map` runs on its caller's thread, the batch's scheduler, which
+    alone enters stages; each item runs on a thread of its own, one at a time, and parks in
+    :meth:`park_for` or :meth:`mark`; loads and releases run on the item's thread.
+    """
+
+    def __init__(
+        self,
+        session: AutoSession,
+        stages: Mapping[str, Iterable[str]] | None = None,
+        *,
+        emit: Callable[[Event], None] | None = None,
+        listed: Callable[[], Mapping[str, Sequence[Any]]] | None = None,
+    ) -> None:
+        self.session = session
+        self.marked = stages is not None
+        self._stages: dict[str, tuple[str, ...]] = {
+            name: tuple(uses) for name, uses in (stages or {}).items()
+        }
+        self.stage: str | None = None
+        self._emit = emit if emit is not None else session._emit
+        self._listed = listed
+        self._batch: Batch | None = None
+
+    # -- BatchHost -----------------------------------------------------------------------
+    @property
+    def stages(self) -> Mapping[str, tuple[str, ...]]:
+        """The stages in order; by model, it grows as the batch meets new models."""
+        return self._stages
+
+    def emit(self, event: Event) -> None:
+        self._emit(event)
+
+    def resident(self) -> dict[str, nn.Module]:
+        """The models auto has loaded now (the batch's note counts what else is held)."""
+        models = self.session.models
+        return {n: m for n in self.session.resident() if (m := models.get(n)) is not None}
+
+    def enter(self, stage: str) -> None:
+        """Mark ``stage`` begun (by the batch's scheduler, or :meth:`mark`); again: nothing.
+        Marked stages emit a ``stage`` event; hard ones release every model the stage does
+        not use, but for one that a later stage lists and nothing has called yet (made
+        loaded before its stage, it would be read again there)."""
+        if stage == self.stage:
+            return
+        self.stage = stage
+        if self.marked:
+            self._emit(Event(STAGE, stage=stage))
+        if self._listed is not None:
+            by_stage = list(self._listed().items())
+            at = next((i for i, (name, _) in enumerate(by_stage) if name == stage), None)
+            later = [] if at is None else by_stage[at + 1 :]
+            self.session.release_unlisted(
+                dict(by_stage).get(stage, []), later=[o for _, objs in later for o in objs]
+            )
+
+    # -- the calls' side -----------------------------------------------------------------
+    def mark(self, stage: str) -> None:
+        """A caller's stage boundary: in a batch, wait until the batch is in ``stage``."""
+        batch = self._batch
+        if batch is not None:
+            batch.park(stage)
+        self.enter(stage)
+
+    def park_for(self, name: str) -> None:
+        """The model ``name`` is about to be called (its hook, before any lock): a call of
+        the batch parks until the batch is in that model's stage. Stages by model only."""
+        batch = self._batch
+        if batch is None or self.marked or current_batch() is not batch or in_call():
+            return
+        mutex = self.session._mutex
+        if getattr(mutex, "_is_owned", lambda: False)():  # parked under it, all would hang
+            return
+        if name in self._stages.get(self.stage or "", ()):
+            return
+        batch.park(self._stage_of(name))
+
+    def _stage_of(self, name: str) -> str:
+        """The stage of model ``name``: its first at or after the current one, else its
+        first; a model no stage lists gets its own, last (run by one call at a time)."""
+        order = list(self._stages)
+        at = order.index(self.stage) if self.stage in self._stages else 0
+        found = [s for s in order if name in self._stages[s]]
+        if not found:
+            self._stages[name] = (name,)
+            return name
+        return next((s for s in found if order.index(s) >= at), found[0])
+
+    # -- running a batch -----------------------------------------------------------------
+    def map(
+        self, fn: Callable[[Any], Any], items: Iterable[Any], *, return_exceptions: bool = False
+    ) -> list[Any]:
+        """``fn(item)`` for every item, stage-major; results in item order. A call that
+        raised: :class:`~stageload.core.batch.BatchError` once all are done, or, with
+        ``return_exceptions``, its exception in its slot. One batch at a time per session."""
+        if not self.marked:
+            self._stages = self._planned()
+            self.stage = None  # the first use of each call parks: every item starts together
+        batch = Batch(self, fn, items)
+        session = self.session
+        try:  # set inside: a Ctrl-C just after it left the session counting a batch for good
+            with _BATCH_LOCK:  # checked and set in one step: two threads' batches never both run
+                if session.batch is not None:
+                    raise RuntimeError(
+                        "one batch at a time on an auto session: map() is running on another "
+                        "thread; call it again once that one returns"
+                    )
+                session.batch, self._batch = self, batch
+            return batch.run(return_exceptions=return_exceptions)
+        finally:
+            if self._batch is batch:
+                session.batch, self._batch = None, None
+
+    def _planned(self) -> dict[str, tuple[str, ...]]:
+        """Stages by model, before the batch: the seeded plan's, or one per model in the
+        recorded plan's order, then the session's other models as they were made."""
+        session = self.session
+        with session._mutex:
+            plan, seeded = session.record.plan, session.record.seeded
+            stages = dict(plan.items()) if plan is not None and seeded else {}
+            names = [n for s in plan.values() for n in s] if plan is not None else []
+            names += list(session._models)
+        listed = {n for uses in stages.values() for n in uses}
+        for name in names:
+            if name not in listed:
+                listed.add(name)
+                stages[name] = (name,)
+        return stages
+
+    def close(self) -> None:
+        """Release every model the session holds (reason ``close``): a run's end, as the
+        staged build's close; the block's end alone leaves them loaded."""
+        self.session.release_unlisted((), reason=REASON_CLOSE)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ their stage first needs them, each block read at its call and freed after it.
 factories wrapped (:meth:`Pixal3DRun.factories`): its models stand in until their first use
 (:func:`~.port.stand_in`), and the port's stages (``run()``, :func:`~.plan.run_stages`)
 seed auto's plan; models named in ``stream`` are built streamed, outside auto. Several
-images run stage-major on auto's :class:`~stageload.autostage.batch.StageMajor`, at the
+images run stage-major on auto's :class:`~stageload.autostage.StageMajor`, at the
 adapter's boundaries. The boundaries and fingerprints are the same; the trace's stages are
 the adapter's. ``load="eager"`` runs the port's own loading unstaged, for comparison.
 """
@@ -39,7 +39,7 @@ from typing import Any
 
 from torch import nn
 
-from ..autostage.batch import StageMajor
+from ..autostage import StageMajor
 from ..core.events import NOTE, STAGE, Event, EventSink
 from ..core.outer import emit_outer
 from ..core.policy import PolicyView, ReleaseUnlisted

@@ -5,7 +5,7 @@ image's port arguments, its current stage, the stages it reached, its fingerprin
 in the context of the image's call, so :meth:`StagedModels.map` can interleave the images
 at stage boundaries. The pipeline, its hooks and the staged models are the run's, shared.
 With ``load="auto"`` the same batch runs on auto's
-:class:`~stageload.autostage.batch.StageMajor` (auto loads the models); with
+:class:`~stageload.autostage.StageMajor` (auto loads the models); with
 ``load="eager"`` the images run one after the other.
 """
 
