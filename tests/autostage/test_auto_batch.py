@@ -261,3 +261,108 @@ def test_a_diffusers_pipeline_maps_seeds_with_each_component_read_once(tmp_path,
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     each = 1 if batched else len(seeds)
     assert loads(sink) == {"text_encoder": each, "unet": each, "vae": each}
+
+
+class Steps(torch.nn.Module):
+    """A denoiser: called many times per item, all in its one stage. ``on_call`` (set by
+    the test) runs at the top of each forward, on the item's thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Linear(auto_script.WIDTH, auto_script.WIDTH)
+        self.on_call: Any = None
+
+    def forward(self, x: Any) -> Any:
+        if self.on_call is not None:
+            self.on_call()
+        return self.w(x)
+
+
+def load_steps() -> Steps:
+    torch.manual_seed(7)
+    return Steps()
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
+def test_ctrl_c_in_a_long_stage_stops_the_running_call_at_its_next_model_call(
+    folder, checked, monkeypatch
+):
+    """A real SIGINT while an item is inside the third of 20 denoising steps: map raises
+    KeyboardInterrupt once that step's forward reaches its next hooked call (the step's
+    own layer), leaves no item thread behind, and the session then gives eager's result.
+    Control: with the check off, the running call only stops where it parks, at a model
+    of another stage: all 20 steps ran before the KeyboardInterrupt."""
+    import signal
+
+    from stageload.core.batch import Batch, current_batch
+
+    if not checked:
+        monkeypatch.setattr(Batch, "check", lambda self: None)
+    n_steps, calls, inside = 20, [], threading.Event()
+
+    def on_call() -> None:
+        calls.append(threading.get_ident())
+        if len(calls) == 3:
+            batch = current_batch()
+            assert batch is not None
+            inside.set()  # wait for the state: the scheduler gave the batch up
+            assert batch._bell.wait(batch._mutex, lambda: batch._abandoned, timeout=60)
+
+    def kill() -> None:
+        assert inside.wait(timeout=60)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    def pipeline(a: Any, steps: Any, c: Any) -> Any:
+        def run_one(seed: int) -> Any:
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                x = a(torch.randn(4, auto_script.WIDTH))
+                for _ in range(n_steps):
+                    x = steps(x)
+                return c(x)
+
+        return run_one
+
+    def models() -> tuple[Any, Any, Any]:
+        a, _, c = (auto_script.load_model(f"{folder}/{n}.pt") for n in auto_script.NAMES)
+        return a, load_steps(), c
+
+    eager = pipeline(*models())(0)
+    factories = [FACTORY, f"{__name__}:load_steps"]
+    with auto(budget=ONE, factories=factories, defaults=False) as session:
+        a, steps, c = models()
+        steps.on_call = on_call
+        killer = threading.Thread(target=kill)
+        killer.start()
+        with pytest.raises(KeyboardInterrupt):
+            session.map(pipeline(a, steps, c), SEEDS)
+        killer.join(timeout=60)
+        assert len(calls) == (3 if checked else n_steps)
+        assert session.batch is None
+        assert not [t for t in threading.enumerate() if t.name.startswith("stageload-map")]
+        steps.on_call = None
+        after = pipeline(a, steps, c)(0)
+    assert torch.equal(after, eager)
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "control"])
+def test_map_inside_fn_of_a_map_says_so(folder, checked, monkeypatch):
+    """session.map inside fn of the session's running batch is refused, and the error says
+    what happened (not "running on another thread", whose cure, waiting, would hang).
+    Control: without the check it is the other-thread message."""
+    from stageload.core import batch as core_batch
+
+    if not checked:  # map's check then takes fn's thread for another caller's
+        monkeypatch.setattr("stageload.autostage.current_batch", lambda: None)
+    with auto(budget=ONE, factories=[FACTORY], defaults=False) as session:
+        run_one = script(folder)
+        with pytest.raises(BatchError) as raised:
+            session.map(lambda seed: session.map(run_one, [seed]), SEEDS[:2])
+        out = session.map(run_one, SEEDS[:2])  # and the session maps again after
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    assert len(out) == 2 and core_batch.current_batch() is None
+    said = str(raised.value.__cause__)
+    if checked:
+        assert "inside fn of a running session.map()" in said and "another thread" not in said
+    else:
+        assert "running on another thread; call it again once that one returns" in said

@@ -2729,7 +2729,13 @@ class StageMajor:
         """The model ``name`` is about to be called (its hook, before any lock): a call of
         the batch parks until the batch is in that model's stage. Stages by model only."""
         batch = self._batch
-        if batch is None or self.marked or current_batch() is not batch or in_call():
+        if batch is None or current_batch() is not batch:
+            return
+        # Before the returns below: the call with the turn when Ctrl-C came parks only at
+        # a model of another stage, so a stage's repeated calls (50 denoising steps) ran
+        # to their end before the KeyboardInterrupt was raised; a child's call unwinds it.
+        batch.check()
+        if self.marked or in_call():
             return
         mutex = self.session._mutex
         if getattr(mutex, "_is_owned", lambda: False)():  # parked under it, all would hang
@@ -2763,7 +2769,17 @@ class StageMajor:
         session = self.session
         try:  # set inside: a Ctrl-C just after it left the session counting a batch for good
             with _BATCH_LOCK:  # checked and set in one step: two threads' batches never both run
-                if session.batch is not None:
+                running = session.batch
+                if running is not None and current_batch() is running._batch is not None:
+                    # fn of the running batch: said to be "another thread" before, which
+                    # it is (each item has one), but the cure differs: no wait helps.
+                    raise RuntimeError(
+                        "session.map() inside fn of a running session.map() on the same "
+                        "session: one batch at a time, and this one cannot wait for the "
+                        "outer one, which waits for it. Loop over the inner items in fn, "
+                        "or map once over every (outer, inner) pair"
+                    )
+                if running is not None:
                     raise RuntimeError(
                         "one batch at a time on an auto session: map() is running on another "
                         "thread; call it again once that one returns"

@@ -207,6 +207,15 @@ class Batch:
         self._hand_back(call)
         call.want = None
 
+    def check(self) -> None:
+        """In a call of this batch, once the batch was given up (a Ctrl-C in the
+        scheduler): unwind the call now. For hooks that run between parks (a model's call
+        in the stage the batch is in), so the running call stops at its next model call
+        instead of running the rest of its stage (a denoiser's steps) before the Ctrl-C
+        can be raised. Outside the batch's calls, or while it runs: nothing."""
+        if self._abandoned and threading.get_ident() in self._by_thread:
+            raise _Abandoned
+
     def gather(self, key: tuple[int, ...]) -> tuple[int, int]:
         """Park the calling call until the batch serves ``key`` (a streamed block).
 
