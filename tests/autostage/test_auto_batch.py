@@ -366,3 +366,38 @@ def test_map_inside_fn_of_a_map_says_so(folder, checked, monkeypatch):
         assert "inside fn of a running session.map()" in said and "another thread" not in said
     else:
         assert "running on another thread; call it again once that one returns" in said
+
+
+@pytest.mark.parametrize("raised", [True, False], ids=["raised", "control"])
+def test_sys_exit_in_fn_stops_the_batch_as_a_loop_would(folder, raised, monkeypatch):
+    """``sys.exit(3)`` in item 1's fn: map raises that SystemExit (status 3) once item 1
+    ends, the later items unwind where they park, none finishes, and the session maps
+    again after. Control: kept as item 1's result, every other item ran to its end and
+    map raised a BatchError (exit status lost)."""
+    import sys
+
+    from stageload.core.batch import Batch
+
+    if not raised:
+        monkeypatch.setattr(Batch, "_stop_on_exit", lambda self, call: None)
+    finished: list[int] = []
+    with auto(budget=ONE, factories=[FACTORY], defaults=False) as session:
+        run_one = script(folder)
+
+        def fn(seed: int) -> Any:
+            out = run_one(seed)
+            if seed == 1:
+                sys.exit(3)
+            finished.append(seed)
+            return out
+
+        with pytest.raises((SystemExit, BatchError)) as caught:
+            session.map(fn, SEEDS)
+        out = session.map(run_one, SEEDS[:2])
+    assert len(out) == 2 and session.batch is None
+    assert not [t for t in threading.enumerate() if t.name.startswith("stageload-map")]
+    if raised:
+        assert isinstance(caught.value, SystemExit) and caught.value.code == 3
+        assert finished == [0]
+    else:
+        assert isinstance(caught.value, BatchError) and finished == [0, 2, 3]

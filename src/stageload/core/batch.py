@@ -327,6 +327,15 @@ class Batch:
         restore_rng(call.rng)
         self._pass(call.index, _SCHEDULER)
         call.rng = capture_rng()
+        self._stop_on_exit(call)
+
+    def _stop_on_exit(self, call: _Call) -> None:
+        """``call`` ended in sys.exit() or a KeyboardInterrupt raised in fn: a loop would
+        stop there, and so does the batch (run's abandon unwinds the others), raising it as
+        it is. Kept as an item's result, exit() ran the other items, then raised a
+        BatchError: the process's exit status was lost."""
+        if call.done and call.error is not None and not isinstance(call.error, Exception):
+            raise call.error
 
     def _pass(self, turn: int, back: int | None = None) -> None:
         """Give the turn to ``turn`` (a call's index, or the scheduler); with ``back``,
