@@ -302,7 +302,18 @@ class Batch:
                     if call.want == stage:
                         self._resume(call)
         except BaseException:
-            self._abandon()
+            try:
+                self._abandon()
+            except BaseException:
+                # A second Ctrl-C while the calls unwind (the running one may take a while
+                # to reach its next park): raise now, and let a thread of our own finish the
+                # unwinding, one call at a time as above. Left as they were, the parked
+                # calls waited for their turn for good: their threads stayed, and so did
+                # what they held (a model they were about to call counted as in use, over
+                # the budget from then on).
+                threading.Thread(
+                    target=self._abandon, name="stageload-map-unwind", daemon=True
+                ).start()
             raise
         for call in self._calls:
             assert call.thread is not None
