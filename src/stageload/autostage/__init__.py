@@ -345,7 +345,7 @@ class _Hook(ModuleHook):
 
     def pre_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         session = self.session
-        if session.batch is not None:  # first: parked before any lock or load (.batch)
+        if session.batch is not None:  # first: a map call parks before any lock or load
             session.batch.park_for(self.model.name)
         session.used(self.model)
         if not self.model.pinned and module is self.model.module():
@@ -2682,6 +2682,7 @@ class StageMajor:
         }
         self.stage: str | None = None
         self._emit = emit if emit is not None else session._emit
+        self._heard = emit is not None  # a caller's own emit: assumed to listen
         self._listed = listed
         self._batch: Batch | None = None
 
@@ -2693,6 +2694,10 @@ class StageMajor:
 
     def emit(self, event: Event) -> None:
         self._emit(event)
+
+    def listening(self) -> bool:
+        """Whether :meth:`emit` reaches any sink."""
+        return self._heard or self.session._sink is not None or bool(self.session._joined)
 
     def resident(self) -> dict[str, nn.Module]:
         """The models auto has loaded now (the batch's note counts what else is held)."""

@@ -126,6 +126,11 @@ class BatchHost(Protocol):
 
     def emit(self, event: Event) -> None: ...
 
+    def listening(self) -> bool:
+        """Whether any sink gets :meth:`emit`'s events (the held-bytes note walks every
+        object gc tracks, about 0.1 s a stage: made only for someone to read)."""
+        ...
+
     def resident(self) -> dict[str, nn.Module]: ...
 
 
@@ -190,6 +195,7 @@ class Batch:
         self._abandoned = False
         self._calls: list[_Call] = []
         self._by_thread: dict[int, _Call] = {}
+        self._before: set[int] | None = None  # storages alive before the calls ran
         #: The stages this batch entered, in order.
         self.entered: list[str] = []
 
@@ -284,7 +290,8 @@ class Batch:
                 call.thread = thread  # started: the abandon below waits for it
                 assert thread.ident is not None
                 self._by_thread[thread.ident] = call
-            self._before = _live_storages()  # what the batch's own tensors are counted beside
+            # What the batch's own tensors are counted beside; None: no note to write.
+            self._before = _live_storages() if self.models.listening() else None
             for call in self._calls:  # setup: each call runs until its first stage change
                 self._resume(call)
             while live := [c for c in self._calls if not c.done]:
@@ -358,6 +365,14 @@ class Batch:
             self._bell.wait(self._mutex, lambda: self._turn == back)
 
     def _enter(self, stage: str, live: list[_Call]) -> None:
+        self.entered.append(stage)
+        if self._before is not None:
+            self._note_held(stage, live)
+        self.models.enter(stage)  # the scheduler is no call: this is the real enter
+
+    def _note_held(self, stage: str, live: list[_Call]) -> None:
+        """Emit what parked calls and finished results hold besides the loaded models."""
+        assert self._before is not None
         waiting = [c.index for c in live if c.want == stage]
         parked = len(live)
         held = held_bytes(self._before, self.models.resident())
@@ -373,8 +388,6 @@ class Batch:
                 ),
             )
         )
-        self.entered.append(stage)
-        self.models.enter(stage)  # the scheduler is no call: this is the real enter
 
     def _abandon(self) -> None:
         """Unwind every unfinished call, one at a time, after the scheduler was interrupted."""

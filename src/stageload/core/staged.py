@@ -547,6 +547,10 @@ class StagedModels(Mapping[str, "nn.Module"]):
         if self._outer is not None:
             self._outer.emit(event)
 
+    def listening(self) -> bool:
+        """Whether :meth:`emit` reaches any sink."""
+        return self._sink is not None or self._outer is not None
+
     def _release(self, name: str, stage: str | None, reason: str | None = None) -> None:
         """Take ``name`` out (lock held): it is handed out no more. This thread releases it
         at its next :meth:`_drain`, once it holds no lock."""
