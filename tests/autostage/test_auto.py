@@ -53,13 +53,6 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 TESTS = str(Path(__file__).resolve().parents[1])
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("auto")
-    auto_script.save_models(str(path))
-    return str(path)
-
-
 def on_meta(t: Any) -> bool:
     """Whether ``t`` is on meta (a released model's): it answers False to the script."""
     with torch_function_off():

@@ -28,13 +28,6 @@ ONE = int(1.5 * SIZE)  # room for one model
 SEEDS = [0, 1, 2, 3]
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("auto_batch")
-    auto_script.save_models(str(path))
-    return str(path)
-
-
 def script(folder: str) -> Any:
     """A script's three models, and its function of one input (random draws between)."""
     models = [auto_script.load_model(f"{folder}/{n}.pt") for n in auto_script.NAMES]
