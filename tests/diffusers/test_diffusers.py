@@ -576,7 +576,7 @@ def test_staged_peak_is_below_eager_by_most_of_the_largest_released_model(
     memory, as on an accelerator or a Mac. Weights mapped from safetensors without a
     conversion stay in the page cache, which the footprint rightly does not count.
     """
-    from stageload.report.trace import load_summary, read_trace
+    from stageload.report.trace import read_trace
 
     family = FAMILIES["qwen-image-2.1"]
     size = Size.for_bytes(150_000_000, bytes_per_param=4)
@@ -599,19 +599,40 @@ def test_staged_peak_is_below_eager_by_most_of_the_largest_released_model(
         assert proc.returncode == 0, err.decode()[-3000:]
     results = {m: json.loads((tmp_path / f"{m}.json").read_text()) for m in procs}
     assert results["staged"]["image_sha256"] == results["eager"]["image_sha256"]
-    eager = load_summary(tmp_path / "eager.jsonl")
-    staged = load_summary(tmp_path / "staged.jsonl")
-    releases = [e for e in read_trace(tmp_path / "staged.jsonl").events if e.kind == "release"]
+    traces = {m: read_trace(tmp_path / f"{m}.jsonl") for m in procs}
+    releases = [e for e in traces["staged"].events if e.kind == "release"]
     released = max(e.bytes or 0 for e in releases)
     assert released > 100_000_000
-    saved = eager.peak_footprint - staged.peak_footprint
-    mib = 2**20
-    # 0.6, not more: beside two CPU-bound processes the meter's 20 ms samples missed part of
-    # eager's peak (saved 116 MiB of 152 released, 0.76). Without staging, saved is about 0.
+    # What the models cost each process: its peak over its own first sample, taken with
+    # torch and diffusers imported and no weight loaded. The two processes' imports are the
+    # same code, so a difference there says nothing of staging and is left out.
+    growth = {m: _peak_over_start(traces[m]) for m in procs}
+    saved = growth["eager"][0] - growth["staged"][0]
+    # Saved 122-137 MiB of 152 (0.81-0.91) in 12 runs, 9 of them beside 2-4 CPU-bound
+    # processes; twice in CI's second pass, 116 and 90 (0.76, 0.59), from peaks alone, with
+    # no trace kept: the message now says where. Eager's peak is a plateau of about 0.5 s,
+    # never missed by the 20 ms samples. Without staging, saved is about 0.
     assert saved >= 0.6 * released, (
-        f"eager peak {eager.peak_footprint / mib:.0f} MiB, staged {staged.peak_footprint / mib:.0f}"
-        f" MiB: saved {saved / mib:.0f} MiB, largest released model {released / mib:.0f} MiB"
+        f"saved {saved / MIB:.0f} MiB, largest released model {released / MIB:.0f} MiB; "
+        f"eager {growth['eager'][1]}; staged {growth['staged'][1]}"
     )
+
+
+MIB = 2**20
+
+
+def _peak_over_start(trace: Any) -> tuple[int, str]:
+    """The footprint's peak less its first sample, and where each was: in a failure's
+    message, it says whether the start, the peak or the events moved."""
+    samples = [s for s in trace.samples if s.footprint is not None]
+    start, peak = samples[0], max(samples, key=lambda s: s.footprint)
+    before = [e for e in trace.events if e.t <= peak.t and e.kind in ("load", "release")]
+    last = f"{before[-1].kind} {before[-1].model} at {before[-1].t:.2f} s" if before else "none"
+    text = (
+        f"start {start.footprint / MIB:.0f} MiB, peak {peak.footprint / MIB:.0f} MiB at "
+        f"{peak.t:.2f} s (last load or release before it: {last})"
+    )
+    return peak.footprint - start.footprint, text
 
 
 def _src() -> Path:
