@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from fixtures.tiny import load_block, save_block
+from fixtures.traces import MIB
 from stageload import BatchError, ListSink, StagedModels
 from stageload.core import batch as batch_module
 from stageload.report.trace import read_trace, stage_windows
 
 STAGES = {"encode": ["encoder"], "denoise": ["denoiser"], "decode": ["decoder"]}
-MIB = 2**20
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
+from fixtures.traces import MIB  # noqa: E402
 from stageload import ListSink, ModelLoadError, ReleasedModuleError  # noqa: E402
 from stageload.diffusers import StagedPipeline, _plan, staged_pipeline  # noqa: E402
 from stageload.testing import diffusers as fixtures  # noqa: E402
@@ -616,9 +617,6 @@ def test_staged_peak_is_below_eager_by_most_of_the_largest_released_model(
         f"saved {saved / MIB:.0f} MiB, largest released model {released / MIB:.0f} MiB; "
         f"eager {growth['eager'][1]}; staged {growth['staged'][1]}"
     )
-
-
-MIB = 2**20
 
 
 def _peak_over_start(trace: Any) -> tuple[int, str]:

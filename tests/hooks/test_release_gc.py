@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 import stageload.hooks.release as release_module
+from fixtures.traces import MIB
 from stageload import StagedModels, release
 from stageload.hooks.registry import HookRegistry, ModuleHook
-
-MIB = 1 << 20
 
 
 class Cycle:

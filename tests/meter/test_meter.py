@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.traces import MIB
 from stageload.cli import main
 from stageload.core.events import Event
 from stageload.meter import MemoryMeter, count_samples
@@ -20,7 +21,6 @@ from stageload.meter.tracefile import read_records
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 TESTS = str(Path(__file__).resolve().parents[1])
-MIB = 1 << 20
 
 needs_proc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

@@ -9,6 +9,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+from fixtures.traces import MIB
 from stageload.core.events import (
     REASON_BUDGET,
     REASON_CLOSE,
@@ -18,8 +19,6 @@ from stageload.core.events import (
 )
 from stageload.meter.tracefile import TraceWriter
 from stageload.report.trace import read_trace
-
-MIB = 1 << 20
 
 
 def test_every_field_of_an_event_survives_a_round_trip(tmp_path: Path) -> None:
