@@ -387,3 +387,34 @@ def test_parts_loaded_at_setup_wait_for_their_stage_under_hard_stages(
         e.model for e in sink.events if e.kind in kinds and e.model in ("dinov3-tiny", "load_naf")
     ]
     assert sorted(reads) == sorted(["dinov3-tiny", "load_naf"] * (1 if kept else 2))
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["listening", "control-always"])
+def test_a_batch_with_no_sink_makes_no_held_bytes_walk(
+    stub, image, tmp_path, eager, monkeypatch, control
+):
+    """The batch's note of what parked calls hold walks every object gc tracks (0.1 s a
+    stage): with no sink and no outer trace the adapter says no one listens, and the batch
+    makes no walk; with a sink it does. The GLBs are the port's either way. Control: a
+    StageMajor that assumes the adapter's emit listens walks as often with no sink."""
+    from stageload.autostage import StageMajor
+    from stageload.core import batch as batch_module
+    from stageload.pixal3d.batch import run_many
+
+    monkeypatch.delenv("STAGELOAD_TRACE", raising=False)
+    if control:
+        monkeypatch.setattr(StageMajor, "listening", lambda self: True)
+    walks = []
+    walk = batch_module._live_storage_sizes
+    monkeypatch.setattr(batch_module, "_live_storage_sizes", lambda: walks.append(1) or walk())
+    port = import_port(stub)
+    images = [port_args(port, image, tmp_path / f"{i}.glb") for i in range(2)]
+    counts = []
+    for sink in (None, ListSink()):
+        walks.clear()
+        results = run_many(port, images, load="auto", events=sink)
+        assert not [r for r in results if isinstance(r, Exception)]
+        assert all((tmp_path / f"{i}.glb").read_bytes() == eager[1] for i in range(2))
+        counts.append(len(walks))
+    assert counts[1] > 0
+    assert counts[0] == 0 if not control else counts[0] == counts[1], counts

@@ -2656,7 +2656,9 @@ class StageMajor:
 
     ``stages``: the caller's own stages (name -> what each uses), in order, marked by
     :meth:`mark`; None: stages by model, entered where a model is about to be called.
-    ``emit``: where a marked stage's ``stage`` event goes (auto emits its own otherwise).
+    ``emit``: where a marked stage's ``stage`` event goes (auto emits its own otherwise);
+    ``listening``: whether that emit reaches a sink now (default: assumed it does), so a
+    batch with nothing to read its notes skips what they cost.
     ``listed``: hard stages, the objects each stage uses now (see :meth:`enter`).
 
     A call parks at the top of a model's call hook, before :meth:`AutoSession.used`: before
@@ -2673,6 +2675,7 @@ class StageMajor:
         stages: Mapping[str, Iterable[str]] | None = None,
         *,
         emit: Callable[[Event], None] | None = None,
+        listening: Callable[[], bool] | None = None,
         listed: Callable[[], Mapping[str, Sequence[Any]]] | None = None,
     ) -> None:
         self.session = session
@@ -2682,7 +2685,8 @@ class StageMajor:
         }
         self.stage: str | None = None
         self._emit = emit if emit is not None else session._emit
-        self._heard = emit is not None  # a caller's own emit: assumed to listen
+        # Whether a caller's own emit reaches a sink: assumed, unless it says.
+        self._heard = listening if listening is not None else (lambda: emit is not None)
         self._listed = listed
         self._batch: Batch | None = None
 
@@ -2697,7 +2701,7 @@ class StageMajor:
 
     def listening(self) -> bool:
         """Whether :meth:`emit` reaches any sink."""
-        return self._heard or self.session._sink is not None or bool(self.session._joined)
+        return self._heard() or self.session._sink is not None or bool(self.session._joined)
 
     def resident(self) -> dict[str, nn.Module]:
         """The models auto has loaded now (the batch's note counts what else is held)."""

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..autostage import StageMajor
 from ..core.events import NOTE, STAGE, Event, EventSink
-from ..core.outer import emit_outer
+from ..core.outer import emit_outer, outer_trace
 from ..core.policy import PolicyView, ReleaseUnlisted
 from ..core.staged import StagedModels
 from ..core.streamed import Stream, StreamError, find_blocks, stream_of, streamed
@@ -365,7 +365,9 @@ class Pixal3DRun:
         # With no budget, hard stages as in the staged build: what the next stage does not
         # use is released, whatever the free memory (the export step needs it).
         listed = self._stages_objects if budget is None else None
-        self.auto_stages = StageMajor(session, self.plan, emit=self._emit, listed=listed)
+        self.auto_stages = StageMajor(
+            session, self.plan, emit=self._emit, listening=self._listening, listed=listed
+        )
         if not self.stream:
             pipeline = self.port.generate.load_pipeline(self.image.args, self.device)
         else:
@@ -664,6 +666,10 @@ class Pixal3DRun:
         if self.events is not None:
             self.events.emit(event)
         emit_outer(event)
+
+    def _listening(self) -> bool:
+        """Whether :meth:`_emit` reaches a sink."""
+        return self.events is not None or outer_trace() is not None
 
     # -- running -------------------------------------------------------------------------
     def execute(self) -> RunResult:
