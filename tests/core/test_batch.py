@@ -358,3 +358,45 @@ def test_an_interrupted_batch_unwinds_every_parked_call(checkpoints):
     assert sorted(unwound) == [0, 1, 2]
     assert threading.active_count() == before
     assert not models.batch_running
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["dropped", "control-kept"])
+def test_an_interrupts_traceback_keeps_no_items_tensors(checkpoints, monkeypatch, control):
+    """After a Ctrl-C in the scheduler, the KeyboardInterrupt's traceback (kept by Jupyter
+    as ``sys.last_traceback``) holds the batch; the calls it unwound held their items'
+    tensors through their errors' frames. None stays alive while the traceback does.
+    Control: an abandon that keeps the calls' errors keeps every item's tensor."""
+    import gc
+    import weakref
+
+    from stageload import ReleaseUnlisted
+
+    if control:
+        monkeypatch.setattr(batch_module.Batch, "_drop", staticmethod(lambda call: None))
+
+    class Interrupting(ReleaseUnlisted):
+        def to_release(self, stage, loaded, plan):
+            if stage == "denoise":
+                raise KeyboardInterrupt
+            return super().to_release(stage, loaded, plan)
+
+    models = StagedModels(
+        {n: (lambda p=p: load_block(p)) for n, p in checkpoints.items()},
+        stages=STAGES,
+        policy=Interrupting(),
+    )
+    held = []
+
+    def fn(i: int) -> None:
+        models.enter("encode")
+        activations = torch.ones(1 << 18)  # 1 MiB each call holds across its park
+        held.append(weakref.ref(activations))
+        models.enter("denoise")
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        models.map(fn, range(3))
+    gc.collect()
+    alive = [r for r in held if r() is not None]
+    assert info.value.__traceback__ is not None  # kept, as Jupyter keeps it
+    assert len(held) == 3
+    assert len(alive) == (3 if control else 0), f"{len(alive)} of 3 items' tensors alive"

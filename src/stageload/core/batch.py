@@ -406,6 +406,16 @@ class Batch:
         for call in self._calls:
             if call.thread is not None and call.done:
                 call.thread.join()
+                self._drop(call)
+
+    @staticmethod
+    def _drop(call: _Call) -> None:
+        """Forget what an ended call of an abandoned batch returned or raised. The
+        interrupt's traceback keeps the batch (the scheduler's frame), and an unwound call's
+        error keeps its own frames: what every item held, for as long as the traceback
+        lives (in Jupyter, ``sys.last_traceback``), where a loop keeps the interrupted
+        item's alone. No one reads them after an abandon."""
+        call.result = call.error = None
 
 
 def held_bytes(before: set[int], models: Mapping[str, nn.Module]) -> int:
