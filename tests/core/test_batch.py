@@ -325,10 +325,9 @@ def test_the_cuda_generator_is_swapped_per_call_too(checkpoints):
     assert all(torch.equal(a, b) for a, b in zip(out, alone, strict=True))
 
 
-def test_an_interrupted_batch_unwinds_every_parked_call(checkpoints):
-    """Ctrl-C in the scheduler (here: raised by the policy on entering denoise): map()
-    re-raises it after each parked call has run its finally blocks, even one that tries to
-    change stage while unwinding; no call thread is left behind."""
+def interrupted_on_denoise(checkpoints) -> StagedModels:
+    """Models whose policy raises KeyboardInterrupt on entering denoise: a Ctrl-C in the
+    batch's scheduler."""
     from stageload import ReleaseUnlisted
 
     class Interrupting(ReleaseUnlisted):
@@ -337,11 +336,18 @@ def test_an_interrupted_batch_unwinds_every_parked_call(checkpoints):
                 raise KeyboardInterrupt
             return super().to_release(stage, loaded, plan)
 
-    models = StagedModels(
+    return StagedModels(
         {n: (lambda p=p: load_block(p)) for n, p in checkpoints.items()},
         stages=STAGES,
         policy=Interrupting(),
     )
+
+
+def test_an_interrupted_batch_unwinds_every_parked_call(checkpoints):
+    """Ctrl-C in the scheduler (here: raised by the policy on entering denoise): map()
+    re-raises it after each parked call has run its finally blocks, even one that tries to
+    change stage while unwinding; no call thread is left behind."""
+    models = interrupted_on_denoise(checkpoints)
     unwound = []
 
     def fn(i: int) -> None:
@@ -369,22 +375,10 @@ def test_an_interrupts_traceback_keeps_no_items_tensors(checkpoints, monkeypatch
     import gc
     import weakref
 
-    from stageload import ReleaseUnlisted
-
     if control:
         monkeypatch.setattr(batch_module.Batch, "_drop", staticmethod(lambda call: None))
 
-    class Interrupting(ReleaseUnlisted):
-        def to_release(self, stage, loaded, plan):
-            if stage == "denoise":
-                raise KeyboardInterrupt
-            return super().to_release(stage, loaded, plan)
-
-    models = StagedModels(
-        {n: (lambda p=p: load_block(p)) for n, p in checkpoints.items()},
-        stages=STAGES,
-        policy=Interrupting(),
-    )
+    models = interrupted_on_denoise(checkpoints)
     held = []
 
     def fn(i: int) -> None:
