@@ -1331,6 +1331,51 @@ def test_a_bin_checkpoints_messages_are_said_once_as_eager_says_them(
         assert (sum(text in m for m in said) == 2) == quiet, said
 
 
+@pytest.mark.parametrize("per_thread", [True, False], ids=["this-thread", "control"])
+def test_a_reloads_quiet_drops_its_own_threads_messages_alone(
+    per_thread: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a reload is quiet (the messages its first load gave, not again), what another
+    thread logs to diffusers or transformers meanwhile still reaches the handlers: a
+    server's other requests. Control: the quiet for every thread (as the loggers' level
+    made it) drops the other thread's warning too."""
+    import logging
+
+    import stageload.diffusers._args as args
+
+    if not per_thread:
+        monkeypatch.setattr(args._Quiet, "filter", lambda self, r: r.levelno >= logging.CRITICAL)
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    handler = Keep()
+    loggers = [logging.getLogger(n) for n in ("diffusers", "transformers")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
+    try:
+        with args._libraries_quiet():
+            for name in ("diffusers.models.x", "transformers.modeling_utils"):
+                logging.getLogger(name).warning(f"reload {name}")
+                other = threading.Thread(
+                    target=logging.getLogger(name).warning, args=(f"other {name}",)
+                )
+                other.start()
+                other.join()
+            logging.getLogger("diffusers.models.x").critical("reload critical")
+        logging.getLogger("diffusers.models.x").warning("after")
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+    others = ["other diffusers.models.x", "other transformers.modeling_utils"]
+    assert said == [*(others if per_thread else []), "reload critical", "after"], said
+
+
 @pytest.mark.parametrize("extra", ["controlnet", "enable_pag"])
 @pytest.mark.parametrize("followed", [True, False], ids=["followed", "control"])
 def test_an_auto_pipeline_picks_by_its_arguments_as_its_from_pretrained(

@@ -272,21 +272,53 @@ def _load_component(
 
 @contextlib.contextmanager
 def _libraries_quiet() -> Iterator[None]:
-    """diffusers' and transformers' loggers silent but for critical messages, then as they
-    were: a reload is the first load's call again, which said what it logs (diffusers logs
-    a ``.bin`` checkpoint's missing safetensors file as an error, and then loads it). Their
-    level is process-wide: another thread's messages in the meantime are dropped too."""
+    """This thread's messages to diffusers' and transformers' loggers dropped but for
+    critical ones: a reload is the first load's call again, which said what it logs
+    (diffusers logs a ``.bin`` checkpoint's missing safetensors file as an error, and then
+    loads it). A filter on the handlers those messages reach, not the loggers' level: that
+    is process-wide, and dropped what other threads logged meanwhile (a server's other
+    requests)."""
     import logging
 
-    loggers = [logging.getLogger(name) for name in ("diffusers", "transformers")]
-    levels = [logger.level for logger in loggers]
+    quiet = _Quiet(threading.get_ident())
+    handlers = _handlers_reached(logging.getLogger("diffusers"), logging.getLogger("transformers"))
+    for handler in handlers:
+        handler.addFilter(quiet)
     try:
-        for logger in loggers:
-            logger.setLevel(logging.CRITICAL)
         yield
     finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
+        for handler in handlers:
+            handler.removeFilter(quiet)
+
+
+class _Quiet:
+    """A logging filter: one thread's records below CRITICAL are dropped."""
+
+    def __init__(self, thread: int) -> None:
+        self.thread = thread
+
+    def filter(self, record: Any) -> bool:
+        import logging
+
+        return record.levelno >= logging.CRITICAL or record.thread != self.thread
+
+
+def _handlers_reached(*loggers: Any) -> list[Any]:
+    """The handlers a record logged to ``loggers`` (or their children) reaches, as
+    ``Logger.callHandlers`` finds them: up the parents while they propagate, else Python's
+    last resort."""
+    import logging
+
+    found: list[Any] = []
+    for logger in loggers:
+        own: list[Any] = []
+        while logger is not None:
+            own += logger.handlers
+            logger = logger.parent if logger.propagate else None
+        if not own and logging.lastResort is not None:
+            own = [logging.lastResort]
+        found += [h for h in own if h not in found]
+    return found
 
 
 def _dtype_kwarg(torch_dtype: torch.dtype | None) -> dict[str, Any]:
