@@ -167,6 +167,16 @@ def test_a_second_map_while_one_runs_is_refused(folder):
         assert len(session.map(script(folder), SEEDS[:2])) == 2
 
 
+@pytest.mark.parametrize("option", ["emit", "listening", "listed"])
+def test_a_stage_majors_function_option_given_a_value_says_so(option):
+    """A non-function there failed at the batch's first stage ("'str' object is not
+    callable"); it is refused where it was given. Control: a function is taken."""
+    with auto(budget=ONE, factories=[FACTORY], defaults=False) as session:
+        with pytest.raises(TypeError, match=f"{option}= takes a function or None, got 'yes'"):
+            StageMajor(session, **{option: "yes"})
+        StageMajor(session, **{option: lambda *args: {}})
+
+
 def test_a_seeded_plan_names_the_stages(folder):
     """A plan source's stages (here given by hand) are the batch's: two models of one
     stage run in a row in each call, without parking between them."""

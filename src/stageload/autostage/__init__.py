@@ -2678,6 +2678,12 @@ class StageMajor:
         listening: Callable[[], bool] | None = None,
         listed: Callable[[], Mapping[str, Sequence[Any]]] | None = None,
     ) -> None:
+        for option, value in (("emit", emit), ("listening", listening), ("listed", listed)):
+            if value is not None and not callable(value):
+                raise TypeError(
+                    f"StageMajor's {option}= takes a function or None, got {value!r} "
+                    f"({type(value).__name__})"
+                )
         self.session = session
         self.marked = stages is not None
         self._stages: dict[str, tuple[str, ...]] = {
