@@ -3331,6 +3331,47 @@ def test_a_reload_leaves_the_scripts_parts_as_they_are(st_folder, left, monkeypa
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)) == left
 
 
+@pytest.mark.parametrize("later", [True, False], ids=["later", "control-another"])
+def test_a_converted_buffer_with_the_old_ones_id_and_address_is_no_change(
+    st_folder, later, monkeypatch
+):
+    """A bfloat16 round trip gives the buffer ``scale`` a new tensor; CPython and the
+    allocator may give it the id and the address of the one it replaced (1 run in 20, in
+    CI's first pass of stop 67), with a fresh version counter. Taken for the same tensor
+    written in place, "scale" was said changed and kept in memory at each release. Here
+    the reuse is made sure: the new buffer is reported under the old one's id and address.
+    Control: any other version, not only a later one, counts as written."""
+    import stageload.autostage as a
+
+    if not later:
+        monkeypatch.setattr(a, "_later", lambda then, now: then != now)
+    first: dict[str, Any] = {}  # model a (made first): its module and its tensors as made
+    seen = a._seen
+
+    def reused(module):
+        now = seen(module)
+        if not first:
+            first.update(module=module, made=now["scale"])
+        elif module is first["module"] and now["scale"][2] != 0:  # in memory: in the old place
+            now["scale"] = (first["made"][0], now["scale"][1], first["made"][2])
+        return now
+
+    monkeypatch.setattr(a, "_seen", reused)
+    x = torch.randn(2, auto_script.WIDTH, generator=torch.Generator().manual_seed(5))
+    paths = {n: f"{st_folder}/{n}.safetensors" for n in ("a", "b")}
+    with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False, prefetch=False) as s:
+        m = auto_script.load_st(paths["a"])
+        with torch.no_grad():
+            m(x)
+            m.to(torch.bfloat16)
+            m.to(torch.float32)
+            m(x)
+            auto_script.load_st(paths["b"])(x)  # m released
+            m(x)
+    said = [n for n in s.notes if n.startswith("a.safetensors") and "(scale)" in n]
+    assert (said == []) == later, s.notes
+
+
 @pytest.mark.parametrize("chained", [True, False], ids=["chained", "control"])
 def test_a_round_trip_of_a_factorys_model_is_made_again_at_its_reload(
     st_folder, chained, monkeypatch
@@ -3361,8 +3402,6 @@ def test_a_round_trip_of_a_factorys_model_is_made_again_at_its_reload(
     with auto(budget=int(1.5 * SIZE), factories=[ST], defaults=False, prefetch=False) as s:
         session.append(s)
         got = script(lambda n: auto_script.load_st(paths[n]))
-    # Once, in a run of 6 modules on 2 workers beside a pip install, one of these failed;
-    # not again in 12 runs beside two CPU-bound processes nor in the module's own run.
     diff = [float((g - w).abs().max()) for g, w in zip(got, want, strict=True)]
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)) == chained, (
         diff,
