@@ -4,6 +4,7 @@ and the ``from_pretrained`` arguments as each library version spells them."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import threading
@@ -278,8 +279,6 @@ def _libraries_quiet() -> Iterator[None]:
     loads it). A filter on the handlers those messages reach, not the loggers' level: that
     is process-wide, and dropped what other threads logged meanwhile (a server's other
     requests)."""
-    import logging
-
     quiet = _Quiet(threading.get_ident())
     handlers = _handlers_reached(logging.getLogger("diffusers"), logging.getLogger("transformers"))
     for handler in handlers:
@@ -298,8 +297,6 @@ class _Quiet:
         self.thread = thread
 
     def filter(self, record: Any) -> bool:
-        import logging
-
         return record.levelno >= logging.CRITICAL or record.thread != self.thread
 
 
@@ -307,8 +304,6 @@ def _handlers_reached(*loggers: Any) -> list[Any]:
     """The handlers a record logged to ``loggers`` (or their children) reaches, as
     ``Logger.callHandlers`` finds them: up the parents while they propagate, else Python's
     last resort."""
-    import logging
-
     found: list[Any] = []
     for logger in loggers:
         own: list[Any] = []
