@@ -8,7 +8,10 @@ worker_threads without Ray.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import time
 from functools import partial
 
@@ -175,47 +178,77 @@ def test_the_merged_report_has_one_column_per_worker(batch):
     assert report(stream.traces) == text
 
 
-def _kill_a_busy_worker(calls, max_restarts):
-    """Stream ``calls`` one per chunk on two workers; SIGKILL the process of a worker
-    that is running a chunk after the first result. (results, stream, (label, pid))."""
-    import signal
+@contextlib.contextmanager
+def _killing_a_held_call(gate, holders=1):
+    """While the block runs, a thread waits for ``holders`` calls held at ``gate`` (the
+    toy's ``hold``), SIGKILLs the first one's process in the middle of its call, then
+    opens the gate. Yields (killed pids, held pids), filled once that happened.
 
+    States, not guesses: a held call waits for the gate however long its worker took to
+    start (minutes on a busy machine), and the kill always lands inside a call."""
+    killed: list[int] = []
+    held: list[int] = []
+    done = threading.Event()
+
+    def kill_the_first_held() -> None:
+        while not done.is_set():
+            busy = sorted(int(p.name.split("-", 1)[1]) for p in gate.glob("busy-*"))
+            if len(busy) >= holders:
+                held.extend(busy)
+                os.kill(busy[0], signal.SIGKILL)
+                killed.append(busy[0])
+                (gate / "open").touch()
+                return
+            done.wait(0.05)  # polling a folder: the workers have no other way to say it
+
+    watcher = threading.Thread(target=kill_the_first_held, daemon=True)
+    watcher.start()
+    try:
+        yield killed, held
+    finally:
+        done.set()
+        (gate / "open").touch()  # a failed block leaves no call held
+        watcher.join()
+
+
+def _kill_a_held_worker(calls, max_restarts, gate):
+    """Stream ``calls`` one per chunk on two workers, each call held at ``gate``; once
+    both workers hold one, SIGKILL the first's process. (results, stream, killed, held)."""
     stream = stream_batch(
         MAKE, calls, memory="400M", workers=2, batch_size=1, max_restarts=max_restarts
     )
-    seen = []
-    killed = None
-    for index, result in stream:
-        seen.append((index, result))
-        if killed is None:
-            # ActorPool hands the worker that returned its next chunk before the result
-            # comes out: that worker is busy now. Kill its process, as a crash would.
-            info = stream.ran[max(stream.ran)]
-            killed = (info["label"], info["pid"])
-            os.kill(info["pid"], signal.SIGKILL)
-    return seen, stream, killed
+    with _killing_a_held_call(gate, holders=2) as (killed, held):
+        seen = list(stream)
+    return seen, stream, killed, held
 
 
-def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing(cluster):
-    calls = [{"prompt": i, "seed": i, "sleep": 0.5} for i in range(6)]
-    seen, stream, (label, pid) = _kill_a_busy_worker(calls, max_restarts=1)
+def _held_calls(gate, n=6):
+    return [{"prompt": i, "seed": i, "hold": str(gate)} for i in range(n)]
+
+
+def test_a_worker_killed_mid_batch_loses_and_duplicates_nothing(cluster, tmp_path):
+    calls = _held_calls(tmp_path)
+    seen, stream, [pid], held = _kill_a_held_worker(calls, max_restarts=1, gate=tmp_path)
     assert sorted(i for i, _ in seen) == list(range(len(calls)))  # each once
-    # Ray restarted the worker (a new process under the same label) and ran its chunk
-    # again there.
-    after = [w["pid"] for w in stream.ran.values() if w["label"] == label and w["pid"] != pid]
-    assert after, stream.ran
-    expected = local_results(calls)
+    # The killed process finished no chunk; the other held worker did, and so did a new
+    # process under the killed worker's label: Ray restarted it and ran its chunk there.
+    (other,) = set(held) - {pid}
+    ran = list(stream.ran.values())
+    assert pid not in {w["pid"] for w in ran} and other in {w["pid"] for w in ran}, ran
+    others_label = {w["label"] for w in ran if w["pid"] == other}
+    restarted = {w["label"] for w in ran if w["pid"] not in held}
+    assert restarted and restarted.isdisjoint(others_label), ran
+    expected = local_results([{k: v for k, v in c.items() if k != "hold"} for c in calls])
     got = dict(seen)
     for i, want in enumerate(expected):
         assert torch.equal(got[i], want), i
 
 
-def test_without_ray_restarts_the_killed_worker_ends_the_batch(cluster):
+def test_without_ray_restarts_the_killed_worker_ends_the_batch(cluster, tmp_path):
     # Control for the test above: with Ray's max_restarts=0 the same kill is fatal, so
     # it is Ray's restart that kept the batch whole there.
-    calls = [{"prompt": i, "seed": i, "sleep": 0.5} for i in range(6)]
     with pytest.raises(RuntimeError, match="max_restarts=0"):
-        _kill_a_busy_worker(calls, max_restarts=0)
+        _kill_a_held_worker(_held_calls(tmp_path), max_restarts=0, gate=tmp_path)
 
 
 def test_max_restarts_is_checked_as_rays_option():
@@ -270,31 +303,14 @@ def test_staged_predictor_runs_a_batch_here(tmp_path, monkeypatch):
 
 
 def _map_batches_killing_an_actor(tmp_path, rows, **remote_args):
-    """map_batches(StagedPredictor) over ``rows``, with a thread that SIGKILLs the actor
-    once its first batch has begun: (output rows, killed pids)."""
-    import signal
-    import threading
-
+    """map_batches(StagedPredictor) over ``rows``, held at the gate ``tmp_path/gate``,
+    killing the actor in its first call: (output rows, killed pids)."""
     from stageload.ray import StagedPredictor
 
-    killed: list[int] = []
-
-    def kill_in_first_batch() -> None:
-        # The actor's trace appears when it starts; its "batch 0" mark is written when the
-        # first batch begins, which then runs ~1 s (two calls that sleep 0.5 s).
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not killed:
-            for path in tmp_path.glob("actor-*.jsonl"):
-                if '"batch 0"' in path.read_text(encoding="utf-8"):
-                    pid = int(path.stem.rsplit("-", 1)[1])
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
-                    return
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=kill_in_first_batch, daemon=True)
-    watcher.start()
-    try:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    rows = [{**r, "hold": str(gate)} for r in rows]
+    with _killing_a_held_call(gate) as (killed, _):
         out = (
             ray.data.from_items(rows)
             .map_batches(
@@ -309,8 +325,6 @@ def _map_batches_killing_an_actor(tmp_path, rows, **remote_args):
             )
             .take_all()
         )
-    finally:
-        watcher.join()
     return out, killed
 
 
@@ -320,9 +334,9 @@ def test_map_batches_survives_an_actor_killed_mid_batch(cluster, tmp_path):
     staged ToyPipeline called here one row at a time (not eager), with the torch threads of
     a 1-CPU Ray worker."""
     pytest.importorskip("ray.data")
-    rows = [{"prompt": float(i), "seed": 200 + i, "sleep": 0.5} for i in range(6)]
+    rows = [{"prompt": float(i), "seed": 200 + i} for i in range(6)]
     out, killed = _map_batches_killing_an_actor(tmp_path, rows)
-    assert killed, "the watcher never saw a batch start"
+    assert killed, "no call was held at the gate"
     assert sorted(int(r["seed"]) for r in out) == [r["seed"] for r in rows]  # each once
     traces = sorted(tmp_path.glob("actor-*.jsonl"))
     assert len(traces) == 2 and str(killed[0]) in traces[0].name + traces[1].name  # restarted
@@ -335,7 +349,7 @@ def test_map_batches_without_restarts_fails_on_the_same_kill(cluster, tmp_path):
     # Control for the test above: with Ray's max_restarts=0 the same kill ends the
     # dataset, so it is Ray Data's restart and retry that kept every row there.
     pytest.importorskip("ray.data")
-    rows = [{"prompt": float(i), "seed": 200 + i, "sleep": 0.5} for i in range(6)]
+    rows = [{"prompt": float(i), "seed": 200 + i} for i in range(6)]
     with pytest.raises(Exception) as failure:
         _map_batches_killing_an_actor(tmp_path, rows, max_restarts=0)
     text = f"{type(failure.value).__name__}: {failure.value}".lower()

@@ -3,15 +3,17 @@
 
 Three real ``nn.Linear`` models (``te``, ``dit``, ``vae``) with fixed weights, one per
 stage (``encode``, ``denoise``, ``decode``), like a text-to-image pipeline's shape. A call
-takes a ``prompt`` (a number), a ``generator`` for its starting noise, and may ``sleep``
-in its denoise stage so a test can catch the batch mid-run.
+takes a ``prompt`` (a number), a ``generator`` for its starting noise, and may ``hold`` in
+its denoise stage until a test opens a gate, so the test can kill a worker mid-call.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Mapping
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +22,8 @@ from torch import nn
 from ..core.staged import StagedModels
 
 STAGES = {"encode": ["te"], "denoise": ["dit"], "decode": ["vae"]}
+#: How long a held call waits for its gate before it fails: far past any test's kill.
+HOLD_LIMIT_S = 900.0
 
 
 def _linear(width: int, seed: int) -> nn.Module:
@@ -52,7 +56,7 @@ class ToyPipeline:
         *,
         generator: torch.Generator | None = None,
         steps: int = 2,
-        sleep: float = 0.0,
+        hold: str | None = None,
     ) -> torch.Tensor:
         m = self.models
         with torch.no_grad():
@@ -62,10 +66,25 @@ class ToyPipeline:
             z = torch.randn((1, self.width), generator=generator)
             for _ in range(steps):
                 z = torch.tanh(m["dit"](z + h))
-            if sleep:
-                time.sleep(sleep)
+            if hold is not None:
+                _hold(Path(hold))
             m.enter("decode")
             return m["vae"](z)
+
+
+def _hold(gate: Path) -> None:
+    """Wait until ``gate/open`` exists, first saying so with ``gate/busy-<pid>``: a test
+    waits for that file, kills this process in the middle of its call, then opens the
+    gate so the call's retry (and every other call) goes through."""
+    opened = gate / "open"
+    if opened.exists():
+        return
+    (gate / f"busy-{os.getpid()}").touch()
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while not opened.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no test opened {opened} within {HOLD_LIMIT_S:.0f} s")
+        time.sleep(0.01)  # polling a file: the test has no other way to reach this process
 
 
 def make_toy(width: int = 1024, budget: int | str | None = None) -> ToyPipeline:
