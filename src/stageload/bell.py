@@ -56,7 +56,7 @@ class Bell:
         ``timeout`` seconds passed first. The caller must not hold ``lock``: a thread that
         sleeps holding it keeps every thread that would ring from getting there: an RLock
         held by an outer frame raises here, once ``ready()`` is false, rather than hang."""
-        held = _owned(lock)
+        held = owned(lock)
         deadline = None if timeout is None else time.monotonic() + timeout
         ticket = None
         while True:
@@ -78,8 +78,11 @@ class Bell:
                 ticket = None  # rung (and out of the table): a new one next time
 
 
-def _owned(lock: Any) -> bool:
-    """Whether this thread holds ``lock``: an RLock says (CPython's RLock and Condition
-    share this check); a plain Lock held by this thread would deadlock at ``with``."""
-    owned = getattr(lock, "_is_owned", None)
-    return bool(owned()) if owned is not None else False
+def owned(lock: Any) -> bool:
+    """Whether this thread holds ``lock``: an RLock says, a plain Lock answers False.
+
+    ``_is_owned`` is the check CPython's own ``Condition`` makes of an RLock. A wrapper
+    that counted its owner in Python would take the lock and count it in two steps, and a
+    Ctrl-C between them would leave the lock held for good: the C lock is asked instead."""
+    check = getattr(lock, "_is_owned", None)
+    return bool(check()) if check is not None else False

@@ -2763,8 +2763,7 @@ class StageMajor:
         batch.check()
         if self.marked or in_call():
             return
-        mutex = self.session._mutex
-        if getattr(mutex, "_is_owned", lambda: False)():  # parked under it, all would hang
+        if bell.owned(self.session._mutex):  # parked under it, all would hang
             return
         if name in self._stages.get(self.stage or "", ()):
             return
