@@ -49,6 +49,12 @@ def parse_size(text: str | int) -> int:
     value = float(number) * (1 << _SIZE_SHIFT[(unit or "").lower()])  # inf for 400 digits
     if not value <= SIZE_MAX:
         raise ValueError(_too_large_size(text))
+    if unit is None and not value.is_integer():
+        # "--budget 1.5" meant 1.5 GiB, not the 1 byte it was cut to: a fraction needs a unit.
+        raise ValueError(
+            f"invalid size {_shown(text)}: a number of bytes is whole; give a unit for a "
+            f"fraction, e.g. '{number}G' or '{number}M'"
+        )
     return int(value)
 
 

@@ -98,3 +98,20 @@ def test_formatting():
     assert format_duration(0.25) == "250 ms"
     assert format_duration(12.34) == "12.3 s"
     assert format_duration(245) == "4 min 05 s"
+
+
+@pytest.mark.parametrize("bad", ["1.5", "0.5", "12.7b"])
+def test_a_fraction_of_a_byte_is_refused_not_cut(capsys, tmp_path, bad):
+    """'--budget 1.5' ran with a budget of 1 byte (meant: 1.5 GiB), and '0.5' said 'it must
+    be more than 0 bytes'. A fraction needs a unit; a unit's fraction stays ('1.5G')."""
+    with pytest.raises(ValueError, match=r"a number of bytes is whole; .* e\.g\. '"):
+        parse_size(bad)
+    assert parse_size("1.5K") == 1536
+    script = tmp_path / "script.py"
+    script.write_text("pass\n")
+    try:
+        code = main(["auto", "--budget", bad, "--", "python", str(script)])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and "whole" in err and bad in err, (code, err)

@@ -66,7 +66,8 @@ def parse_budget(value: int | str) -> int:
         budget = parse_size(value)
     except ValueError:
         raise ValueError(
-            f"invalid budget {value!r}: use bytes, a size like '12G', a share like '80%', or 'auto'"
+            f"invalid budget {value!r}: use whole bytes, a size like '12G' or '1.5G', a share "
+            f"like '80%', or 'auto'"
         ) from None
     if budget <= 0:
         raise ValueError(f"invalid budget {value!r}: it must be more than 0 bytes, e.g. '12G'")
