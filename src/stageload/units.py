@@ -136,6 +136,17 @@ def format_size(n: int | float | None, *, precision: int = 1) -> str:
     raise AssertionError("unreachable")
 
 
+def format_apart(a: int, b: int) -> tuple[str, str]:
+    """``a`` and ``b`` as :func:`format_size` gives them, with more digits where that makes
+    two different sizes read the same ("2.0 MiB alone is over the budget of 2.0 MiB"),
+    and in bytes where three digits do not part them."""
+    for precision in (1, 3):
+        shown = format_size(a, precision=precision), format_size(b, precision=precision)
+        if a == b or shown[0] != shown[1]:
+            return shown
+    return f"{a} B", f"{b} B"
+
+
 def format_duration(seconds: float | None) -> str:
     """Format seconds as ``"850 ms"``, ``"12.3 s"`` or ``"4 min 05 s"``."""
     if seconds is None:

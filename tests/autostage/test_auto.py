@@ -455,6 +455,8 @@ def test_the_cli_says_what_it_cannot_run(tmp_path):
         # helper-43's: a shell script was read as Python (a SyntaxError)
         ("--", "run.sh"): "'run.sh' starts with '#!/bin/sh': not a Python script",
         ("--no-defaults", "--", "python", "-m", "json.tool"): "--no-defaults with no --factory",
+        # helper-72's: runpy's bare "ImportError: No module named nosuchmod", exit 1
+        ("--", "python", "-m", "nosuchmod.sub"): "no module 'nosuchmod' to run with -m",
     }
     (tmp_path / "run.sh").write_text("#!/bin/sh\necho hello\n")
     for words, message in said.items():
@@ -2105,6 +2107,70 @@ def test_sharing_stops_once_the_script_changed_the_first(folder):
     fresh = auto_script.load_model(f"{folder}/a.pt")
     assert torch.equal(second.layers[0].weight, fresh.layers[0].weight)
     assert session.notes[0].startswith("a.pt: changed by the script since its load")
+
+
+def _policy_and_reference(folder: str, share: bool | None) -> tuple[Any, ...]:
+    """A policy and its reference model from one checkpoint, both loaded before the policy
+    trains (the RLHF shape); ``share=None``: without auto. Returns (the two, the
+    reference's output, the notes)."""
+    x = torch.ones(1, auto_script.WIDTH)
+    scope = None
+    if share is not None:
+        scope = auto(budget=10 * SIZE, factories=[FACTORY], defaults=False, share=share)
+    with scope or contextlib.nullcontext() as session:
+        torch.manual_seed(0)
+        policy = auto_script.load_model(f"{folder}/a.pt")
+        torch.manual_seed(0)
+        reference = auto_script.load_model(f"{folder}/a.pt")
+        with torch.no_grad():
+            policy.layers[0].weight.mul_(0.5)  # a training step, in short
+            out = reference(x)
+    return policy, reference, out, list(session.notes) if session is not None else []
+
+
+def test_share_false_gives_each_identical_call_its_own_model_as_without_auto(folder):
+    """A helper's report: under auto, a reference model loaded like its policy was the
+    policy, so its outputs followed the training, with no word. Sharing is now said, and
+    share=False gives what the script gives without auto."""
+    _, _, eager_out, _ = _policy_and_reference(folder, share=None)
+    policy, reference, out, notes = _policy_and_reference(folder, share=False)
+    assert reference is not policy and torch.equal(out, eager_out)
+    assert not any("identical factory call" in n for n in notes), notes
+    # Control: shared (the default), the reference follows the policy, and that is said.
+    policy, reference, out, notes = _policy_and_reference(folder, share=True)
+    assert reference is policy and not torch.equal(out, eager_out)
+    said = [n for n in notes if "identical factory call got this same model" in n]
+    assert said == [
+        "a.pt: an identical factory call got this same model, not a copy: a change to one "
+        "is in both (auto(share=False) or --no-share makes each its own)"
+    ], notes
+
+
+def test_share_must_be_true_or_false():
+    with pytest.raises(TypeError, match="share must be True or False; got 'no'"), auto(share="no"):
+        pass
+
+
+def test_the_cli_no_share_gives_each_identical_call_its_own_model(folder, tmp_path):
+    script = tmp_path / "twice.py"
+    script.write_text(
+        "import sys\n"
+        "from fixtures.auto_script import load_model\n"
+        "a, b = load_model(sys.argv[1]), load_model(sys.argv[1])\n"
+        "print('same' if a is b else 'own')\n"
+    )
+    outs = {}
+    for flag in ([], ["--no-share"]):
+        done = _run(
+            [
+                "-m", "stageload", "auto", *flag, "--no-defaults", "--factory", FACTORY,
+                "--", "python", str(script), f"{folder}/a.pt",
+            ],
+            tmp_path,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        outs[tuple(flag)] = (done.stdout.strip(), "--no-share makes each" in done.stderr)
+    assert outs == {(): ("same", True), ("--no-share",): ("own", False)}
 
 
 def test_a_staged_model_nested_deep_in_another_keeps_that_one_loaded(folder):

@@ -115,3 +115,16 @@ def test_a_fraction_of_a_byte_is_refused_not_cut(capsys, tmp_path, bad):
         code = exc.code
     err = capsys.readouterr().err
     assert code == 2 and "whole" in err and bad in err, (code, err)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "shown"),
+    [
+        (2_101_248, 2 << 20, ("2.004 MiB", "2.000 MiB")),  # a helper's "2.0 MiB ... of 2.0 MiB"
+        ((2 << 20) + 1, 2 << 20, ("2097153 B", "2097152 B")),  # three digits do not part them
+        (3 << 30, 2 << 20, ("3.0 GiB", "2.0 MiB")),  # apart already: as format_size gives
+        (2 << 20, 2 << 20, ("2.0 MiB", "2.0 MiB")),
+    ],
+)
+def test_format_apart_never_shows_two_sizes_as_one(a, b, shown):
+    assert units.format_apart(a, b) == shown

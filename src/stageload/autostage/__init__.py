@@ -406,8 +406,12 @@ class AutoSession:
         *,
         prefetch: bool = True,
         stages: bool = True,
+        share: bool = True,
     ) -> None:
         self.budget = parse_budget("auto" if budget is None else budget)
+        #: Identical factory calls get one model while it lives (False: each its own, as
+        #: without auto, for a script that changes one of two copies after loading both).
+        self.share = share
         #: Emit a ``stage`` event at each change of model, named after it; False where
         #: the caller marks stages of its own (an adapter's, a measure's).
         self.stages = stages
@@ -529,7 +533,7 @@ class AutoSession:
         # first call, its files' stamps and recipe, and each reload (a ``chdir`` since read
         # another folder's file of that name, with the stamps checking the first one).
         args, kwargs = _anchored(args), _anchored_kwargs(kwargs)
-        key = _key(factory, args, kwargs)
+        key = _key(factory, args, kwargs) if self.share else None
         waited = False  # for the same call in another thread: its result is this one's
         while True:
             # twin: a model of a factory that drew, to compare the call's result with
@@ -549,11 +553,11 @@ class AutoSession:
                         # (a change it keeps marks it changed: never shared again)
                         if changed is None and not known.changed and _as_made(known) == known.made:
                             if known.drew is None or waited:
-                                return module
+                                return self._shared_once(known, module)
                             before, after = known.drew
                             if same_rng(capture_rng(), before):
                                 restore_rng(after)  # where the call would have left it
-                                return module
+                                return self._shared_once(known, module)
                             # Its factory draws other values from here: it runs, as
                             # without auto (the random stream moves as it would), and
                             # _make shares ``known`` only if it made the same weights
@@ -687,7 +691,20 @@ class AutoSession:
             return None  # another random head: a model of its own
         with self._mutex:
             twin.drew = (rng, capture_rng())
-        return shared
+            return self._shared_once(twin, shared)
+
+    def _shared_once(self, model: _Model, module: nn.Module) -> nn.Module:
+        """``module``, for a factory call identical to the one that made it, said once: the
+        two names the script holds are one object, where without auto they are two (a
+        policy and its reference model: a training step on one was in both, with no
+        word)."""
+        self._say(
+            model,
+            "shared",
+            f"{model.name}: an identical factory call got this same model, not a copy: a "
+            f"change to one is in both (auto(share=False) or --no-share makes each its own)",
+        )
+        return module
 
     def _new(
         self,
@@ -1423,7 +1440,7 @@ class AutoSession:
     ) -> _Victim | None:
         """Under the lock: the model to release so that ``size`` more bytes fit, or None
         when they fit (or nothing can go: said once, with ``say``)."""
-        from ..units import format_size
+        from ..units import format_apart, format_size
 
         self._prune()
         if self._closed:
@@ -1454,11 +1471,11 @@ class AutoSession:
             what = f"beside {n} model{'s' * (n != 1)} in use" if others else "alone"
             if kept:
                 what += f" and {format_size(kept)} that released models keep (the script's parts)"
+            shown, budget = format_apart(size, self.budget)
             self._say(
                 keep,
                 "over",
-                f"{name}: {format_size(size)} {what} is over the budget of "
-                f"{format_size(self.budget)}; loaded anyway",
+                f"{name}: {shown} {what} is over the budget of {budget}; loaded anyway",
             )
         return None
 
@@ -2955,6 +2972,7 @@ def auto(
     prefetch: bool = True,
     stages: bool = True,
     stand_ins: Mapping[str, StandIn] | None = None,
+    share: bool = True,
 ) -> Iterator[AutoSession]:
     """Stage the models the block makes through its factories (see the module docstring).
 
@@ -2963,6 +2981,8 @@ def auto(
     ``"module:Class.method"``; ``defaults=False`` wraps only those. ``prefetch=False``:
     no loads ahead, every reload at its use. ``stages=False``: no ``stage`` events (each
     names the model whose use began it), for a caller that marks its own stages.
+    ``share=False``: identical factory calls each make a model of their own, as without
+    auto (by default they get one model while it lives, said once in the notes).
     ``stand_ins``: for factories of ``factories``, by spec, what builds the model a call
     returns with its weights on ``meta``, to read it at its first use instead (an
     adapter's, which knows that the script reseeds before it draws: a stand-in draws
@@ -2980,7 +3000,9 @@ def auto(
             f"stageload.ListSink() or a MemoryMeter); got {events!r}"
         )
     factories = tuple(factories)  # checked, then wrapped: a generator is read once
-    _check_options(factories, stand_ins, defaults=defaults, prefetch=prefetch, stages=stages)
+    _check_options(
+        factories, stand_ins, defaults=defaults, prefetch=prefetch, stages=stages, share=share
+    )
     own = sorted((stand_ins or {}).keys() & {*DEFAULT_FACTORIES, *PLAN_SOURCES})
     if defaults and own:
         raise TypeError(
@@ -2991,10 +3013,16 @@ def auto(
     with _ACTIVE_LOCK:
         outer = _ACTIVE[0] if _ACTIVE else None
         if outer is None:
-            session = AutoSession(budget, events, prefetch=prefetch, stages=stages)
+            session = AutoSession(budget, events, prefetch=prefetch, stages=stages, share=share)
             _ACTIVE.append(session)
     if outer is not None:
-        asked = {"budget": budget, "defaults": defaults, "prefetch": prefetch, "stages": stages}
+        asked = {
+            "budget": budget,
+            "defaults": defaults,
+            "prefetch": prefetch,
+            "stages": stages,
+            "share": share,
+        }
         with _joining(outer, factories, events, asked, stand_ins or {}):
             yield outer
         return
@@ -3153,6 +3181,7 @@ def _joining(
             ("default factories", asked["defaults"] != defaults),
             ("loads ahead", asked["prefetch"] != session.prefetch),
             ("stage events", asked["stages"] != session.stages),
+            ("shared loads", asked["share"] != session.share),
         )
         if asks
     ]

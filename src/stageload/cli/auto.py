@@ -76,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="load no model ahead: every reload at its use, on the script's thread",
     )
+    parser.add_argument(
+        "--no-share",
+        action="store_true",
+        help="identical factory calls each make their own model, as without auto (default: "
+        "they get one model, said once; a script that changes one of two copies needs this)",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python SCRIPT [ARGS]")
 
 
@@ -189,6 +195,16 @@ def run(args: argparse.Namespace) -> int:
             sys.path[0] = os.getcwd()
         else:  # the script's real folder: python follows a link to the script
             sys.path[0] = os.path.dirname(os.path.realpath(what))
+    if kind == "module" and importlib.util.find_spec(what.partition(".")[0]) is None:
+        # Its top-level package only: finding a submodule imports its parents, which may
+        # load models before auto is on.
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        print(
+            f"stageload auto: error: no module {what.partition('.')[0]!r} to run with -m "
+            f"on this python's path; check its name, or cd to the folder that holds it",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     try:
         for spec in args.factory:
             _not_the_script(spec, kind, what)
@@ -201,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
             factories=args.factory,
             defaults=not args.no_defaults,
             prefetch=not args.no_prefetch,
+            share=not args.no_share,
             events=said,
         )
         staging = session.__enter__()

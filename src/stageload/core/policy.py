@@ -594,14 +594,15 @@ def over_budget(
     stage: str, resident: Iterable[str], sizes: Mapping[str, int], budget: int, after: str | None
 ) -> tuple[int, str] | None:
     """(bytes over, note) when ``resident`` models exceed ``budget`` in ``stage``, else None."""
-    from ..units import format_size
+    from ..units import format_apart, format_size
 
     total = sum(sizes.get(n, 0) for n in resident)
     if total <= budget:
         return None
     what = f"after loading {after!r}" if after else "its models"
+    held, limit = format_apart(total, budget)
     return total - budget, (
-        f"stage {stage!r} holds {format_size(total)} with {what}, over the budget of "
-        f"{format_size(budget)} by {format_size(total - budget)}; it runs anyway (give "
+        f"stage {stage!r} holds {held} with {what}, over the budget of "
+        f"{limit} by {format_size(total - budget)}; it runs anyway (give "
         f"sizes= to plan ahead, or raise the budget)"
     )
