@@ -223,6 +223,8 @@ class _Model:
     #: Conversions the script made (``.to``, ``.half``: the function ``_apply`` was given)
     #: before the first load: replayed on it, in order.
     pending: list[Callable[[Any], Any]] = field(default_factory=list)
+    #: How many identical factory calls got it besides the one that made it.
+    shared: int = 0
     #: The global RNG before and after the factory call, when it drew: an identical call
     #: shares the model only from the same state (and leaves the RNG as the call would).
     drew: tuple[RngState, RngState] | None = None
@@ -694,16 +696,10 @@ class AutoSession:
             return self._shared_once(twin, shared)
 
     def _shared_once(self, model: _Model, module: nn.Module) -> nn.Module:
-        """``module``, for a factory call identical to the one that made it, said once: the
-        two names the script holds are one object, where without auto they are two (a
-        policy and its reference model: a training step on one was in both, with no
-        word)."""
-        self._say(
-            model,
-            "shared",
-            f"{model.name}: an identical factory call got this same model, not a copy: a "
-            f"change to one is in both (auto(share=False) or --no-share makes each its own)",
-        )
+        """``module``, for a factory call identical to the one that made it: counted, so a
+        change the script makes to it later says that both names see it (:meth:`_pin`).
+        Not said here: a loop that rebuilds its models shares at every lap, harmlessly."""
+        model.shared += 1
         return module
 
     def _new(
@@ -1627,6 +1623,14 @@ class AutoSession:
         if not model.pinned:
             model.pinned = True
             self._say(model, "pinned", f"{model.name}: {why}: kept loaded, not staged")
+        if changed and model.shared:  # a policy and its reference model: one object
+            self._say(
+                model,
+                "shared",
+                f"{model.name}: {model.shared + 1} identical factory calls got this one "
+                f"model, so each sees the change (auto(share=False) or --no-share makes "
+                f"each its own)",
+            )
 
     def _through_factory(self, model: _Model, why: str) -> None:
         """Say once that ``model`` reloads by calling its factory again, and why: its
