@@ -439,6 +439,11 @@ def test_bad_arguments_say_what_to_fix(built: Any, tmp_path: Path) -> None:
         staged_pipeline(FluxPipeline, tmp_path)
     with pytest.raises(ValueError, match="unknown fixture family 'sdxl'"):
         fixtures.build("sdxl", tmp_path / "x")
+    # helper-73's: a misspelt option went on to from_pretrained, which only logs that it
+    # ignores it; the run then staged without the budget asked for.
+    for typo, meant in (("budjet", "budget"), ("prefech", "prefetch"), ("stage", "stages")):
+        with pytest.raises(TypeError, match=f"got {typo}=, .* did you mean {meant}="):
+            staged_pipeline(FluxPipeline, path, **{typo: "1G"})
 
 
 def test_bad_input_fails_before_loading_with_the_value_and_the_fix(

@@ -594,6 +594,7 @@ def staged_pipeline(
             pipeline_cls, found, from_pretrained_kwargs
         )
     _check_pipeline_cls(pipeline_cls)
+    _check_misspelt(pipeline_cls, from_pretrained_kwargs)
     if "dtype" in from_pretrained_kwargs:  # diffusers >= 0.42 spells it dtype
         if torch_dtype is not None:
             raise TypeError("pass torch_dtype= or dtype=, not both")
@@ -712,6 +713,28 @@ def staged_pipeline(
     note = Event(NOTE, note=f"staged {pipeline_cls.__name__}: {summary}")
     state.emit(note)  # to the sink and, under `stageload meter`, its trace
     return pipe
+
+
+#: staged_pipeline's own options: a keyword one letter off goes on to from_pretrained,
+#: which only logs that it ignores it (a warning a script's set_verbosity_error hides).
+_OWN_OPTIONS = ("device", "torch_dtype", "stages", "keep", "events", "budget", "prefetch", "stream")
+
+
+def _check_misspelt(pipeline_cls: type, kwargs: Mapping[str, Any]) -> None:
+    """Raise a TypeError for a keyword close to one of :func:`staged_pipeline`'s own that
+    the pipeline does not take either (``budjet="12G"``)."""
+    import difflib
+
+    taken = set(inspect.signature(pipeline_cls.__init__).parameters)
+    for key in kwargs:
+        if key in taken:
+            continue
+        close = difflib.get_close_matches(key, _OWN_OPTIONS, n=1, cutoff=0.8)
+        if close:
+            raise TypeError(
+                f"staged_pipeline() got {key}=, which neither it nor {pipeline_cls.__name__} "
+                f"takes (from_pretrained would ignore it); did you mean {close[0]}=?"
+            )
 
 
 def _streamed_names(
