@@ -1241,3 +1241,15 @@ def test_tickets_keep_the_keys_clients_of_0_1_0_read() -> None:
     keys_0_1_0 = {"seq", "owner", "command", "need", "need_source", "client_pid", "enqueued",
                   "state", "admitted", "started", "pid", "pid_created", "orphaned"}  # fmt: skip
     assert set(json.loads(_ticket(1, "a").to_bytes())) == keys_0_1_0
+
+
+@pytest.mark.parametrize(("runs", "heading"), [(1, "  last run:"), (3, "  last 3 runs:")])
+def test_the_history_heading_counts_its_runs(runs, heading):
+    """'--history 3' with one run finished said 'last 1 runs' (a helper's trial)."""
+    from stageload.guard.board import format_text
+
+    run = {"start": 0, "owner": "me", "command": ["true"], "wait": 0.0, "seconds": 1.0}
+    lane = {"lane": "default", "running": [], "waiting": [], "available": 1 << 30}
+    lane |= {"skipped": {}, "history": [dict(run) for _ in range(runs)]}
+    lines = format_text({"lanes": [lane], "state_dir": "/tmp"}).splitlines()
+    assert lines[1] == heading, lines

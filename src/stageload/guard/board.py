@@ -163,7 +163,8 @@ def format_text(doc: dict[str, Any]) -> str:
             what = ", ".join(f"{n} {kind}" for kind, n in lane["skipped"].items())
             lines.append(f"  skipped as damaged: {what}")
         if lane["history"]:
-            lines.append(f"  last {len(lane['history'])} runs:")
+            n = len(lane["history"])
+            lines.append("  last run:" if n == 1 else f"  last {n} runs:")
         for h in lane["history"]:
             start = h.get("start")
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(start)) if start else "-"
