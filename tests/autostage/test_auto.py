@@ -457,6 +457,7 @@ def test_the_cli_says_what_it_cannot_run(tmp_path):
         ("--no-defaults", "--", "python", "-m", "json.tool"): "--no-defaults with no --factory",
         # helper-72's: runpy's bare "ImportError: No module named nosuchmod", exit 1
         ("--", "python", "-m", "nosuchmod.sub"): "no module 'nosuchmod' to run with -m",
+        ("--", "python", "-m", ".rel"): "-m takes no relative module name ('.rel')",
     }
     (tmp_path / "run.sh").write_text("#!/bin/sh\necho hello\n")
     for words, message in said.items():

@@ -99,6 +99,8 @@ def _target(command: list[str]) -> tuple[str, str, list[str]] | str:
         if words[0] == "-m":
             if len(words) < 2:
                 return "-m needs a module name"
+            if words[1].startswith("."):
+                return f"-m takes no relative module name ({words[1]!r}), as python's does not"
             return "module", words[1], [words[1], *words[2:]]
         if words[0].startswith("-"):
             return (
