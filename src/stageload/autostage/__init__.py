@@ -555,11 +555,11 @@ class AutoSession:
                         # (a change it keeps marks it changed: never shared again)
                         if changed is None and not known.changed and _as_made(known) == known.made:
                             if known.drew is None or waited:
-                                return self._shared_once(known, module)
+                                return self._handed_again(known, module)
                             before, after = known.drew
                             if same_rng(capture_rng(), before):
                                 restore_rng(after)  # where the call would have left it
-                                return self._shared_once(known, module)
+                                return self._handed_again(known, module)
                             # Its factory draws other values from here: it runs, as
                             # without auto (the random stream moves as it would), and
                             # _make shares ``known`` only if it made the same weights
@@ -693,9 +693,9 @@ class AutoSession:
             return None  # another random head: a model of its own
         with self._mutex:
             twin.drew = (rng, capture_rng())
-            return self._shared_once(twin, shared)
+            return self._handed_again(twin, shared)
 
-    def _shared_once(self, model: _Model, module: nn.Module) -> nn.Module:
+    def _handed_again(self, model: _Model, module: nn.Module) -> nn.Module:
         """``module``, for a factory call identical to the one that made it: counted, so a
         change the script makes to it later says that both names see it (:meth:`_pin`).
         Not said here: a loop that rebuilds its models shares at every lap, harmlessly."""
@@ -2986,7 +2986,8 @@ def auto(
     no loads ahead, every reload at its use. ``stages=False``: no ``stage`` events (each
     names the model whose use began it), for a caller that marks its own stages.
     ``share=False``: identical factory calls each make a model of their own, as without
-    auto (by default they get one model while it lives, said once in the notes).
+    auto (by default they get one model while it lives; a change to it that auto finds
+    is said to reach every name).
     ``stand_ins``: for factories of ``factories``, by spec, what builds the model a call
     returns with its weights on ``meta``, to read it at its first use instead (an
     adapter's, which knows that the script reseeds before it draws: a stand-in draws

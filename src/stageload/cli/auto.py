@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-share",
         action="store_true",
         help="identical factory calls each make their own model, as without auto (default: "
-        "they get one model, said once; a script that changes one of two copies needs this)",
+        "they get one model; a script that changes one of two copies needs this)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python SCRIPT [ARGS]")
 
