@@ -2134,8 +2134,9 @@ def _policy_and_reference(folder: str, share: bool | None) -> tuple[Any, ...]:
 
 def test_share_false_gives_each_identical_call_its_own_model_as_without_auto(folder):
     """A helper's report: under auto, a reference model loaded like its policy was the
-    policy, so its outputs followed the training, with no word. Sharing is now said, and
-    share=False gives what the script gives without auto."""
+    policy, so its outputs followed the training, with no word. share=False gives what the
+    script gives without auto; shared, a change auto finds (here, as b's use would release
+    a) is said."""
     _, _, eager_out, _ = _policy_and_reference(folder, share=None)
     policy, reference, out, notes = _policy_and_reference(folder, share=False)
     assert reference is not policy and torch.equal(out, eager_out)

@@ -715,21 +715,20 @@ def staged_pipeline(
     return pipe
 
 
-#: staged_pipeline's own options: a keyword one letter off goes on to from_pretrained,
-#: which only logs that it ignores it (a warning a script's set_verbosity_error hides).
-_OWN_OPTIONS = ("device", "torch_dtype", "stages", "keep", "events", "budget", "prefetch", "stream")
-
-
 def _check_misspelt(pipeline_cls: type, kwargs: Mapping[str, Any]) -> None:
     """Raise a TypeError for a keyword close to one of :func:`staged_pipeline`'s own that
-    the pipeline does not take either (``budjet="12G"``)."""
+    the pipeline does not take either (``budjet="12G"``): it would go on to
+    ``from_pretrained``, which only logs that it ignores it (a warning a script's
+    ``set_verbosity_error`` hides)."""
     import difflib
 
+    params = inspect.signature(staged_pipeline).parameters.values()
+    own = [p.name for p in params if p.kind is p.KEYWORD_ONLY]  # read, not listed again
     taken = set(inspect.signature(pipeline_cls.__init__).parameters)
     for key in kwargs:
         if key in taken:
             continue
-        close = difflib.get_close_matches(key, _OWN_OPTIONS, n=1, cutoff=0.8)
+        close = difflib.get_close_matches(key, own, n=1, cutoff=0.8)
         if close:
             raise TypeError(
                 f"staged_pipeline() got {key}=, which neither it nor {pipeline_cls.__name__} "

@@ -58,10 +58,11 @@ class ToyPipeline:
         steps: int = 2,
         hold: str | None = None,
     ) -> torch.Tensor:
-        if hold is not None and not isinstance(hold, (str, os.PathLike)):
-            raise TypeError(f"hold= takes a folder (a str or Path) to wait in, got {hold!r}")
-        if hold is not None and not Path(hold).is_dir():
-            raise FileNotFoundError(f"hold= names no folder: {hold!r}; create it first")
+        if hold is not None:
+            if not isinstance(hold, (str, os.PathLike)):
+                raise TypeError(f"hold= takes a folder (a str or Path) to wait in, got {hold!r}")
+            if not Path(hold).is_dir():
+                raise FileNotFoundError(f"hold= names no folder: {hold!r}; create it first")
         m = self.models
         with torch.no_grad():
             m.enter("encode")
